@@ -1,0 +1,400 @@
+"""Rotary position embeddings (RoPE, Su et al. 2021) and the Hugging Face scalings of their frequencies.
+
+Shapes: B batch, T query length, N heads, H head dim (even), F = H // 2 rotation frequencies.
+
+- `rope_frequencies(H, base=, scaling=, seq_len=)` -> (theta float32[F], attention factor): theta_k =
+  base^(-2k/H), optionally rescaled by a Hugging Face `rope_scaling` dict ("linear", "ntk",
+  "dynamic", "yarn", "llama3"); formulas follow `transformers.modeling_rope_utils`.
+- `apply_rope(x, positions, inv_freq)` rotates each feature pair by `position * theta_k` with
+  float32 complex multiplication; "interleaved" pairs (x0, x1), (x2, x3) ... (Meta Llama, GPT-J) or
+  "half" pairs (x_k, x_{k+F}) (GPT-NeoX, Hugging Face `rotate_half`).
+- `rope_angles(positions, inv_freq)` the angles, to ~1e-6 rad for |p| < 2^24 (a plain float32
+  `p * theta` is off by up to 0.03 rad at p = 1e6); `rope_decay_bound` RoFormer §3.4.3's bound;
+  `validate_rope_scaling(scaling, head_dim)` checks a scaling dict once, before any compute.
+Formulas, reference functions, pitfalls and the precision measurement: docs/rope.md.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROPE_TYPES = ("default", "linear", "ntk", "dynamic", "yarn", "llama3")
+LAYOUTS = ("interleaved", "half")
+
+_M_L = "original_max_position_embeddings"
+# rope_type -> (required keys, optional keys with their defaults). HF reads beta_fast/beta_slow with
+# `or 32` / `or 1` and `truncate` with `.get("truncate", True)`; None means "use the default" here too.
+_KEYS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
+    "default": ((), {}),
+    "linear": (("factor",), {_M_L: None}),
+    "ntk": (("factor",), {_M_L: None}),
+    "dynamic": (("factor", _M_L), {}),
+    "yarn": (("factor", _M_L), {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": None,
+                                "mscale_all_dim": None, "attention_factor": None, "truncate": True}),
+    "llama3": (("factor", _M_L, "low_freq_factor", "high_freq_factor"), {}),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation of the static settings.
+# ----------------------------------------------------------------------------------------------
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _refuse(key: str, value: Any, allowed: str) -> ValueError:
+    return ValueError(f"rope_scaling[{key!r}] = {value!r} is not allowed: {allowed}.")
+
+
+def _check_head_dim(head_dim: Any, kind: str) -> None:
+    minimum = 4 if kind in ("ntk", "dynamic") else 2  # their base exponent d / (d - 2) needs d > 2
+    if not isinstance(head_dim, numbers.Integral) or isinstance(head_dim, bool) or head_dim < minimum \
+            or head_dim % 2:
+        raise ValueError(f"head_dim = {head_dim!r} is not allowed with rope_type {kind!r}: RoPE rotates "
+                         f"pairs of features, so it must be an even integer >= {minimum}.")
+
+
+def validate_rope_scaling(scaling: Mapping | None, head_dim: int) -> dict[str, Any]:
+    """Checks a Hugging Face `rope_scaling` dict and returns it normalised, defaults filled in.
+
+    Call it when a config is built: every error names the key, the value and what is allowed.
+
+    Args:
+      scaling: None (plain RoPE) or a mapping such as `{"rope_type": "yarn", "factor": 4.0,
+        "original_max_position_embeddings": 2048}`; `"type"` is accepted as an alias of
+        `"rope_type"`, as Hugging Face does. Any object with `keys()` works (ml_collections).
+      head_dim: H, the size of one attention head.
+
+    Returns:
+      A new plain dict with `"rope_type"` set and every key of that kind present.
+
+    Raises:
+      ValueError: unknown rope_type, missing or unknown key, or a value out of range.
+    """
+    if scaling is None:
+        cfg: dict[str, Any] = {}
+    elif hasattr(scaling, "keys"):
+        cfg = {key: scaling[key] for key in scaling.keys()}
+    else:
+        raise ValueError(f"rope_scaling = {scaling!r} is not allowed: it must be None or a dict such as "
+                         "{'rope_type': 'linear', 'factor': 2.0}.")
+    kind, alias = cfg.pop("rope_type", None), cfg.pop("type", None)
+    if kind is not None and alias is not None and kind != alias:
+        raise _refuse("type", alias, f"it is an alias of 'rope_type', which says {kind!r}")
+    kind = kind if kind is not None else (alias if alias is not None else "default")
+    if kind not in _KEYS:
+        raise _refuse("rope_type", kind, f"known types are {', '.join(ROPE_TYPES)}")
+    _check_head_dim(head_dim, kind)
+    if "rope_theta" in cfg:
+        raise _refuse("rope_theta", cfg["rope_theta"], "pass the base as rope_frequencies(base=...) "
+                      "(config key model.rope_base), not inside the scaling dict")
+    partial = cfg.pop("partial_rotary_factor", 1.0)
+    if partial != 1:
+        raise _refuse("partial_rotary_factor", partial, "only 1.0 (RoPE on the whole head) is supported")
+    required, optional = _KEYS[kind]
+    for key in required:
+        if cfg.get(key) is None:
+            hint = "" if key != _M_L else (" (the length the model was trained at" + (
+                "; Hugging Face reads it from config.max_position_embeddings for this kind)"
+                if kind == "dynamic" else ")"))
+            raise ValueError(f"rope_scaling for rope_type {kind!r} is missing {key!r}{hint}; it needs "
+                             f"{', '.join(required)}.")
+    unknown = sorted(set(cfg) - set(required) - set(optional))
+    if unknown:
+        raise _refuse(unknown[0], cfg[unknown[0]], f"rope_type {kind!r} takes the keys "
+                      f"{', '.join((*required, *optional)) or '(none)'}")
+    cfg = {"rope_type": kind, **optional, **{k: v for k, v in cfg.items() if v is not None}}
+
+    if "factor" in cfg and not (_is_number(cfg["factor"]) and cfg["factor"] >= 1):
+        raise _refuse("factor", cfg["factor"], "a number >= 1 (the context-extension ratio)")
+    m_l = cfg.get(_M_L)
+    if m_l is not None and not (_is_number(m_l) and m_l >= 1 and float(m_l).is_integer()):
+        raise _refuse(_M_L, m_l, "a positive integer (the context length the model was trained at)")
+    if kind == "yarn":
+        for key in ("beta_fast", "beta_slow"):
+            if not (_is_number(cfg[key]) and cfg[key] > 0):
+                raise _refuse(key, cfg[key], "a number > 0 (a count of rotations within the original "
+                              "length; None means the default 32 / 1)")
+        if cfg["beta_fast"] <= cfg["beta_slow"]:
+            raise _refuse("beta_fast", cfg["beta_fast"], f"it must exceed beta_slow = {cfg['beta_slow']!r}")
+        for key in ("mscale", "mscale_all_dim"):
+            if cfg[key] is not None and not (_is_number(cfg[key]) and cfg[key] >= 0):
+                raise _refuse(key, cfg[key], "None or a number >= 0")
+        if cfg["attention_factor"] is not None and not (_is_number(cfg["attention_factor"])
+                                                        and cfg["attention_factor"] > 0):
+            raise _refuse("attention_factor", cfg["attention_factor"], "None or a number > 0")
+        if not isinstance(cfg["truncate"], bool):
+            raise _refuse("truncate", cfg["truncate"], "True or False")
+    if kind == "llama3":
+        for key in ("low_freq_factor", "high_freq_factor"):
+            if not (_is_number(cfg[key]) and cfg[key] > 0):
+                raise _refuse(key, cfg[key], "a number > 0")
+        if cfg["high_freq_factor"] <= cfg["low_freq_factor"]:
+            raise _refuse("high_freq_factor", cfg["high_freq_factor"],
+                          f"it must exceed low_freq_factor = {cfg['low_freq_factor']!r}")
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# Inverse frequencies. Each formula is written once against an array namespace: numpy float64 on
+# the host when its inputs are Python numbers, jax.numpy float32 when one is traced (a `base` swept
+# under vmap, dynamic's `seq_len` under jit).
+# ----------------------------------------------------------------------------------------------
+def _static(value: Any) -> bool:
+    try:
+        float(value)
+        return True
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+        return False
+
+
+def _xp(value: Any):
+    return np if value is None or _static(value) else jnp
+
+
+def _default(d: int, base, cfg, seq_len):
+    # theta_k = base^(-2k/d), k = 0 .. d/2 - 1 (RoFormer §3.2.2 with 0-based k, as HF and Meta write it).
+    xp = _xp(base)
+    return 1.0 / base ** (xp.arange(0, d, 2) / d)
+
+
+def _linear(d, base, cfg, seq_len):
+    # Position interpolation (Chen et al. 2023): positions * 1/s is frequencies * 1/s.
+    return _default(d, base, cfg, seq_len) / cfg["factor"]
+
+
+def _ntk(d, base, cfg, seq_len):
+    # NTK-aware base change (bloc97, r/LocalLLaMA 2023; YaRN paper, "NTK-aware"): b' = b s^(d/(d-2)),
+    # so that the lowest frequency is divided by exactly s (as in linear interpolation) and the
+    # highest is untouched.
+    return _default(d, base * cfg["factor"] ** (d / (d - 2)), cfg, seq_len)
+
+
+def _dynamic(d, base, cfg, seq_len):
+    # HF `_compute_dynamic_ntk_parameters`: b' = b r^(d/(d-2)), r = s L / m_l - (s - 1) with
+    # L = max(seq_len, m_l). Written as theta_k(b) r^(-2k/(d-2)) so that only the factor that depends
+    # on a traced length is computed on the device; the frequencies of b stay host float64.
+    s, m_l = cfg["factor"], cfg[_M_L]
+    length = m_l if seq_len is None else _xp(seq_len).maximum(seq_len, m_l)
+    ratio = s * length / m_l - (s - 1)
+    return _default(d, base, cfg, seq_len) * ratio ** (-np.arange(0, d, 2) / (d - 2))
+
+
+def _yarn(d, base, cfg, seq_len):
+    # HF `_compute_yarn_parameters` (Peng et al. 2024, "NTK-by-parts"): pair k keeps theta_k when it
+    # turns more than beta_fast times within m_l, is divided by s when less than beta_slow times,
+    # with a linear ramp in k between.
+    xp, s, m_l = _xp(base), cfg["factor"], cfg[_M_L]
+
+    def pair_index(rotations):  # the (fractional) k whose wavelength fits `rotations` times into m_l
+        return d * xp.log(m_l / (rotations * 2 * math.pi)) / (2 * xp.log(base))
+
+    low, high = pair_index(cfg["beta_fast"]), pair_index(cfg["beta_slow"])
+    if cfg["truncate"]:
+        low, high = xp.floor(low), xp.ceil(high)
+    low, high = xp.maximum(low, 0), xp.minimum(high, d - 1)  # HF clamps with d - 1, not d/2 - 1
+    high = xp.where(high == low, high + 0.001, high)
+    ramp = xp.clip((xp.arange(d // 2) - low) / (high - low), 0, 1)  # 0: keep theta_k, 1: theta_k / s
+    theta = _default(d, base, cfg, seq_len)
+    return theta / s * ramp + theta * (1 - ramp)
+
+
+def _llama3(d, base, cfg, seq_len):
+    # HF `_compute_llama3_parameters` (Llama 3.1): wavelengths below m_l / high_freq_factor keep
+    # theta_k, above m_l / low_freq_factor are divided by s, smooth interpolation between.
+    xp, s, m_l = _xp(base), cfg["factor"], cfg[_M_L]
+    low, high = cfg["low_freq_factor"], cfg["high_freq_factor"]
+    theta = _default(d, base, cfg, seq_len)
+    wavelength = 2 * math.pi / theta
+    smooth = (m_l / wavelength - low) / (high - low)
+    interpolated = (1 - smooth) * theta / s + smooth * theta
+    is_mid = (wavelength >= m_l / high) & (wavelength <= m_l / low)
+    return xp.where(is_mid, interpolated, xp.where(wavelength > m_l / low, theta / s, theta))
+
+
+_INV_FREQ = {"default": _default, "linear": _linear, "ntk": _ntk, "dynamic": _dynamic,
+             "yarn": _yarn, "llama3": _llama3}
+
+
+def _yarn_attention_factor(cfg: dict[str, Any]) -> float:
+    # HF: an explicit attention_factor wins; else the YaRN paper's sqrt(1/t) = 0.1 ln(s) + 1, or with
+    # both mscale and mscale_all_dim set (DeepSeek-V2/V3 configs) the ratio of two such terms.
+    if cfg["attention_factor"] is not None:
+        return float(cfg["attention_factor"])
+
+    def mscale(s, scale=1.0):
+        return 1.0 if s <= 1 else 0.1 * scale * math.log(s) + 1.0
+
+    if cfg["mscale"] and cfg["mscale_all_dim"]:  # HF tests truthiness: 0 counts as unset
+        return mscale(cfg["factor"], cfg["mscale"]) / mscale(cfg["factor"], cfg["mscale_all_dim"])
+    return mscale(cfg["factor"])
+
+
+def rope_frequencies(head_dim: int, *, base: float = 10000.0, scaling: Mapping | None = None,
+                     seq_len: int | None = None) -> tuple[jax.Array, float]:
+    """Inverse frequencies theta_k of RoPE and the attention factor of its scaling.
+
+    Args:
+      head_dim: H, even.
+      base: b in theta_k = b^(-2k/H), > 1. May be traced (a swept base under vmap).
+      scaling: None or a Hugging Face `rope_scaling` dict, see `validate_rope_scaling`.
+      seq_len: the current length (max position + 1), read by "dynamic" only; None means the
+        original length. May be traced.
+
+    Returns:
+      (theta float32[H // 2], attention factor): the factor multiplies both cos and sin (YaRN's
+      temperature; attention logits then scale by its square); 1.0 for every kind but "yarn".
+    """
+    cfg = validate_rope_scaling(scaling, head_dim)
+    if _static(base) and not float(base) > 1:
+        raise ValueError(f"base = {base!r} is not allowed: it must be a number > 1.")
+    if seq_len is not None and _static(seq_len) and not (float(seq_len) >= 1 and float(seq_len).is_integer()):
+        raise ValueError(f"seq_len = {seq_len!r} is not allowed: it must be None or a positive integer.")
+    inv_freq = _INV_FREQ[cfg["rope_type"]](head_dim, base, cfg, seq_len)
+    if isinstance(inv_freq, np.ndarray):  # host float64 -> float32, rounded to nearest by numpy
+        inv_freq = inv_freq.astype(np.float32)
+    factor = _yarn_attention_factor(cfg) if cfg["rope_type"] == "yarn" else 1.0
+    return jnp.asarray(inv_freq, jnp.float32), factor
+
+
+# ----------------------------------------------------------------------------------------------
+# Angles p * theta mod 2 pi in float32, accurate for integer |p| < 2^24 and 0 <= theta <= 1.
+#
+# p = 4096 a + b with b in [0, 4096), so p theta = a (4096 theta) + b theta. Per frequency (cheap,
+# F values): Omega = 4096 theta mod 2 pi is formed as s + e (two float32) to ~1e-13. Per element,
+# every product of a 12-bit integer with a 12-bit float32 piece is exact, the two large exact
+# products are reduced mod 2 pi with a Cody-Waite split of 2 pi, and the small pieces are added.
+# Exact products also make the result independent of FMA contraction. Derivation and measured
+# errors: docs/rope.md.
+# ----------------------------------------------------------------------------------------------
+def _truncate_bits(value: float, bits: int) -> float:
+    mantissa, exponent = math.frexp(value)
+    return math.floor(mantissa * 2.0**bits) * 2.0 ** (exponent - bits)
+
+
+# 2 pi = _C1 + _C2 + _C3 + _C4: 12-bit pieces (k * _Ci exact for |k| < 2^12) and a float32 rest.
+_C1 = _truncate_bits(2 * math.pi, 12)
+_C2 = _truncate_bits(2 * math.pi - _C1, 12)
+_C3 = _truncate_bits(2 * math.pi - _C1 - _C2, 12)
+_C4 = float(np.float32(2 * math.pi - _C1 - _C2 - _C3))
+_C34 = float(np.float32(_C3 + _C4))
+_SPLIT = 12  # p = a * 2^12 + b
+
+
+def _high_bits(x: jax.Array) -> jax.Array:
+    """x with its 12 leading significant bits (sign, exponent and 11 stored bits); x - result is exact."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFFF000)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _reduce(x: jax.Array) -> jax.Array:
+    """x - k 2 pi in about [-pi, pi] for an exact float32 x with |x| < 2^12 pi (one rounding)."""
+    k = jnp.round(x * (1 / (2 * math.pi)))
+    return ((x - k * _C1) - k * _C2) - k * _C34
+
+
+def rope_angles(positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """`positions[..., None] * inv_freq` modulo 2 pi, in float32 to ~1e-6 rad.
+
+    Args:
+      positions: int[...]; exact for |p| < 2^24.
+      inv_freq: float[F], treated as exact float32 values in [0, 1].
+
+    Returns:
+      float32[..., F], congruent to p * theta mod 2 pi, |angle| < 2 pi + 6 (not fully reduced).
+    """
+    positions = jnp.asarray(positions)
+    if not jnp.issubdtype(positions.dtype, jnp.integer):
+        raise TypeError(f"positions must be integers, got dtype {positions.dtype}.")
+    theta = jnp.asarray(inv_freq, jnp.float32)
+    # Per frequency: Omega = 4096 theta - K 2 pi = s + e. The first two subtractions are exact
+    # (|K| < 2^10, |result| < 8 on a grid of 2^-22); TwoSum keeps the rounding of the third.
+    big = theta * 2.0**_SPLIT
+    k = jnp.round(big * (1 / (2 * math.pi)))
+    r = (big - k * _C1) - k * _C2
+    s = r - k * _C3
+    t = s - r
+    e = ((r - (s - t)) + (-k * _C3 - t)) - k * _C4
+    s_hi, theta_hi = _high_bits(s), _high_bits(theta)
+    s_lo, theta_lo = s - s_hi, theta - theta_hi
+
+    p = positions.astype(jnp.int32)[..., None]
+    a = jnp.right_shift(p, _SPLIT).astype(jnp.float32)  # floor(p / 4096), |a| <= 2^12
+    b = jnp.bitwise_and(p, 2**_SPLIT - 1).astype(jnp.float32)  # p mod 4096
+    reduced = _reduce(a * s_hi) + _reduce(b * theta_hi)  # exact products up to 2^12 pi
+    return reduced + (a * s_lo + (b * theta_lo + a * e))  # |.| <= 4, 2 theta, 5e-4
+
+
+# ----------------------------------------------------------------------------------------------
+# Rotation.
+# ----------------------------------------------------------------------------------------------
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, *, layout: str = "interleaved",
+               attention_factor: float = 1.0) -> jax.Array:
+    """Rotates each feature pair of x by `position * theta_k` (and scales by attention_factor).
+
+    Args:
+      x: float[..., T, N, H] queries or keys.
+      positions: int[T] or int[..., T] (e.g. per-sequence positions [B, T] with a KV cache); the
+        leading axes broadcast against x's.
+      inv_freq: float[H // 2], from `rope_frequencies`.
+      layout: "interleaved" pairs (x_2k, x_2k+1) as Meta Llama / GPT-J; "half" pairs (x_k, x_k+F)
+        as GPT-NeoX / Hugging Face `rotate_half`. A checkpoint works only with its own layout.
+      attention_factor: multiplies cos and sin (YaRN); the logits q.k then scale by its square.
+
+    Returns:
+      Same shape and dtype as x; the rotation itself is computed in complex64.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout = {layout!r} is not allowed: use one of {', '.join(LAYOUTS)}.")
+    if x.ndim < 3 or x.shape[-1] % 2:
+        raise ValueError(f"x must be [..., T, N, H] with H even, got shape {x.shape}.")
+    half = x.shape[-1] // 2
+    if jnp.shape(inv_freq) != (half,):
+        raise ValueError(f"inv_freq must have shape ({half},) for head dim {x.shape[-1]}, "
+                         f"got {jnp.shape(inv_freq)}.")
+    positions = jnp.asarray(positions)
+    if positions.ndim < 1 or positions.shape[-1] != x.shape[-3]:
+        raise ValueError(f"positions must be [T] or [..., T] with T = {x.shape[-3]} (x is [..., T, N, H] "
+                         f"= {x.shape}), got shape {positions.shape}.")
+    try:
+        broadcast = np.broadcast_shapes(positions.shape + (1,), x.shape[:-1])
+    except ValueError:
+        broadcast = None
+    if broadcast != x.shape[:-1]:
+        raise ValueError(f"positions of shape {positions.shape} do not broadcast to x's [..., T] = "
+                         f"{x.shape[:-2]}.")
+    angles = rope_angles(positions, inv_freq)[..., None, :]  # (..., T, 1, F)
+    rotation = jax.lax.complex(jnp.cos(angles), jnp.sin(angles)) * attention_factor
+    x32 = x.astype(jnp.float32)
+    if layout == "interleaved":
+        pairs = x32.reshape(*x.shape[:-1], half, 2)  # (..., T, N, F, 2)
+        z = jax.lax.complex(pairs[..., 0], pairs[..., 1]) * rotation  # (..., T, N, F)
+        out = jnp.stack([z.real, z.imag], axis=-1).reshape(x.shape)
+    else:
+        z = jax.lax.complex(x32[..., :half], x32[..., half:]) * rotation  # (..., T, N, F)
+        out = jnp.concatenate([z.real, z.imag], axis=-1)
+    return out.astype(x.dtype)
+
+
+def rope_decay_bound(offsets: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """RoFormer §3.4.3's relative upper bound (1/F) sum_{j=1..F} |S_j|, S_j = sum_{k<j} e^{i o theta_k}.
+
+    |sum_k h_k e^{i o theta_k}| <= max_k |h_{k+1} - h_k| * sum_j |S_j| by Abel summation; the bound
+    falls, with ripples, as the offset o = m - n grows, and a larger base stretches the fall.
+
+    Args:
+      offsets: int[...] relative distances m - n.
+      inv_freq: float[F].
+
+    Returns:
+      float32[...]; (F + 1) / 2 at offset 0.
+    """
+    angles = rope_angles(offsets, inv_freq)  # (..., F)
+    partial_sums = jnp.cumsum(jax.lax.complex(jnp.cos(angles), jnp.sin(angles)), axis=-1)  # S_1 .. S_F
+    return jnp.mean(jnp.abs(partial_sums), axis=-1)
