@@ -1,0 +1,374 @@
+"""Attention benchmark: blockwise vs `jax.nn.dot_product_attention` (materialised bias) vs reference.
+
+Question: is `implementation="blockwise"` faster and linear in memory where it matters, and how
+close does it get to the machine's matmul throughput?
+
+Run (from the repository root; the full table takes ~15 minutes on 2 CPU cores):
+    .venv/bin/python benchmarks/attention.py --rss --repeats 5  # docs/attention.md, run 1
+    .venv/bin/python benchmarks/attention.py --lengths 1024     # one length, quick
+    .venv/bin/python benchmarks/attention.py --crossover     # measurement behind "auto"
+    .venv/bin/python benchmarks/attention.py --lengths 4096 --tiles 256x256 512x512  # tile sweep
+
+Setup: batch 1, 8 heads, head dim 64, float32, causal self-attention (T = S), ALiBi and T5
+biases from `posattn.positions` evaluated from positions. Implementations, all in one process:
+  blockwise  `posattn.blockwise.blockwise_attention`, bias as (BiasFn, params), default tiles;
+  jax.nn     `jax.nn.dot_product_attention(q, k, v, bias=materialised [1, N, T, S],
+             is_causal=True)`, the bias materialised inside the same jit;
+  reference  `attention(..., implementation="reference")`.
+Time: best of up to --repeats runs after one warm-up run, wall clock, `block_until_ready`.
+FLOPs: forward 4 * N * T * S * H, halved for causal (only the visible half is counted);
+forward + backward counted as 3.5x forward (FlashAttention-2's convention: 2 + 5 matmuls).
+Matmul reference: a 4096^3 float32 `jnp.dot` timed in the same process before every blockwise
+repeat; "% matmul" is given against the best matmul of that same window (both saw the same
+contention on a shared machine) and against the best matmul of the whole run (a ceiling).
+Memory: `compiled.memory_analysis()`, arguments + outputs + XLA temporaries - aliased bytes: the
+buffers XLA assigns for the program, known before it runs. A configuration whose assignment
+exceeds --mem-budget-gib (or 80% of the available memory) is skipped and reported as such.
+With --rss, each forward also runs in a fresh subprocess and its peak RSS (VmHWM) is
+reported: everything the process held, the JAX runtime, compiler and inputs included; the peak of
+the same subprocess that compiles but does not run is printed once as the floor.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from posattn import positions
+from posattn.attention import attention
+from posattn.blockwise import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, blockwise_attention
+
+B, N, H = 1, 8, 64
+GIB = 2**30
+
+
+# ----------------------------------------------------------------------------------------------
+# Biases, as BiasFns of positions (the families' own functions).
+
+
+def alibi_fn(slopes, q_pos, k_pos):
+    return positions.alibi_bias(q_pos[:, None] - k_pos[None, :], slopes)  # (N, t, s)
+
+
+def t5_fn(table, q_pos, k_pos):
+    bucket = positions.t5_bucket(q_pos[:, None] - k_pos[None, :], bidirectional=False)
+    return table[:, bucket]  # (N, t, s)
+
+
+def make_bias(name):
+    match name:
+        case "alibi":
+            return alibi_fn, positions.alibi_slopes(N), None  # default scale 1/sqrt(H)
+        case "t5":
+            return t5_fn, jax.random.normal(jax.random.key(1), (N, 32)) * 0.1, 1.0  # T5: scale 1
+        case "none":
+            return None, None, None
+    raise ValueError(f"unknown bias {name!r}; allowed: alibi, t5, none")
+
+
+# ----------------------------------------------------------------------------------------------
+# The programs being compared.
+
+
+def make_fn(impl, bias_name, grad, tiles=(DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K)):
+    fn, params, scale = make_bias(bias_name)
+
+    def forward(q, k, v, params):
+        bias = None if fn is None else (fn, params)
+        match impl:
+            case "blockwise":
+                return blockwise_attention(q, k, v, bias=bias, causal=True, scale=scale,
+                                           block_q=tiles[0], block_k=tiles[1])
+            case "xla":  # posattn's own "xla" path (explicit mask, fully-masked rows zeroed)
+                return attention(q, k, v, bias=bias, causal=True, scale=scale,
+                                 implementation="xla")
+            case "jax.nn":
+                T, S = q.shape[1], k.shape[1]
+                full = None
+                if fn is not None:
+                    full = fn(params, jnp.arange(T), jnp.arange(S))[None]  # (1, N, T, S)
+                return jax.nn.dot_product_attention(q, k, v, bias=full, is_causal=True,
+                                                    scale=scale)
+            case "reference":
+                return attention(q, k, v, bias=bias, causal=True, scale=scale,
+                                 implementation="reference")
+        raise ValueError(impl)
+
+    if not grad:
+        return jax.jit(forward), params
+    argnums = (0, 1, 2) if params is None else (0, 1, 2, 3)
+    return jax.jit(jax.grad(lambda *a: forward(*a).sum(), argnums=argnums)), params
+
+
+def inputs(T):
+    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+    return tuple(jax.random.normal(key, (B, T, N, H), jnp.float32) for key in (kq, kk, kv))
+
+
+def attention_flops(T, grad):
+    fwd = 4 * B * N * T * T * H / 2  # causal: the visible half only
+    return fwd * (3.5 if grad else 1.0)
+
+
+def xla_bytes(compiled):
+    m = compiled.memory_analysis()
+    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            - m.alias_size_in_bytes)
+
+
+def available_bytes():
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def best_time(run, repeats, max_seconds=60.0, warmup=True):
+    if warmup:  # first-run allocations and page faults
+        jax.block_until_ready(run())
+    best, spent = float("inf"), 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run())
+        dt = time.perf_counter() - t0
+        best, spent = min(best, dt), spent + dt
+        if spent > max_seconds:
+            break
+    return best
+
+
+class MatmulCeiling:
+    """Best FLOP/s of a float32 n^3 `jnp.dot`, sampled between the attention timings."""
+
+    def __init__(self, n=4096):
+        a = jax.random.normal(jax.random.key(2), (n, n), jnp.float32)
+        b = jax.random.normal(jax.random.key(3), (n, n), jnp.float32)
+        mm = jax.jit(jnp.dot)
+        self.run = lambda: mm(a, b)
+        self.flops = 2 * n**3
+        self.best = 0.0
+        jax.block_until_ready(self.run())  # compile and warm up
+
+    def sample(self, repeats=1):
+        """Times `repeats` matmuls; returns their best FLOP/s and updates the run's best."""
+        rate = self.flops / best_time(self.run, repeats, warmup=False)
+        self.best = max(self.best, rate)
+        return rate
+
+
+def paired_best_time(run, ceiling, repeats, max_seconds=60.0):
+    """best_time, with one matmul timed before every repeat: (best time, best matmul FLOP/s of
+    the same window), so both see the same contention on a shared machine."""
+    jax.block_until_ready(run())
+    best, best_mm, spent = float("inf"), 0.0, 0.0
+    for _ in range(repeats):
+        best_mm = max(best_mm, ceiling.sample())
+        t0 = time.perf_counter()
+        jax.block_until_ready(run())
+        dt = time.perf_counter() - t0
+        best, spent = min(best, dt), spent + dt
+        if spent > max_seconds:
+            break
+    return best, best_mm
+
+
+# ----------------------------------------------------------------------------------------------
+# Peak RSS of one forward in a fresh process (--rss).
+
+
+def child_rss(impl, bias_name, T, run_it):
+    """Runs in a subprocess: builds inputs, compiles, optionally runs once; prints ru_maxrss."""
+    f, params = make_fn(impl, bias_name, grad=False)
+    q, k, v = inputs(T)
+    compiled = f.lower(q, k, v, params).compile()
+    if run_it:
+        jax.block_until_ready(compiled(q, k, v, params))
+    # VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss across fork + exec, so a child
+    # would report at least the parent's RSS; VmHWM belongs to this process's own address space.
+    with open("/proc/self/status") as f:
+        hwm_kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    print(hwm_kib * 1024)
+
+
+def rss_peak(impl, bias_name, T, run_it=True):
+    """Peak RSS of a fresh process that builds the inputs, compiles and (if run_it) runs once."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--_child", f"{impl},{bias_name},{T},{int(run_it)}"],
+        capture_output=True, text=True, check=True)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def fmt_gib(x):
+    return "-" if x is None else (f"{x / GIB:.3f}" if x < GIB else f"{x / GIB:.2f}")
+
+
+def run_table(args):
+    impls = ["blockwise", "jax.nn", "reference"]
+    budget = min(args.mem_budget_gib * GIB, 0.8 * available_bytes())
+    print(f"memory budget for one program: {budget / GIB:.1f} GiB "
+          f"(--mem-budget-gib {args.mem_budget_gib}, 80% of MemAvailable)\n")
+    if args.rss:
+        floor = rss_peak("blockwise", args.biases[0], args.lengths[0], run_it=False)
+        print(f"RSS floor (a subprocess that compiles the T={args.lengths[0]} blockwise forward "
+              f"but does not run it): {fmt_gib(floor)} GiB")
+    ceiling = MatmulCeiling()
+    print(f"matmul 4096^3 float32: {ceiling.sample(3) / 1e9:.1f} GFLOP/s (first samples)")
+    rows = []
+    for T in args.lengths:
+        q, k, v = inputs(T)
+        for bias_name in args.biases:
+            for grad in (False, True):
+                if grad and T > args.max_grad_len:
+                    continue
+                for impl in impls:
+                    f, params = make_fn(impl, bias_name, grad)
+                    compiled = f.lower(q, k, v, params).compile()
+                    need = xla_bytes(compiled)
+                    row = dict(T=T, bias=bias_name, grad=grad, impl=impl, mem=need, time=None,
+                               rss=None, mm=None)
+                    run = lambda: compiled(q, k, v, params)
+                    if need > budget:
+                        row["skip"] = f"needs {need / GIB:.1f} GiB > budget"
+                    elif impl == "blockwise":
+                        row["time"], row["mm"] = paired_best_time(run, ceiling, args.repeats)
+                    else:
+                        row["time"] = best_time(run, args.repeats)
+                    if args.rss and not grad and row["time"] is not None:
+                        row["rss"] = rss_peak(impl, bias_name, T)
+                    rows.append(row)
+                    print(_row_text(row), flush=True)
+                    del compiled
+    ceiling.sample(3)
+    mm = ceiling.best
+    print(f"matmul 4096^3 float32: best {mm / 1e9:.1f} GFLOP/s over the run")
+    print_summary(rows, mm, args)
+
+
+def _row_text(r):
+    mode = "fwd+bwd" if r["grad"] else "fwd"
+    head = f"T={r['T']:>6} {r['bias']:>5} {mode:>7} {r['impl']:>9}:"
+    if r["time"] is None:
+        return f"{head} skipped ({r['skip']})"
+    gf = attention_flops(r["T"], r["grad"]) / r["time"] / 1e9
+    rss = "" if r["rss"] is None else f", peak RSS {fmt_gib(r['rss'])} GiB"
+    if r["mm"]:
+        rss += f", {100 * gf * 1e9 / r['mm']:.0f}% of the same window's matmul ({r['mm'] / 1e9:.0f} GFLOP/s)"
+    return (f"{head} {r['time'] * 1e3:10.1f} ms  {gf:6.1f} GFLOP/s  "
+            f"XLA buffers {fmt_gib(r['mem'])} GiB{rss}")
+
+
+def print_summary(rows, mm, args):
+    print(f"\n## Summary (matmul ceiling {mm / 1e9:.1f} GFLOP/s; tiles "
+          f"{DEFAULT_BLOCK_Q}x{DEFAULT_BLOCK_K}; causal; load average {os.getloadavg()[0]:.1f})")
+    print("\n| T | bias | pass | blockwise ms | % matmul (window / run best) | jax.nn ms | speed-up vs jax.nn "
+          "| reference ms | speed-up vs ref | blockwise GiB | jax.nn GiB | reference GiB |"
+          + (" blockwise peak RSS GiB |" if args.rss else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.rss else ""))
+    index = {(r["T"], r["bias"], r["grad"], r["impl"]): r for r in rows}
+    for (T, bias_name, grad, impl), bw in index.items():
+        if impl != "blockwise":
+            continue
+        nn, ref = index.get((T, bias_name, grad, "jax.nn")), index.get((T, bias_name, grad,
+                                                                           "reference"))
+
+        def ms(r):
+            return "skipped" if r is None or r["time"] is None else f"{r['time'] * 1e3:.0f}"
+
+        def speedup(r):
+            if r is None or r["time"] is None or bw["time"] is None:
+                return "-"
+            return f"{r['time'] / bw['time']:.1f}x"
+
+        pct = "-"
+        if bw["time"] is not None:
+            rate = attention_flops(T, grad) / bw["time"]
+            pct = f"{100 * rate / bw['mm']:.0f}% / {100 * rate / mm:.0f}%"
+        mem = lambda r: "-" if r is None else fmt_gib(r["mem"]) + ("" if r["time"] else " (skip)")
+        line = (f"| {T} | {bias_name} | {'fwd+bwd' if grad else 'fwd'} | {ms(bw)} | {pct} | "
+                f"{ms(nn)} | {speedup(nn)} | {ms(ref)} | {speedup(ref)} | {mem(bw)} | "
+                f"{mem(nn)} | {mem(ref)} |")
+        if args.rss:
+            line += f" {fmt_gib(bw['rss'])} |"
+        print(line)
+    # Linear memory: blockwise bytes per token across lengths.
+    for bias_name in args.biases:
+        for grad in (False, True):
+            pts = [(r["T"], r["mem"]) for r in rows if r["impl"] == "blockwise"
+                   and r["bias"] == bias_name and r["grad"] == grad]
+            if len(pts) > 1:
+                per_token = ", ".join(f"T={t}: {m / t / 1024:.1f} KiB/token" for t, m in pts)
+                print(f"blockwise {bias_name} {'fwd+bwd' if grad else 'fwd'} memory: {per_token}")
+
+
+def run_crossover(args):
+    """blockwise vs posattn's "xla" path at small T: where "auto" switches."""
+    print("| T | bias | pass | xla ms | blockwise ms | xla / blockwise |")
+    print("|---|---|---|---|---|---|")
+    for T in (128, 256, 512, 1024, 2048):
+        q, k, v = inputs(T)
+        for bias_name in ("none", "alibi", "t5"):
+            for grad in (False, True):
+                times = {}
+                for impl in ("xla", "blockwise"):
+                    f, params = make_fn(impl, bias_name, grad)
+                    compiled = f.lower(q, k, v, params).compile()
+                    times[impl] = best_time(lambda: compiled(q, k, v, params), args.repeats)
+                print(f"| {T} | {bias_name} | {'fwd+bwd' if grad else 'fwd'} | "
+                      f"{times['xla'] * 1e3:.2f} | {times['blockwise'] * 1e3:.2f} | "
+                      f"{times['xla'] / times['blockwise']:.2f} |", flush=True)
+
+
+def run_tiles(args):
+    """Blockwise tile sizes at the first --lengths value, ALiBi: where the defaults come from."""
+    T = args.lengths[0]
+    q, k, v = inputs(T)
+    print(f"| tiles (q x k) | T={T} fwd ms | fwd+bwd ms |\n|---|---|---|")
+    for tile in args.tiles:
+        tiles = tuple(int(x) for x in tile.split("x"))
+        times = []
+        for grad in (False, True):
+            f, params = make_fn("blockwise", "alibi", grad, tiles)
+            compiled = f.lower(q, k, v, params).compile()
+            times.append(best_time(lambda: compiled(q, k, v, params), args.repeats))
+        print(f"| {tile} | {times[0] * 1e3:.0f} | {times[1] * 1e3:.0f} |", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
+    parser.add_argument("--biases", nargs="+", default=["alibi", "t5"])
+    parser.add_argument("--max-grad-len", type=int, default=16384,
+                        help="forward+backward only up to this length (32k is forward only)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--mem-budget-gib", type=float, default=16.0)
+    parser.add_argument("--rss", action="store_true", help="also peak RSS of a subprocess")
+    parser.add_argument("--crossover", action="store_true")
+    parser.add_argument("--tiles", nargs="+", help="sweep blockwise tile sizes, e.g. 512x256")
+    parser.add_argument("--_child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args._child:
+        impl, bias_name, T, run_it = args._child.split(",")
+        return child_rss(impl, bias_name, int(T), run_it == "1")
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                if line.startswith("model name")), platform.processor())
+    print(f"# posattn attention benchmark\n{cpu}, {os.cpu_count()} cores; jax {jax.__version__}, "
+          f"{jax.devices()[0].platform}; load average {os.getloadavg()[0]:.1f}\n")
+    if args.crossover:
+        return run_crossover(args)
+    if args.tiles:
+        return run_tiles(args)
+    run_table(args)
+
+
+if __name__ == "__main__":
+    main()
