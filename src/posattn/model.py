@@ -108,7 +108,7 @@ class TransformerLM(nnx.Module):
     def logits(self, h: jax.Array) -> jax.Array:
         """Tied output projection: h[B, T, D] -> logits[B, T, V] in float32."""
         table = self.embed[...][: self.cfg.vocab_size].astype(jnp.float32)
-        return h.astype(jnp.float32) @ table.T
+        return layers.dense(h.astype(jnp.float32), table.T)  # (B, T, V)
 
     def __call__(self, tokens: jax.Array, *, kv_lengths=None) -> jax.Array:
         """Logits float32[B, T, V] for tokens int[B, T] at positions 0..T-1."""
