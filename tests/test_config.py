@@ -47,6 +47,8 @@ def test_rope_scaling_dict_literal():
     (["model.position=learned", "model.max_len=32"], ["max_len", "seq_len"]),
     (["model.dtype=float16"], ["dtype", "bfloat16"]),
     (["train.warmup_steps=5000"], ["warmup_steps", "steps"]),
+    (["data.passkey_fraction=1.5"], ["passkey_fraction", "[0, 1]"]),
+    (["data.passkey_fraction=0.1", "model.kind=encoder"], ["passkey_fraction", "encoder"]),
 ])
 def test_invalid_settings_name_the_key(overrides, words):
     with pytest.raises(ConfigError) as e:

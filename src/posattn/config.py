@@ -342,6 +342,14 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
         )
     _require(isinstance(data.corpus, str) and data.corpus != "", "data.corpus", data.corpus,
              "must be 'stdlib', a text file or directory, or a directory holding nanoGPT train.bin/val.bin")
+    for name in ("passkey_fraction", "mask_rate"):
+        value = data.get(name, 0.0)
+        _require(isinstance(value, (int, float)) and 0.0 <= value <= 1.0, f"data.{name}", value,
+                 "must be a fraction in [0, 1]")
+    if data.get("passkey_fraction", 0.0) > 0 and not cfg.causal:
+        raise ConfigError(
+            f"config.data.passkey_fraction={data.passkey_fraction} mixes passkey sequences into a causal LM's "
+            "batches, but config.model.kind='encoder'; set the fraction to 0 or use the decoder")
     for name in ("steps", "batch_size", "checkpoint_every"):
         _positive_int(train, "train", name)
     _positive_int(train, "train", "seed", allow_zero=True)

@@ -68,22 +68,10 @@ def token_stats(graphdef: nnx.GraphDef, params: nnx.State, constants: nnx.State,
     return _compiled(graphdef, chunk)(params, constants, inputs, targets)
 
 
-# A graphdef is static, but not always hashable (a module may hold a dict attribute, e.g. the
-# RoPE scaling), so it cannot be a `static_argnames` of jax.jit; compiled functions are kept
-# by equality instead, most recent first.
-_COMPILED: list[tuple[nnx.GraphDef, int, Any]] = []
-_MAX_COMPILED = 64
-
-
+@functools.lru_cache(maxsize=64)
 def _compiled(graphdef: nnx.GraphDef, chunk: int):
-    for i, (g, c, fn) in enumerate(_COMPILED):
-        if c == chunk and g == graphdef:
-            _COMPILED.insert(0, _COMPILED.pop(i))
-            return fn
-    fn = jax.jit(functools.partial(_token_stats, graphdef, chunk=chunk))
-    _COMPILED.insert(0, (graphdef, chunk, fn))
-    del _COMPILED[_MAX_COMPILED:]
-    return fn
+    # Graphdefs of equal configs compare and hash equal, so each model shape compiles once.
+    return jax.jit(functools.partial(_token_stats, graphdef, chunk=chunk))
 
 
 def _token_stats(graphdef: nnx.GraphDef, params: nnx.State, constants: nnx.State, inputs: jax.Array,

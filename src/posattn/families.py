@@ -14,7 +14,6 @@ a family's name.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any, Callable, Mapping
 
@@ -67,11 +66,22 @@ class BiasSpec:
 
     def bind(self, settings: BiasSettings) -> BiasFn:
         """The `BiasFn` for these static settings, as the attention core takes it."""
-        return functools.partial(_call_bias, self.fn, settings)
+        return BoundBias(self.fn, settings)
 
 
-def _call_bias(fn, settings, params, q_pos, k_pos):
-    return fn(params, q_pos, k_pos, settings)
+@dataclasses.dataclass(frozen=True)
+class BoundBias:
+    """A bias function with its static settings: `(params, q_pos, k_pos) -> float32[N, t, s]`.
+
+    A frozen dataclass rather than a `functools.partial` so that two models built from the same
+    config compare (and hash) equal: their graphdefs can then key a jit cache.
+    """
+
+    fn: Callable[..., Array]
+    settings: BiasSettings
+
+    def __call__(self, params: Params, q_pos: Array, k_pos: Array) -> Array:
+        return self.fn(params, q_pos, k_pos, self.settings)
 
 
 @dataclasses.dataclass(frozen=True)

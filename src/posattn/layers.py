@@ -97,7 +97,8 @@ class Rotary(nnx.Module):
         inv_freq, factor = rotary.rope_frequencies(cfg.head_dim, base=cfg.rope_base, scaling=scaling)
         self.inv_freq = Constant(jnp.asarray(inv_freq, jnp.float32))
         self.attention_factor = float(factor)
-        self.head_dim, self.base, self.scaling, self.layout = cfg.head_dim, cfg.rope_base, scaling, cfg.rope_layout
+        # The scaling is kept as the config's tuple of items (hashable, so graphdefs can key jit caches).
+        self.head_dim, self.base, self.scaling, self.layout = cfg.head_dim, cfg.rope_base, cfg.rope_scaling, cfg.rope_layout
         kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
         self.dynamic = kind == "dynamic"
 
@@ -114,7 +115,8 @@ class Rotary(nnx.Module):
         inv_freq = self.inv_freq[...]
         if self.dynamic:
             # Dynamic NTK recomputes the base from the current length (HF `_compute_dynamic_ntk_parameters`).
-            inv_freq, _ = rotary.rope_frequencies(self.head_dim, base=self.base, scaling=self.scaling, seq_len=seq_len)
+            inv_freq, _ = rotary.rope_frequencies(self.head_dim, base=self.base, scaling=dict(self.scaling),
+                                                  seq_len=seq_len)
         return rotary.apply_rope(x, positions, inv_freq, layout=self.layout, attention_factor=self.attention_factor)
 
 
