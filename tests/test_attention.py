@@ -1,5 +1,6 @@
 """The attention core: the reference against a loop-by-loop NumPy oracle, "xla" against the
-reference, validation errors, dtype rules and the "auto" rule."""
+reference, validation errors, dtype rules and the "auto" rule. ("chunked" and "blockwise" against
+the reference, gradients included: tests/test_blockwise.py.)"""
 import logging
 
 import jax
@@ -99,7 +100,7 @@ def test_xla_matches_reference(case, bias_kind):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("impl", ["reference", "xla"])
+@pytest.mark.parametrize("impl", ["reference", "xla", "chunked"])
 def test_fully_masked_rows_are_zero_and_gradients_finite(impl):
     q, k, v, _ = _inputs()
     kw = dict(causal=True, q_offset=np.array([-3, 0]), kv_lengths=np.array([7, 0]))
@@ -124,7 +125,7 @@ def test_per_batch_offset_equals_rows_run_separately():
         np.testing.assert_allclose(both[b:b + 1], row, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("impl", ["reference", "xla"])
+@pytest.mark.parametrize("impl", ["reference", "xla", "chunked"])
 def test_bfloat16_keeps_dtype_and_softmax_runs_in_float32(impl):
     q, k, v, bias = _inputs(3, dtype=jnp.bfloat16)
     out = attention(q, k, v, bias=bias, causal=True, implementation=impl)
@@ -168,7 +169,7 @@ def test_jit_with_traced_offset_and_vmap():
     (dict(bias=(jnp.zeros(3), None)), r"\(BiasFn, params\)"),
     (dict(q_offset=jnp.zeros((B + 1,), jnp.int32)), "q_offset"),
     (dict(kv_lengths=jnp.zeros((B, 1), jnp.int32)), "kv_lengths"),
-    (dict(implementation="flash"), "allowed: auto, reference, xla, blockwise"),
+    (dict(implementation="flash"), "allowed: auto, reference, xla, chunked, blockwise"),
 ])
 def test_invalid_inputs_raise_clear_errors(bad, message):
     q, k, v, _ = _inputs()
@@ -179,10 +180,18 @@ def test_invalid_inputs_raise_clear_errors(bad, message):
 
 
 def test_auto_rule_and_logged_once(caplog):
-    small = jax.ShapeDtypeStruct((1, 128, 8, 64), jnp.float32)
-    big = jax.ShapeDtypeStruct((1, 4096, 8, 64), jnp.float32)
-    assert attn_lib.choose_implementation(small, small, None) == "xla"
+    spec = lambda B, T: jax.ShapeDtypeStruct((B, T, 8, 64), jnp.float32)
+    small, big = spec(1, 128), spec(1, 4096)
+    assert attn_lib.choose_implementation(small, small, None) == "chunked"
     assert attn_lib.choose_implementation(big, big, None) == "blockwise"
+    # One head's logits reach 1Mi at T = S = 1024, whatever the batch: blockwise from there.
+    assert attn_lib.choose_implementation(spec(64, 1023), spec(64, 1023), None) == "chunked"
+    assert attn_lib.choose_implementation(spec(1, 1024), spec(1, 1024), None) == "blockwise"
+    # Per-row positions or lengths: "chunked" materialises [B, N, T, S], so the batch counts too.
+    assert attn_lib.choose_implementation(spec(3, 512), spec(3, 512), None, per_row=True) == "chunked"
+    assert attn_lib.choose_implementation(spec(4, 512), spec(4, 512), None, per_row=True) == "blockwise"
+    decode_q, cache = spec(64, 1), spec(64, 16384)  # one token per row over a 16k cache: 8 Mi logits
+    assert attn_lib.choose_implementation(decode_q, cache, None, per_row=True) == "blockwise"
     fn_bias = (alibi_like, SLOPES)
     attn_lib._logged_choices.clear()
     with caplog.at_level(logging.INFO, logger="posattn.attention"):
@@ -196,7 +205,7 @@ def test_auto_rule_and_logged_once(caplog):
                                rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("impl", ["reference", "xla", "blockwise"])
+@pytest.mark.parametrize("impl", ["reference", "xla", "chunked", "blockwise"])
 def test_nope_is_permutation_equivariant(impl):
     """SPEC §1: with no position signal and no mask, permuting the tokens permutes the output."""
     q, k, v, _ = _inputs(7, T=S)

@@ -17,9 +17,11 @@ still reach `params`. The core never knows which position family produced the bi
 Implementations:
   "reference"  materialises float32 logits [B, N, T, S]: the oracle, simple and obviously right.
   "xla"        `jax.nn.dot_product_attention` with a materialised bias and an explicit mask.
+  "chunked"    each batch row's logits materialised, a few rows at a time, head-major, with a
+               hand-written backward (`posattn.chunked`): the fast path at training lengths.
   "blockwise"  tiled online softmax with a recomputing backward, memory linear in T
                (`posattn.blockwise`).
-  "auto"       picks one of the above by the rule in `choose_implementation`.
+  "auto"       picks "chunked" or "blockwise" by the rule in `choose_implementation`.
 """
 from __future__ import annotations
 
@@ -30,18 +32,24 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from posattn import blockwise
+from posattn import blockwise, chunked
 
 BiasFn = Callable[[Any, jax.Array, jax.Array], jax.Array]
 Bias = jax.Array | tuple[BiasFn, Any] | None
 
-IMPLEMENTATIONS = ("auto", "reference", "xla", "blockwise")
+IMPLEMENTATIONS = ("auto", "reference", "xla", "chunked", "blockwise")
 
-# "auto" takes the blockwise path once the float32 logits [B, N, T, S] that "xla" would materialise
-# reach this many elements (32 MiB). Measured on the 2-core Xeon of docs/attention.md (8 heads,
-# head dim 64, causal): at T = S = 512 "xla" and "blockwise" are within noise of each other, at
-# T = S = 1024 blockwise is 1.5-6x faster (forward and forward+backward, with and without a bias).
+# "auto" takes "chunked" while one head's logits T * S stay below AUTO_CHUNKED_MAX_HEAD_LOGITS and
+# "blockwise" from there. Measured on the 2-core Xeon of docs/attention.md (causal, ALiBi, forward
+# + backward; `benchmarks/train_throughput.py --crossover`): chunked is 1.5-3.6x faster than
+# blockwise up to T = S = 768 (4 heads of 32 at T 128-512 and B 16-64; 8 heads of 64 at T 512 and
+# 768), blockwise 1.7-2.6x faster from T = S = 1024 (its 512-tiles skip the causal upper half, and
+# one head's [T, S] logits, 4 MiB, no longer fit the 2 MiB L2).
+AUTO_CHUNKED_MAX_HEAD_LOGITS = 1024 * 1024
+# With per-row positions or lengths "chunked" materialises the bias for every row, [B, N, T, S]:
+# "auto" then also keeps B * N * T * S below this (32 MiB of float32), the limit "xla" had before.
 AUTO_BLOCKWISE_MIN_LOGITS = 8 * 1024 * 1024
 
 _log = logging.getLogger(__name__)
@@ -79,17 +87,23 @@ def attention(
     _check_inputs(q, k, v, bias, q_offset, kv_lengths)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    # A Python-int offset (training, a prefill) is static: "chunked" then skips the keys above the
+    # causal diagonal tile by tile.
+    static_offset = int(q_offset) if isinstance(q_offset, (int, np.integer)) else None
     q_offset = jnp.asarray(q_offset, jnp.int32)
     if kv_lengths is not None:
         kv_lengths = jnp.asarray(kv_lengths, jnp.int32)
     if implementation == "auto":
-        implementation = choose_implementation(q, k, bias)
+        per_row = jnp.ndim(q_offset) == 1 or kv_lengths is not None
+        implementation = choose_implementation(q, k, bias, per_row=per_row)
     kwargs = dict(bias=bias, causal=causal, q_offset=q_offset, kv_lengths=kv_lengths, scale=scale)
     match implementation:
         case "reference":
             return reference_attention(q, k, v, **kwargs)
         case "xla":
             return xla_attention(q, k, v, **kwargs)
+        case "chunked":
+            return chunked_path(q, k, v, static_offset=static_offset, **kwargs)
         case "blockwise":
             return blockwise.blockwise_attention(q, k, v, **kwargs)
         case _:
@@ -99,22 +113,25 @@ def attention(
             )
 
 
-def choose_implementation(q: jax.Array, k: jax.Array, bias: Bias) -> str:
+def choose_implementation(q: jax.Array, k: jax.Array, bias: Bias, *, per_row: bool = False) -> str:
     """The rule behind implementation="auto"; logs its choice once per shape and bias kind.
 
-    "blockwise" once the logits [B, N, T, S] reach AUTO_BLOCKWISE_MIN_LOGITS elements (it is then
-    faster, and the only implementation whose memory stays linear in T), otherwise "xla". A
-    (BiasFn, params) bias does not change the choice: at short lengths neither path won
-    consistently in our measurement (docs/attention.md). Pass `implementation=` to override.
+    "chunked" while one head's logits T * S stay below AUTO_CHUNKED_MAX_HEAD_LOGITS (and, with
+    `per_row` positions or lengths, whose bias it materialises for every row, while B * N * T * S
+    stays below AUTO_BLOCKWISE_MIN_LOGITS), otherwise "blockwise", the only implementation whose
+    memory stays linear in T. "xla" is never faster than "chunked" in our measurements
+    (docs/attention.md). The bias kind does not change the choice. Pass `implementation=` to
+    override.
     """
     B, T, N, _ = q.shape
     S = k.shape[1]
-    choice = "blockwise" if B * N * T * S >= AUTO_BLOCKWISE_MIN_LOGITS else "xla"
-    key = (q.shape, k.shape, str(q.dtype), _bias_kind(bias))
+    small = T * S < AUTO_CHUNKED_MAX_HEAD_LOGITS and (not per_row or B * N * T * S < AUTO_BLOCKWISE_MIN_LOGITS)
+    choice = "chunked" if small else "blockwise"
+    key = (q.shape, k.shape, str(q.dtype), _bias_kind(bias), per_row)
     if key not in _logged_choices:
         _logged_choices.add(key)
-        _log.info("attention(implementation='auto'): q %s, k %s, %s, bias %s -> %r",
-                  q.shape, k.shape, q.dtype, _bias_kind(bias), choice)
+        _log.info("attention(implementation='auto'): q %s, k %s, %s, bias %s%s -> %r", q.shape, k.shape,
+                  q.dtype, _bias_kind(bias), ", per-row positions/lengths" if per_row else "", choice)
     return choice
 
 
@@ -170,6 +187,21 @@ def xla_attention(q, k, v, *, bias, causal, q_offset, kv_lengths, scale):
     if row_visible is not None:
         out = jnp.where(row_visible[:, :, None, None], out, jnp.zeros((), out.dtype))
     return out.astype(q.dtype)
+
+
+def chunked_path(q, k, v, *, bias, causal, q_offset, kv_lengths, scale, static_offset=None):
+    """`posattn.chunked` on the bias materialised [B or 1, N, T, S] with -inf at hidden keys.
+
+    `static_offset`: q_offset as a Python int when it is one (the causal tiles are then static).
+    """
+    T, S = q.shape[1], k.shape[1]
+    q_pos = _query_positions(q_offset, T)  # (B or 1, T)
+    logit_bias = None if bias is None else materialize_bias(bias, q_pos, S)  # (B|1, N, T, S)
+    if causal or kv_lengths is not None:
+        visible = visibility_mask(q_pos, S, causal=causal, kv_lengths=kv_lengths)[:, None]  # (B|1, 1, T, S)
+        logit_bias = jnp.where(visible, 0.0 if logit_bias is None else logit_bias, -jnp.inf)
+    return chunked.chunked_attention(q, k, v, logit_bias, scale=scale, bias_grad=bias is not None,
+                                     causal_offset=static_offset if causal else None)
 
 
 def materialize_bias(bias: Bias, q_pos: jax.Array, S: int) -> jax.Array:
