@@ -1,0 +1,301 @@
+"""Training throughput: step time and tokens/s of posattn's training step, per position family.
+
+Question: how fast does a model train on this CPU, where does the step's time go, and how does it
+compare with the PyTorch x-transformers library on the same shape (issue 3: at least 1.5x its
+tokens/s for a 4-layer, d_model 128 model at length 256)?
+
+Run (from the repository root):
+    .venv/bin/python benchmarks/train_throughput.py                  # tiny and small, every family
+    .venv/bin/python benchmarks/train_throughput.py --configs small --families rope alibi \
+        --xtransformers /work/refenv/bin/python --rounds 5           # the goal, side by side
+
+Configs (both built from configs/tiny.py through the command-line override path):
+  tiny   configs/tiny.py as it is: d_model 64, 2 layers, 4 query / 2 key-value heads, T 64, batch 8.
+  small  d_model 128, 4 layers, 4 / 4 heads (head dim 32), d_ff 512, T 256, batch 16 (4096
+         tokens per step): the issue's shape and benchmarks/xtransformers_baseline.py's defaults.
+
+The step is `posattn.steps.train_step` jitted with donated state, as `posattn.train` runs it
+(AdamW, clipping, bound projection, metrics), on `data.train_batch` batches of the stdlib corpus
+built before timing. A round times --steps consecutive steps (wall clock, ended by
+`block_until_ready` on the metrics) after a warm-up; the rounds of every (config, family) and of
+the baseline alternate, so each sees the same contention; min and median over rounds are printed.
+
+Where the time goes, measured by timing the pieces alone, in the same process, in every round:
+  attention  `attention(q, k, v, bias=the family's (BiasFn, params) of layer 0, causal,
+             implementation=the config's)` forward + backward (value_and_grad over q, k, v and the
+             bias parameters) at the step's [B, T, N, H], times the number of layers;
+  matmuls    every dense product of the step at its shape as a 2-D GEMM, forward (x W) and both
+             backward products (dY W^T, X^T dY): q, k, v, output projections, the MLP's two,
+             the tied logits.
+"other" is the step minus both: norms, RoPE, GELU, residuals, embedding, cross-entropy, the
+optimiser. Pieces timed alone are not additive to the microsecond (XLA fuses across them in the
+step), so the shares are approximate; their sum can exceed 100% under contention.
+
+With --crossover, instead: attention forward + backward alone (causal, ALiBi as a (BiasFn, params)
+pair, value_and_grad over q, k, v and the slopes) with implementation "chunked", "blockwise" and
+"xla" at --shapes B,T,N,H, interleaved, best of --rounds: the measurement behind "auto"'s rule
+(posattn.attention.AUTO_CHUNKED_MAX_HEAD_LOGITS, docs/attention.md).
+
+With --xtransformers PYTHON, benchmarks/xtransformers_baseline.py runs under that interpreter (one
+with torch and x-transformers; never a posattn dependency) for the families it has (rope, alibi,
+learned, nope) on configs whose key/value heads equal the query heads, alternating with our rounds;
+the ratio is our tokens/s over its, at the median and at the best round of each. Its model is
+x-transformers' own Decoder of the same width, depth, heads, ff_mult 4 and length (LayerNorm,
+exact GELU, untied logits: the library's defaults), AdamW and clipping, torch threads as given.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from posattn import attention as attention_lib
+from posattn import config as config_lib
+from posattn import data, families, steps
+from posattn.model import TransformerLM
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIGS = {
+    "tiny": [],
+    "small": ["model.d_model=128", "model.num_layers=4", "model.num_heads=4", "model.num_kv_heads=4",
+              "data.seq_len=256", "train.batch_size=16"],
+}
+BASELINE_POSITIONS = ("rope", "alibi", "learned", "nope")
+
+
+def timed(fn, *args, repeats: int = 1) -> float:
+    """Best wall-clock seconds of `repeats` calls of fn(*args) (already compiled)."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+class Case:
+    """One (config, family): the jitted step, its batches, and the pieces timed alone."""
+
+    def __init__(self, config_name: str, family: str, *, steps_per_round: int, overrides: list[str]):
+        self.name, self.family = config_name, family
+        args = [f"--config.{o}" for o in CONFIGS[config_name] + [f"model.position={family}"] + overrides]
+        config = config_lib.load_config(ROOT / "configs" / "tiny.py", args)
+        cfg = self.cfg = config_lib.validate(config)
+        self.B, self.T = int(config.train.batch_size), int(config.data.seq_len)
+        optim = steps.OptimConfig.from_config(config.train)
+        tx = steps.make_optimizer(optim)
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(params=0))))
+        self.state = jax.jit(functools.partial(steps.init_train_state, cfg, tx))(jax.random.key(0))
+        self.step = jax.jit(functools.partial(steps.train_step, graphdef, optim), donate_argnums=0)
+        corpus = data.load_corpus(config.data.corpus)
+        options = data.batch_options(config.data, causal=cfg.causal, vocab_size=cfg.vocab_size)
+        self.batches = [data.train_batch(corpus, seed=0, step=s, batch_size=self.B, seq_len=self.T, **options)
+                        for s in range(steps_per_round)]
+        self.steps_per_round = steps_per_round
+        self._attention_piece()
+        self._matmul_piece()
+        self.rounds: list[dict] = []
+        self.run_steps()  # compile and warm up
+
+    def run_steps(self) -> float:
+        """Seconds per step over one window of consecutive steps."""
+        start = time.perf_counter()
+        for batch in self.batches:
+            self.state, metrics = self.step(self.state, batch)
+        jax.block_until_ready(metrics)
+        return (time.perf_counter() - start) / len(self.batches)
+
+    def _attention_piece(self):
+        cfg = self.cfg
+        B, T, N, K, H = self.B, self.T, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        model = TransformerLM(cfg, rngs=nnx.Rngs(params=0))
+        layer = model.blocks[0].attn
+        bias_fn, bias_params = layer.bias() if layer.bias is not None else (None, {})
+        keys = jax.random.split(jax.random.key(1), 4)
+        q = jax.random.normal(keys[0], (B, T, N, H))
+        k, v = (jax.random.normal(key, (B, T, K, H)) for key in keys[1:3])
+        d_out = jax.random.normal(keys[3], (B, T, N, H))
+
+        def loss(q, k, v, params):
+            bias = None if bias_fn is None else (bias_fn, params)
+            out = attention_lib.attention(q, k, v, bias=bias, causal=layer.causal, scale=layer.scale,
+                                          implementation=layer.implementation)
+            return jnp.sum(out * d_out)
+
+        floats = {n: p for n, p in bias_params.items() if jnp.issubdtype(p.dtype, jnp.floating)}
+        ints = {n: p for n, p in bias_params.items() if n not in floats}
+        fn = jax.jit(jax.value_and_grad(lambda q, k, v, f: loss(q, k, v, {**f, **ints}), argnums=(0, 1, 2, 3)))
+        self.attention_args = (fn, q, k, v, floats)
+        self.attention_impl = attention_lib.choose_implementation(q, k, None) if layer.implementation == "auto" \
+            else layer.implementation
+        timed(fn, q, k, v, floats)
+
+    def _matmul_piece(self):
+        cfg = self.cfg
+        M, D, F, V = self.B * self.T, cfg.d_model, cfg.ff_dim, cfg.vocab_size
+        NH, KH = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        owners = sum(i % cfg.kv_share == 0 for i in range(cfg.num_layers))
+        shapes = ([(D, NH), (NH, D), (D, F), (F, D)] * cfg.num_layers + [(D, KH), (D, KH)] * owners
+                  + [(D, V)])
+        keys = iter(jax.random.split(jax.random.key(2), 3 * len(shapes)))
+        operands = [(jax.random.normal(next(keys), (M, i)), jax.random.normal(next(keys), (i, o)),
+                     jax.random.normal(next(keys), (M, o))) for i, o in shapes]
+
+        @jax.jit
+        def gemms(operands):
+            return [(x @ w, dy @ w.T, x.T @ dy) for x, w, dy in operands]  # forward, dX, dW
+
+        self.matmul_args = (gemms, operands)
+        self.matmul_flops = sum(3 * 2 * M * i * o for i, o in shapes)
+        timed(gemms, operands)
+
+    def run_round(self) -> dict:
+        step_s = self.run_steps()
+        attention_s = timed(*self.attention_args, repeats=3) * self.cfg.num_layers
+        matmul_s = timed(*self.matmul_args, repeats=3)
+        result = {"step_ms": step_s * 1e3, "attention_ms": attention_s * 1e3, "matmul_ms": matmul_s * 1e3}
+        self.rounds.append(result)
+        return result
+
+
+CROSSOVER_SHAPES = ["16,128,4,32", "64,128,4,32", "16,256,4,32", "32,256,4,32", "16,512,4,32",
+                    "1,512,8,64", "2,768,8,64", "1,1024,4,64", "1,1024,8,64", "1,2048,8,64"]
+
+
+def crossover(shapes: list[str], rounds: int) -> None:
+    """Attention forward + backward alone per implementation: the measurement behind "auto"."""
+    from posattn import positions
+
+    impls = ("chunked", "blockwise", "xla")
+    print("\n| B, T, N, H | " + " | ".join(f"{i} ms" for i in impls) + " | blockwise / chunked | xla / chunked |")
+    print("|---|" + "---|" * (len(impls) + 2))
+    for shape in shapes:
+        B, T, N, H = (int(x) for x in shape.split(","))
+        keys = jax.random.split(jax.random.key(0), 4)
+        q, k, v, d_out = (jax.random.normal(key, (B, T, N, H)) for key in keys)
+        slopes = positions.alibi_slopes(N)
+
+        def alibi(slopes, q_pos, k_pos):
+            return positions.alibi_bias(q_pos[:, None] - k_pos[None, :], slopes)
+
+        fns = {}
+        for impl in impls:
+            def loss(q, k, v, slopes, impl=impl):
+                out = attention_lib.attention(q, k, v, bias=(alibi, slopes), causal=True, implementation=impl)
+                return jnp.sum(out * d_out)
+            fns[impl] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+            timed(fns[impl], q, k, v, slopes)  # compile
+        best = {impl: float("inf") for impl in impls}
+        for _ in range(rounds):
+            for impl, fn in fns.items():
+                best[impl] = min(best[impl], timed(fn, q, k, v, slopes))
+        ms = {impl: t * 1e3 for impl, t in best.items()}
+        print(f"| {B}, {T}, {N}, {H} | " + " | ".join(f"{ms[i]:.1f}" for i in impls)
+              + f" | {ms['blockwise'] / ms['chunked']:.2f} | {ms['xla'] / ms['chunked']:.2f} |", flush=True)
+
+
+def baseline_round(python: str, case: Case, *, threads: int, steps_per_round: int) -> dict:
+    cfg = case.cfg
+    cmd = [python, str(ROOT / "benchmarks" / "xtransformers_baseline.py"), "--d_model", str(cfg.d_model),
+           "--layers", str(cfg.num_layers), "--heads", str(cfg.num_heads), "--seq_len", str(case.T),
+           "--batch", str(case.B), "--position", case.family, "--steps", str(steps_per_round),
+           "--threads", str(threads)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=1800)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def load_average() -> str:
+    try:
+        return " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, subprocess.CalledProcessError, StopIteration):
+        return platform.processor() or "unknown"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--families", nargs="+", default=families.names(), choices=families.names())
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds per case (min/median over them)")
+    parser.add_argument("--steps", type=int, default=10, help="steps per timed round")
+    parser.add_argument("--override", nargs="*", default=[],
+                        help="extra config overrides for every case, e.g. model.attention_impl=xla")
+    parser.add_argument("--xtransformers", metavar="PYTHON",
+                        help="an interpreter with torch + x-transformers: run the baseline side by side")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads for the baseline")
+    parser.add_argument("--json", metavar="PATH", help="also write every round as JSON")
+    parser.add_argument("--crossover", action="store_true",
+                        help="time attention alone per implementation at --shapes instead")
+    parser.add_argument("--shapes", nargs="+", default=CROSSOVER_SHAPES, metavar="B,T,N,H")
+    args = parser.parse_args(argv)
+
+    print(f"# {cpu_model()}, {os.cpu_count()} cores; jax {jax.__version__} ({jax.default_backend()}); "
+          f"load average at start {load_average()}")
+    if args.crossover:
+        crossover(args.shapes, args.rounds)
+        print(f"# load average at the end {load_average()}")
+        return
+    print(f"# overrides: {args.override or 'none'}; {args.rounds} rounds of {args.steps} steps")
+    cases = [Case(c, f, steps_per_round=args.steps, overrides=args.override)
+             for c in args.configs for f in args.families]
+    baselines = {}
+    if args.xtransformers:
+        baselines = {id(c): [] for c in cases
+                     if c.family in BASELINE_POSITIONS and c.cfg.num_kv_heads == c.cfg.num_heads}
+    for r in range(args.rounds):
+        for case in cases:
+            case.run_round()
+            if id(case) in baselines:
+                baselines[id(case)].append(baseline_round(args.xtransformers, case, threads=args.threads,
+                                                          steps_per_round=args.steps))
+        print(f"# round {r + 1}/{args.rounds} done, load average {load_average()}", flush=True)
+
+    print("\n| config | family | attention impl | step ms (min / median) | tokens/s (median) | "
+          "attention alone | matmuls alone | other | x-transformers ms (min / median) | ratio (median / best) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    records = []
+    for case in cases:
+        step = [x["step_ms"] for x in case.rounds]
+        med = statistics.median(step)
+        att = statistics.median(x["attention_ms"] for x in case.rounds)
+        mm = statistics.median(x["matmul_ms"] for x in case.rounds)
+        tokens = case.B * case.T
+        row = (f"| {case.name} | {case.family} | {case.attention_impl} | {min(step):.1f} / {med:.1f} | "
+               f"{tokens / med * 1e3:,.0f} | {att:.1f} ms ({att / med:.0%}) | {mm:.1f} ms ({mm / med:.0%}, "
+               f"{case.matmul_flops / (mm * 1e-3) / 1e9:.0f} GFLOP/s) | {max(med - att - mm, 0.0) / med:.0%} |")
+        record = {"config": case.name, "family": case.family, "tokens_per_step": tokens, "rounds": case.rounds}
+        if id(case) in baselines:
+            theirs = [x["ms_per_step"] for x in baselines[id(case)]]
+            their_med = statistics.median(theirs)
+            row += (f" {min(theirs):.1f} / {their_med:.1f} | {their_med / med:.2f}x / "
+                    f"{min(theirs) / min(step):.2f}x |")
+            record["xtransformers"] = baselines[id(case)]
+        else:
+            row += " - | - |"
+        print(row)
+        records.append(record)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(records, indent=1))
+
+
+if __name__ == "__main__":
+    main()

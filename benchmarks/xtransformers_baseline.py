@@ -1,0 +1,60 @@
+"""The PyTorch baseline for benchmarks/train_throughput.py: x-transformers on the same shape.
+
+Run by train_throughput.py with `--xtransformers PYTHON` (a Python that has torch and
+x-transformers; never a dependency of posattn). Prints one JSON line: tokens/s and ms per step of a
+decoder-only LM training step (AdamW, gradient clipping) on random bytes.
+
+    /path/to/torch/python benchmarks/xtransformers_baseline.py --d_model 128 --layers 4 --heads 4 \
+        --seq_len 256 --batch 16 --position rope
+"""
+
+import argparse
+import json
+import time
+
+import torch
+from x_transformers import Decoder, TransformerWrapper
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--d_model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq_len", type=int, default=256)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--position", default="rope", choices=["rope", "alibi", "learned", "nope"])
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    kwargs = {"rope": dict(rotary_pos_emb=True), "alibi": dict(alibi_pos_bias=True, alibi_num_heads=a.heads),
+              "learned": {}, "nope": {}}[a.position]
+    model = TransformerWrapper(
+        num_tokens=256, max_seq_len=a.seq_len, use_abs_pos_emb=a.position == "learned",
+        attn_layers=Decoder(dim=a.d_model, depth=a.layers, heads=a.heads, ff_mult=4, **kwargs))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    tokens = torch.randint(0, 256, (a.batch, a.seq_len + 1))
+
+    def step():
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return loss
+
+    for _ in range(3):
+        step()
+    start = time.perf_counter()
+    for _ in range(a.steps):
+        step()
+    ms = (time.perf_counter() - start) / a.steps * 1e3
+    print(json.dumps({"ms_per_step": ms, "tokens_per_sec": a.batch * a.seq_len / ms * 1e3,
+                      "torch": torch.__version__, "threads": a.threads}))
+
+
+if __name__ == "__main__":
+    main()
