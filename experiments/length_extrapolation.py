@@ -247,6 +247,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[s
     if config.passkey.enabled and corpus.val.dtype != np.uint8:
         raise config_lib.ConfigError(f"config.passkey.enabled: the probes are bytes, corpus {corpus.name!r} holds "
                                      "token ids; set config.passkey.enabled=False and config.copy.enabled=False")
+    provenance = _provenance()  # the code as the run starts, not as it is when the run ends
     begin = time.perf_counter()
     rows, training = {}, {}
     for family in config.families:
@@ -261,7 +262,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[s
             _say(f"{name}: loss {fmt_list(row['loss'])}"
                  + (f", passkey {fmt_list(passkey_by_length(row))}" if "passkey_grid" in row else ""))
         rows.update(new)
-    results = _assemble(config, corpus, lengths, rows, training, time.perf_counter() - begin)
+    results = _assemble(config, corpus, lengths, rows, training, time.perf_counter() - begin, provenance)
     (workdir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (workdir / "results.md").write_text(markdown(results))
     plots(results, workdir)
@@ -269,7 +270,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[s
     return results
 
 
-def _assemble(config, corpus, lengths, rows, training, seconds) -> dict[str, Any]:
+def _assemble(config, corpus, lengths, rows, training, seconds, provenance) -> dict[str, Any]:
     fams = {}
     for name, row in rows.items():
         fams[name] = {"eval_len": lengths, "loss": row["loss"],
@@ -292,7 +293,7 @@ def _assemble(config, corpus, lengths, rows, training, seconds) -> dict[str, Any
         "timing": {"total_seconds": round(seconds, 1),
                    "eval_seconds": {n: r.get("eval_seconds") for n, r in rows.items()}},
         "config": config.to_dict(),
-        "provenance": _provenance(),
+        "provenance": provenance,
     }
 
 

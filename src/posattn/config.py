@@ -226,6 +226,17 @@ def parse_args(argv: Sequence[str]) -> tuple[str | None, list[str], dict[str, st
     return path, overrides, flags
 
 
+def config_and_workdir(argv: Sequence[str], command: str) -> tuple[str, list[str], str]:
+    """(config path, overrides, workdir) of `python -m <command> --config F --workdir DIR [--config.k=v ...]`;
+    a missing or unknown flag is a ConfigError that shows the usage."""
+    path, overrides, flags = parse_args(argv)
+    unknown = set(flags) - {"workdir"}
+    if path is None or "workdir" not in flags or unknown:
+        raise ConfigError(f"usage: python -m {command} --config configs/<name>.py --workdir DIR [--config.key=value ...]"
+                          + (f" (unknown flag --{sorted(unknown)[0]})" if unknown else ""))
+    return path, overrides, flags["workdir"]
+
+
 def to_json(config: ml_collections.ConfigDict) -> str:
     return json.dumps(config.to_dict(), indent=2, sort_keys=True, default=str)
 

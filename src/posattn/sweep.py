@@ -356,18 +356,13 @@ def _extrapolate(program, state, graphdef, corpus, lengths, loss_at_lengths, con
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        path, overrides, flags = config_lib.parse_args(argv)
-        unknown = set(flags) - {"workdir"}
-        if path is None or "workdir" not in flags or unknown:
-            raise config_lib.ConfigError(
-                "usage: python -m posattn.sweep --config configs/<sweep>.py --workdir DIR [--config.key=value ...]"
-                + (f" (unknown flag --{sorted(unknown)[0]})" if unknown else ""))
+        path, overrides, workdir = config_lib.config_and_workdir(argv, "posattn.sweep")
         config = config_lib.load_config(path, overrides)
-        records = run_sweep(config, flags["workdir"], cli_overrides=overrides, config_path=path)
+        records = run_sweep(config, workdir, cli_overrides=overrides, config_path=path)
     except (config_lib.ConfigError, data_lib.DataError, workdir_lib.WorkdirBusyError) as e:
         print(f"posattn.sweep: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, (config_lib.ConfigError, data_lib.DataError)) else 1
-    print(f"posattn.sweep: {len(records)} members done; see {pathlib.Path(flags['workdir']) / 'sweep.md'}")
+    print(f"posattn.sweep: {len(records)} members done; see {pathlib.Path(workdir) / 'sweep.md'}")
     return 0
 
 

@@ -207,14 +207,9 @@ def _local_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        path, overrides, flags = config_lib.parse_args(argv)
-        unknown = set(flags) - {"workdir"}
-        if path is None or "workdir" not in flags or unknown:
-            raise config_lib.ConfigError(
-                "usage: python -m posattn.train --config configs/<name>.py --workdir DIR [--config.key=value ...]"
-                + (f" (unknown flag --{sorted(unknown)[0]})" if unknown else ""))
+        path, overrides, workdir = config_lib.config_and_workdir(argv, "posattn.train")
         config = config_lib.load_config(path, overrides)
-        result = train_and_evaluate(config, flags["workdir"])
+        result = train_and_evaluate(config, workdir)
     except (config_lib.ConfigError, data_lib.DataError, WorkdirBusyError, NonFiniteLossError) as e:
         print(f"posattn.train: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, (config_lib.ConfigError, data_lib.DataError)) else 1
