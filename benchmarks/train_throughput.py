@@ -40,8 +40,9 @@ With --xtransformers PYTHON, benchmarks/xtransformers_baseline.py runs under tha
 with torch and x-transformers; never a posattn dependency) for the families it has (rope, alibi,
 learned, nope) on configs whose key/value heads equal the query heads, alternating with our rounds;
 the ratio is our tokens/s over its, at the median and at the best round of each. Its model is
-x-transformers' own Decoder of the same width, depth, heads, ff_mult 4 and length (LayerNorm,
-exact GELU, untied logits: the library's defaults), AdamW and clipping, torch threads as given.
+x-transformers' own Decoder of the same width, depth, heads, head dim (d_model / heads, not its
+default 64), ff_mult 4 and length, RoPE on the whole head (LayerNorm, exact GELU, untied logits:
+the library's defaults), AdamW and clipping, torch threads as given.
 """
 from __future__ import annotations
 

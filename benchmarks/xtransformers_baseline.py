@@ -29,11 +29,16 @@ def main():
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    kwargs = {"rope": dict(rotary_pos_emb=True), "alibi": dict(alibi_pos_bias=True, alibi_num_heads=a.heads),
-              "learned": {}, "nope": {}}[a.position]
+    # The same shape as posattn's: heads of d_model / heads (x-transformers' default is 64 per head
+    # whatever the width, which at d_model 128 and 4 heads would double the attention's width) and
+    # RoPE on the whole head (its default rotates half of it).
+    dim_head = a.d_model // a.heads
+    kwargs = {"rope": dict(rotary_pos_emb=True, rotary_emb_dim=dim_head),
+              "alibi": dict(alibi_pos_bias=True, alibi_num_heads=a.heads), "learned": {}, "nope": {}}[a.position]
     model = TransformerWrapper(
         num_tokens=256, max_seq_len=a.seq_len, use_abs_pos_emb=a.position == "learned",
-        attn_layers=Decoder(dim=a.d_model, depth=a.layers, heads=a.heads, ff_mult=4, **kwargs))
+        attn_layers=Decoder(dim=a.d_model, depth=a.layers, heads=a.heads, attn_dim_head=dim_head, ff_mult=4,
+                            **kwargs))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     tokens = torch.randint(0, 256, (a.batch, a.seq_len + 1))
 
@@ -53,6 +58,7 @@ def main():
         step()
     ms = (time.perf_counter() - start) / a.steps * 1e3
     print(json.dumps({"ms_per_step": ms, "tokens_per_sec": a.batch * a.seq_len / ms * 1e3,
+                      "parameters": sum(p.numel() for p in model.parameters()),
                       "torch": torch.__version__, "threads": a.threads}))
 
 
