@@ -48,6 +48,7 @@ from flax import nnx
 from posattn import config as config_lib
 from posattn import data as data_lib
 from posattn import evaluate, families, probes, steps
+from posattn.attention import IMPLEMENTATIONS
 from posattn.checkpoint import Checkpointer
 from posattn.model import TransformerLM
 from posattn.train import NonFiniteLossError, WorkdirBusyError, train_and_evaluate
@@ -84,6 +85,8 @@ def check_experiment(config: ml_collections.ConfigDict) -> None:
     lengths = eval_lengths(config)
     if not lengths or any(x < 2 for x in lengths) or lengths != sorted(set(lengths)):
         raise fail(f"eval lengths {lengths} (config.eval.lengths / eval.multiples) must be distinct, increasing, >= 2")
+    if config.eval.attention_impl not in IMPLEMENTATIONS:
+        raise fail(f"config.eval.attention_impl={config.eval.attention_impl!r}; allowed: {', '.join(IMPLEMENTATIONS)}")
     for key in ("max_tokens", "batch_size", "per_position_bins"):
         if not (isinstance(config.eval[key], int) and config.eval[key] > 0):
             raise fail(f"config.eval.{key}={config.eval[key]!r} must be a positive integer")

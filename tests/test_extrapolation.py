@@ -189,6 +189,8 @@ def test_bad_settings_fail_before_compute(tmp_path):
     experiment = _experiment()
     assert experiment.main(["--config.families=('rope','bogus')", "--workdir", str(tmp_path)]) == 2
     assert experiment.main(["--config.passkey.digits=40", "--workdir", str(tmp_path)]) == 2
+    assert experiment.main(["--config.eval.attention_impl=flash", "--workdir", str(tmp_path)]) == 2
+    assert experiment.main(["--config.model.attention_impl=flash", "--workdir", str(tmp_path)]) == 2
     assert not any(tmp_path.iterdir())
 
 

@@ -25,6 +25,7 @@ from typing import Any, Mapping, Sequence
 import ml_collections
 
 from posattn import families, rotary
+from posattn.attention import IMPLEMENTATIONS
 
 __all__ = [
     "ConfigError",
@@ -297,8 +298,8 @@ def _validate_model(cfg: ModelConfig) -> None:
     _require(cfg.num_layers % cfg.kv_share == 0, f"{p}.kv_share", cfg.kv_share,
              f"must divide model.num_layers={cfg.num_layers} (layers share K/V in groups of kv_share)")
     _require(cfg.dtype in ("float32", "bfloat16"), f"{p}.dtype", cfg.dtype, "allowed: 'float32', 'bfloat16'")
-    _require(cfg.attention_impl in ("auto", "reference", "blockwise", "xla"), f"{p}.attention_impl",
-             cfg.attention_impl, "allowed: 'auto', 'reference', 'blockwise', 'xla'")
+    _require(cfg.attention_impl in IMPLEMENTATIONS, f"{p}.attention_impl", cfg.attention_impl,
+             "allowed: " + ", ".join(repr(name) for name in IMPLEMENTATIONS))
     _require(cfg.rope_layout in ("interleaved", "half"), f"{p}.rope_layout", cfg.rope_layout,
              "allowed: 'interleaved', 'half'")
     for name in ("rope_base", "alibi_slope_scale", "fire_init_c", "fire_init_L", "init_scale"):
