@@ -31,6 +31,7 @@ __all__ = [
     "ConfigError",
     "ModelConfig",
     "apply_overrides",
+    "config_and_workdir",
     "load_config",
     "model_config",
     "parse_args",
