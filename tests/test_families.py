@@ -71,19 +71,28 @@ def test_alibi_slope_scale_multiplies_slopes():
 
 
 def _check_grads_fd(name, params, *, eps=1e-2, rtol=2e-2, seed=0):
-    """Directional derivatives of sum(W * bias) against central finite differences."""
+    """Directional derivatives of sum(W * bias) against central finite differences.
+
+    The directions are fixed (one key per leaf, in sorted order), and the differences sum the
+    float32 biases in float64: a float32 sum of 2304 terms carries more rounding than the
+    difference being measured at small eps.
+    """
     q_pos, k_pos = jnp.arange(24), jnp.arange(24)
     w = jax.random.normal(jax.random.key(seed), (4, 24, 24))
 
     def f(p):
         return jnp.sum(w * _bias(name, p, q_pos, k_pos))
 
+    def f64(p):
+        return float(np.sum(np.asarray(w, np.float64) * np.asarray(_bias(name, p, q_pos, k_pos), np.float64)))
+
     grads = jax.grad(f)(params)
-    for leaf_name in params:
-        direction = jax.random.normal(jax.random.key(hash(leaf_name) % 1000), jnp.shape(params[leaf_name]))
+    for i, leaf_name in enumerate(sorted(params)):
+        key = jax.random.fold_in(jax.random.key(seed + 1), i)
+        direction = jax.random.normal(key, jnp.shape(params[leaf_name]))
         plus = dict(params, **{leaf_name: params[leaf_name] + eps * direction})
         minus = dict(params, **{leaf_name: params[leaf_name] - eps * direction})
-        numeric = (f(plus) - f(minus)) / (2 * eps)
+        numeric = (f64(plus) - f64(minus)) / (2 * eps)
         analytic = jnp.sum(grads[leaf_name] * direction)
         np.testing.assert_allclose(analytic, numeric, rtol=rtol, atol=1e-2 * max(1.0, abs(float(numeric))),
                                    err_msg=f"{name}.{leaf_name}")
@@ -97,7 +106,9 @@ def test_t5_table_gradient_matches_finite_differences():
 @pytest.mark.parametrize("name", ["kerple_power", "kerple_log"])
 def test_kerple_gradients_match_finite_differences(name):
     params = {"r1": jnp.array([0.3, 0.8, 1.2, 0.5]), "r2": jnp.array([0.5, 1.0, 1.5, 0.2])}
-    _check_grads_fd(name, params, eps=1e-3)
+    # eps 3e-3: at 1e-3 the float32 rounding of |offset|^r2 (up to ~130) shows in the difference,
+    # at 1e-2 the truncation error of log(1 + r2 x) does (measured over 60 random directions).
+    _check_grads_fd(name, params, eps=3e-3)
 
 
 def test_fire_gradients_match_finite_differences():
