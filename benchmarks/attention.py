@@ -130,11 +130,15 @@ def available_bytes():
     return 0
 
 
-def best_time(run, repeats, max_seconds=60.0, warmup=True):
+def best_time(run, repeats, max_seconds=60.0, warmup=True, before_each=None):
+    """Best wall-clock seconds of `repeats` calls of run() (stopping early past max_seconds);
+    `before_each()`, if given, runs untimed before every call."""
     if warmup:  # first-run allocations and page faults
         jax.block_until_ready(run())
     best, spent = float("inf"), 0.0
     for _ in range(repeats):
+        if before_each is not None:
+            before_each()
         t0 = time.perf_counter()
         jax.block_until_ready(run())
         dt = time.perf_counter() - t0
@@ -166,17 +170,9 @@ class MatmulCeiling:
 def paired_best_time(run, ceiling, repeats, max_seconds=60.0):
     """best_time, with one matmul timed before every repeat: (best time, best matmul FLOP/s of
     the same window), so both see the same contention on a shared machine."""
-    jax.block_until_ready(run())
-    best, best_mm, spent = float("inf"), 0.0, 0.0
-    for _ in range(repeats):
-        best_mm = max(best_mm, ceiling.sample())
-        t0 = time.perf_counter()
-        jax.block_until_ready(run())
-        dt = time.perf_counter() - t0
-        best, spent = min(best, dt), spent + dt
-        if spent > max_seconds:
-            break
-    return best, best_mm
+    rates = []
+    best = best_time(run, repeats, max_seconds, before_each=lambda: rates.append(ceiling.sample()))
+    return best, max(rates)
 
 
 # ----------------------------------------------------------------------------------------------

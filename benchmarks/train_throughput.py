@@ -36,6 +36,11 @@ pair, value_and_grad over q, k, v and the slopes) with implementation "chunked",
 "xla" at --shapes B,T,N,H, interleaved, best of --rounds: the measurement behind "auto"'s rule
 (posattn.attention.AUTO_CHUNKED_MAX_HEAD_LOGITS, docs/attention.md).
 
+With --pieces, instead: pieces of "other" alone at the small config's shape, forward + backward
+(value_and_grad of a weighted sum), best of --rounds x 10 calls: RoPE on one [B, T, N, H] q or k
+(per layout), GELU (tanh and exact) and ReLU on the MLP's [B T, d_ff], RMSNorm on [B, T, D], the
+cross-entropy on [B, T, vocab].
+
 With --xtransformers PYTHON, benchmarks/xtransformers_baseline.py runs under that interpreter (one
 with torch and x-transformers; never a posattn dependency) for the families it has (rope, alibi,
 learned, nope) on configs whose key/value heads equal the query heads, alternating with our rounds;
@@ -54,12 +59,10 @@ import pathlib
 import platform
 import statistics
 import subprocess
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from posattn import attention as attention_lib
@@ -207,6 +210,48 @@ def crossover(shapes: list[str], rounds: int) -> None:
               + f" | {ms['blockwise'] / ms['chunked']:.2f} | {ms['xla'] / ms['chunked']:.2f} |", flush=True)
 
 
+def pieces(rounds: int) -> None:
+    """The pieces of a step's "other" share, each alone, at the small config's shape."""
+    from posattn import rotary
+    from posattn.layers import RMSNorm
+
+    B, T, N, H, D, F, V = 16, 256, 4, 32, 128, 512, 256
+    keys = iter(jax.random.split(jax.random.key(0), 8))
+    x = jax.random.normal(next(keys), (B, T, N, H))
+    h = jax.random.normal(next(keys), (B * T, F))
+    r = jax.random.normal(next(keys), (B, T, D))
+    logits = jax.random.normal(next(keys), (B, T, V))
+    targets = jax.random.randint(next(keys), (B, T), 0, V)
+    inv_freq, _ = rotary.rope_frequencies(H)
+    positions = jnp.arange(T)
+    norm = RMSNorm(D, dtype=jnp.float32)
+
+    def weighted(fn, arg):  # forward + backward of sum(fn(arg) * w), w a fixed array like fn's output
+        w = jax.random.normal(jax.random.key(9), jax.eval_shape(fn, arg).shape)
+        return jax.jit(jax.value_and_grad(lambda a: jnp.sum(fn(a) * w))), arg
+
+    def cross_entropy(z):
+        logp = jax.nn.log_softmax(z)
+        return -jnp.take_along_axis(logp, targets[..., None], axis=-1)
+
+    cases = {
+        f"RoPE interleaved, one of q/k {list(x.shape)}": weighted(
+            lambda a: rotary.apply_rope(a, positions, inv_freq, layout="interleaved"), x),
+        f"RoPE half, one of q/k {list(x.shape)}": weighted(
+            lambda a: rotary.apply_rope(a, positions, inv_freq, layout="half"), x),
+        f"GELU tanh {list(h.shape)}": weighted(lambda a: jax.nn.gelu(a, approximate=True), h),
+        f"GELU exact {list(h.shape)}": weighted(lambda a: jax.nn.gelu(a, approximate=False), h),
+        f"ReLU {list(h.shape)}": weighted(jax.nn.relu, h),
+        f"RMSNorm {list(r.shape)}": weighted(norm, r),
+        f"cross-entropy {list(logits.shape)}": weighted(cross_entropy, logits),
+    }
+    print("\n| piece (forward + backward) | ms (best) |\n|---|---|")
+    for name, (fn, arg) in cases.items():
+        timed(fn, arg)  # compile
+        best = min(timed(fn, arg, repeats=10) for _ in range(rounds))
+        print(f"| {name} | {best * 1e3:.2f} |", flush=True)
+
+
 def baseline_round(python: str, case: Case, *, threads: int, steps_per_round: int) -> dict:
     cfg = case.cfg
     cmd = [python, str(ROOT / "benchmarks" / "xtransformers_baseline.py"), "--d_model", str(cfg.d_model),
@@ -246,11 +291,17 @@ def main(argv=None):
     parser.add_argument("--json", metavar="PATH", help="also write every round as JSON")
     parser.add_argument("--crossover", action="store_true",
                         help="time attention alone per implementation at --shapes instead")
+    parser.add_argument("--pieces", action="store_true",
+                        help="time RoPE, GELU, RMSNorm and the cross-entropy alone instead")
     parser.add_argument("--shapes", nargs="+", default=CROSSOVER_SHAPES, metavar="B,T,N,H")
     args = parser.parse_args(argv)
 
     print(f"# {cpu_model()}, {os.cpu_count()} cores; jax {jax.__version__} ({jax.default_backend()}); "
           f"load average at start {load_average()}")
+    if args.pieces:
+        pieces(args.rounds)
+        print(f"# load average at the end {load_average()}")
+        return
     if args.crossover:
         crossover(args.shapes, args.rounds)
         print(f"# load average at the end {load_average()}")

@@ -47,11 +47,10 @@ from flax import nnx
 
 from posattn import config as config_lib
 from posattn import data as data_lib
-from posattn import evaluate, families, probes, steps
+from posattn import evaluate, families, probes
 from posattn.attention import IMPLEMENTATIONS
-from posattn.checkpoint import Checkpointer
 from posattn.model import TransformerLM
-from posattn.train import NonFiniteLossError, WorkdirBusyError, train_and_evaluate
+from posattn.train import NonFiniteLossError, WorkdirBusyError, restore_trained, train_and_evaluate
 
 __all__ = ["eval_lengths", "family_config", "main", "run"]
 
@@ -146,19 +145,10 @@ def _train(train_config, fam_dir: pathlib.Path) -> dict:
 
 def restore_model(train_config, fam_dir: pathlib.Path, *, attention_impl: str):
     """(cfg, graphdef, params, constants) of the finished run in `fam_dir`, with `attention_impl`."""
-    cfg = config_lib.validate(train_config)
-    tx = steps.make_optimizer(steps.OptimConfig.from_config(train_config.train))
-    abstract = jax.eval_shape(lambda k: steps.init_train_state(cfg, tx, k), jax.random.key(0))
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
-    ckpt = Checkpointer(fam_dir / "checkpoints")
-    try:
-        restored = ckpt.restore_latest(target)
-    finally:
-        ckpt.close()
-    if restored is None or int(restored[1]["step"]) != int(train_config.train.steps):
+    restored = restore_trained(train_config, fam_dir / "checkpoints")
+    if restored is None or restored[2] != int(train_config.train.steps):
         raise RuntimeError(f"{fam_dir} holds no finished checkpoint; delete {fam_dir / 'trained.json'} and rerun")
-    state = restored[0]
+    cfg, state, _ = restored
     cfg = dataclasses.replace(cfg, attention_impl=attention_impl)
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(params=0))))
     return cfg, graphdef, state["params"], state["constants"]

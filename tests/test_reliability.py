@@ -1,7 +1,6 @@
 """Faults lose nothing: NaN stops cleanly, SIGTERM saves, SIGKILL and damaged checkpoints resume exactly."""
 
 import fcntl
-import json
 import os
 import signal
 import subprocess

@@ -7,7 +7,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from conftest import ROOT, losses, read_metrics, run_python
+from conftest import ROOT, losses, run_python
 from posattn import config as config_lib
 from posattn import sweep, sweep_config
 from posattn.train import train_and_evaluate

@@ -16,8 +16,9 @@ probabilities are recomputed from the saved row max and 1 / row sum, `dV = P^T d
 `dS = P * (dP - D)` with `D = rowsum(P * dP)`, `dQ = scale dS K`, `dK = scale dS^T Q`, and the bias
 gradient is the sum of `dS` over the rows that share the bias.
 
-Why it is fast on XLA:CPU (measured at B 16, T = S 256, 4 heads of 32, ALiBi, causal; the numbers
-and the command are in docs/attention.md):
+Why it is fast on XLA:CPU (measured at B 16, T = S 256, 4 heads of 32, ALiBi, causal, with
+development scripts that are not in the repository; docs/attention.md gives the numbers, and
+`benchmarks/train_throughput.py --crossover` reproduces the end result):
   * head-major operands make every matmul a batched GEMM on contiguous [T, H] / [S, H] blocks
     (`jax.nn.dot_product_attention`'s [B, T, N, H] contractions ran 3-4x slower);
   * a chunk of R rows keeps the [R, N, T, S] logits (4 MiB) in cache for the elementwise passes,

@@ -13,7 +13,6 @@ How the cache works: docs/decoding.md.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import logging
 import pathlib
@@ -24,12 +23,11 @@ import jax
 import ml_collections
 import numpy as np
 from flax import nnx
-from jax.sharding import SingleDeviceSharding
 
 from posattn import config as config_lib
-from posattn import decode, steps
-from posattn.checkpoint import Checkpointer
+from posattn import decode
 from posattn.model import TransformerLM
+from posattn.train import restore_trained
 
 __all__ = ["load_model", "main"]
 
@@ -51,22 +49,13 @@ def load_model(workdir: str | pathlib.Path):
     if not path.is_file():
         raise GenerateError(f"{workdir} has no config.json: is it a workdir written by python -m posattn.train?")
     config = ml_collections.ConfigDict(json.loads(path.read_text()))
-    cfg = config_lib.validate(config)
-    tx = steps.make_optimizer(steps.OptimConfig.from_config(config.train))
-    abstract = jax.eval_shape(functools.partial(steps.init_train_state, cfg, tx), jax.random.key(0))
-    device = SingleDeviceSharding(jax.devices()[0])
-    targets = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
-    ckpt = Checkpointer(workdir / "checkpoints")
-    try:
-        restored = ckpt.restore_latest(targets)
-    finally:
-        ckpt.close()
+    restored = restore_trained(config, workdir / "checkpoints")
     if restored is None:
         raise GenerateError(f"{workdir / 'checkpoints'} holds no checkpoint that restores; train first with "
                             f"python -m posattn.train --config configs/tiny.py --workdir {workdir}")
-    state, record = restored
+    cfg, state, step = restored
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(params=0))))
-    return cfg, graphdef, state["params"], state["constants"], int(record["step"])
+    return cfg, graphdef, state["params"], state["constants"], step
 
 
 def _parser() -> argparse.ArgumentParser:

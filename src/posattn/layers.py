@@ -10,6 +10,7 @@ absolute families, whose embedding the model adds at the input). It never branch
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -66,11 +67,9 @@ class RMSNorm(nnx.Module):
 
 
 def bias_settings(cfg: ModelConfig) -> families.BiasSettings:
-    return families.BiasSettings(
-        num_heads=cfg.num_heads, head_dim=cfg.head_dim, bidirectional=not cfg.causal,
-        t5_num_buckets=cfg.t5_num_buckets, t5_max_distance=cfg.t5_max_distance,
-        alibi_slope_scale=cfg.alibi_slope_scale, fire_mlp_width=cfg.fire_mlp_width,
-        fire_init_c=cfg.fire_init_c, fire_init_L=cfg.fire_init_L, init_scale=cfg.init_scale)
+    # Every other field of BiasSettings has the ModelConfig field of the same name.
+    names = {f.name for f in dataclasses.fields(families.BiasSettings)} - {"bidirectional"}
+    return families.BiasSettings(bidirectional=not cfg.causal, **{n: getattr(cfg, n) for n in names})
 
 
 class PositionBias(nnx.Module):

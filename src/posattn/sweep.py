@@ -44,6 +44,7 @@ from posattn import sharding, steps, sweep_config, sweep_report
 from posattn import workdir as workdir_lib
 from posattn.checkpoint import Checkpointer
 from posattn.model import TransformerLM
+from posattn.train import restore_for_resume
 
 __all__ = ["main", "run_sweep", "sweep_mesh"]
 
@@ -220,14 +221,9 @@ def _run_program(program, corpus, pdir: pathlib.Path, lead: bool, stop_after, le
     options = data_lib.batch_options(first.config.data, causal=cfg.causal, vocab_size=cfg.vocab_size)
 
     ckpt = Checkpointer(pdir / "checkpoints", max_to_keep=train_cfg.get("keep_checkpoints", 3))
-    targets = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh)
-    restored = ckpt.restore_latest(targets)
+    restored = restore_for_resume(ckpt, abstract, state_sh, corpus, pdir)
     if restored is not None:
-        state, record = restored
-        start = int(record["step"])
-        if record.get("corpus_sha256") not in (None, corpus.sha256):
-            raise data_lib.DataError(f"{pdir} was trained on another corpus (sha256 {record['corpus_sha256'][:12]}...); "
-                                     "use a new --workdir")
+        state, start = restored
         workdir_lib.say(lead, f"resuming sweep program {program.index} from step {start}")
     else:
         host = {"members": _stack(_initial_members(program)), "alive": np.ones((K,), bool)}

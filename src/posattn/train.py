@@ -27,7 +27,7 @@ import jax
 import ml_collections
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from posattn import config as config_lib
@@ -72,6 +72,41 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
         return _train(config, cfg, corpus, workdir, lead, stop_after)
 
 
+def restore_for_resume(ckpt: Checkpointer, abstract, shardings, corpus: data_lib.Corpus,
+                       where: pathlib.Path) -> tuple[Any, int] | None:
+    """(state, step) of the latest checkpoint that restores, laid out as `shardings`, or None.
+
+    Refuses (DataError) a checkpoint written on a corpus whose content hash differs from
+    `corpus`'s: resuming would silently continue on other data. `where` names the run.
+    """
+    targets = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    restored = ckpt.restore_latest(targets)
+    if restored is None:
+        return None
+    state, record = restored
+    if record.get("corpus_sha256") not in (None, corpus.sha256):
+        raise data_lib.DataError(
+            f"{where} was trained on a corpus with sha256 {record['corpus_sha256'][:12]}..., but "
+            f"{corpus.name!r} now hashes to {corpus.sha256[:12]}...; use a new --workdir")
+    return state, int(record["step"])
+
+
+def restore_trained(config: ml_collections.ConfigDict, checkpoints: pathlib.Path) -> tuple[Any, Any, int] | None:
+    """(validated model config, train state, step) of the latest checkpoint in `checkpoints`, on
+    one local device (for evaluation and generation), or None when none restores."""
+    cfg = config_lib.validate(config)
+    tx = steps.make_optimizer(steps.OptimConfig.from_config(config.train))
+    abstract = jax.eval_shape(functools.partial(steps.init_train_state, cfg, tx), jax.random.key(0))
+    device = SingleDeviceSharding(jax.local_devices()[0])
+    ckpt = Checkpointer(checkpoints)
+    try:
+        restored = ckpt.restore_latest(jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract))
+    finally:
+        ckpt.close()
+    return None if restored is None else (cfg, restored[0], int(restored[1]["step"]))
+
+
 def _train(config, cfg, corpus, workdir: pathlib.Path, lead: bool, stop_after: int | None) -> dict[str, Any]:
     train_cfg, data_cfg = config.train, config.data
     B, T, total = train_cfg.batch_size, data_cfg.seq_len, train_cfg.steps
@@ -92,15 +127,9 @@ def _train(config, cfg, corpus, workdir: pathlib.Path, lead: bool, stop_after: i
     options = data_lib.batch_options(data_cfg, causal=cfg.causal, vocab_size=cfg.vocab_size)
 
     ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=train_cfg.get("keep_checkpoints", 3))
-    targets = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh)
-    restored = ckpt.restore_latest(targets)
+    restored = restore_for_resume(ckpt, abstract, state_sh, corpus, workdir)
     if restored is not None:
-        state, record = restored
-        start = int(record["step"])
-        if record.get("corpus_sha256") not in (None, corpus.sha256):
-            raise data_lib.DataError(
-                f"{workdir} was trained on a corpus with sha256 {record['corpus_sha256'][:12]}..., but "
-                f"{corpus.name!r} now hashes to {corpus.sha256[:12]}...; use a new --workdir")
+        state, start = restored
         workdir_lib.say(lead, f"resuming {workdir} from step {start}")
     else:
         state = jax.jit(init, out_shardings=state_sh)(key)
