@@ -11,7 +11,7 @@ Run (from the repository root; the full table takes ~15 minutes on 2 CPU cores):
 
 Setup: batch 1, 8 heads, head dim 64, float32, causal self-attention (T = S), ALiBi and T5
 biases from `posattn.positions` evaluated from positions. Implementations, all in one process:
-  blockwise  `posattn.blockwise.blockwise_attention`, bias as (BiasFn, params), default tiles;
+  blockwise  `posattn.attention.blockwise.blockwise_attention`, bias as (BiasFn, params), default tiles;
   jax.nn     `jax.nn.dot_product_attention(q, k, v, bias=materialised [1, N, T, S],
              is_causal=True)`, the bias materialised inside the same jit;
   reference  `attention(..., implementation="reference")`.
@@ -28,6 +28,7 @@ With --rss, each forward also runs in a fresh subprocess and its peak RSS (VmHWM
 reported: everything the process held, the JAX runtime, compiler and inputs included; the peak of
 the same subprocess that compiles but does not run is printed once as the floor.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,7 +43,7 @@ import jax.numpy as jnp
 
 from posattn import positions
 from posattn.attention import attention
-from posattn.blockwise import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, blockwise_attention
+from posattn.attention.blockwise import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, blockwise_attention
 
 B, N, H = 1, 8, 64
 GIB = 2**30
@@ -83,21 +84,21 @@ def make_fn(impl, bias_name, grad, tiles=(DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K)):
         bias = None if fn is None else (fn, params)
         match impl:
             case "blockwise":
-                return blockwise_attention(q, k, v, bias=bias, causal=True, scale=scale,
-                                           block_q=tiles[0], block_k=tiles[1])
+                return blockwise_attention(
+                    q, k, v, bias=bias, causal=True, scale=scale, block_q=tiles[0], block_k=tiles[1]
+                )
             case "xla":  # posattn's own "xla" path (explicit mask, fully-masked rows zeroed)
-                return attention(q, k, v, bias=bias, causal=True, scale=scale,
-                                 implementation="xla")
+                return attention(q, k, v, bias=bias, causal=True, scale=scale, implementation="xla")
             case "jax.nn":
                 T, S = q.shape[1], k.shape[1]
                 full = None
                 if fn is not None:
                     full = fn(params, jnp.arange(T), jnp.arange(S))[None]  # (1, N, T, S)
-                return jax.nn.dot_product_attention(q, k, v, bias=full, is_causal=True,
-                                                    scale=scale)
+                return jax.nn.dot_product_attention(q, k, v, bias=full, is_causal=True, scale=scale)
             case "reference":
-                return attention(q, k, v, bias=bias, causal=True, scale=scale,
-                                 implementation="reference")
+                return attention(
+                    q, k, v, bias=bias, causal=True, scale=scale, implementation="reference"
+                )
         raise ValueError(impl)
 
     if not grad:
@@ -118,8 +119,12 @@ def attention_flops(T, grad):
 
 def xla_bytes(compiled):
     m = compiled.memory_analysis()
-    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-            - m.alias_size_in_bytes)
+    return (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        + m.temp_size_in_bytes
+        - m.alias_size_in_bytes
+    )
 
 
 def available_bytes():
@@ -197,7 +202,10 @@ def rss_peak(impl, bias_name, T, run_it=True):
     """Peak RSS of a fresh process that builds the inputs, compiles and (if run_it) runs once."""
     out = subprocess.run(
         [sys.executable, __file__, "--_child", f"{impl},{bias_name},{T},{int(run_it)}"],
-        capture_output=True, text=True, check=True)
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return int(out.stdout.strip().splitlines()[-1])
 
 
@@ -211,12 +219,16 @@ def fmt_gib(x):
 def run_table(args):
     impls = ["blockwise", "jax.nn", "reference"]
     budget = min(args.mem_budget_gib * GIB, 0.8 * available_bytes())
-    print(f"memory budget for one program: {budget / GIB:.1f} GiB "
-          f"(--mem-budget-gib {args.mem_budget_gib}, 80% of MemAvailable)\n")
+    print(
+        f"memory budget for one program: {budget / GIB:.1f} GiB "
+        f"(--mem-budget-gib {args.mem_budget_gib}, 80% of MemAvailable)\n"
+    )
     if args.rss:
         floor = rss_peak("blockwise", args.biases[0], args.lengths[0], run_it=False)
-        print(f"RSS floor (a subprocess that compiles the T={args.lengths[0]} blockwise forward "
-              f"but does not run it): {fmt_gib(floor)} GiB")
+        print(
+            f"RSS floor (a subprocess that compiles the T={args.lengths[0]} blockwise forward "
+            f"but does not run it): {fmt_gib(floor)} GiB"
+        )
     ceiling = MatmulCeiling()
     print(f"matmul 4096^3 float32: {ceiling.sample(3) / 1e9:.1f} GFLOP/s (first samples)")
     rows = []
@@ -230,8 +242,16 @@ def run_table(args):
                     f, params = make_fn(impl, bias_name, grad)
                     compiled = f.lower(q, k, v, params).compile()
                     need = xla_bytes(compiled)
-                    row = dict(T=T, bias=bias_name, grad=grad, impl=impl, mem=need, time=None,
-                               rss=None, mm=None)
+                    row = dict(
+                        T=T,
+                        bias=bias_name,
+                        grad=grad,
+                        impl=impl,
+                        mem=need,
+                        time=None,
+                        rss=None,
+                        mm=None,
+                    )
                     run = lambda: compiled(q, k, v, params)
                     if need > budget:
                         row["skip"] = f"needs {need / GIB:.1f} GiB > budget"
@@ -259,23 +279,31 @@ def _row_text(r):
     rss = "" if r["rss"] is None else f", peak RSS {fmt_gib(r['rss'])} GiB"
     if r["mm"]:
         rss += f", {100 * gf * 1e9 / r['mm']:.0f}% of the same window's matmul ({r['mm'] / 1e9:.0f} GFLOP/s)"
-    return (f"{head} {r['time'] * 1e3:10.1f} ms  {gf:6.1f} GFLOP/s  "
-            f"XLA buffers {fmt_gib(r['mem'])} GiB{rss}")
+    return (
+        f"{head} {r['time'] * 1e3:10.1f} ms  {gf:6.1f} GFLOP/s  "
+        f"XLA buffers {fmt_gib(r['mem'])} GiB{rss}"
+    )
 
 
 def print_summary(rows, mm, args):
-    print(f"\n## Summary (matmul ceiling {mm / 1e9:.1f} GFLOP/s; tiles "
-          f"{DEFAULT_BLOCK_Q}x{DEFAULT_BLOCK_K}; causal; load average {os.getloadavg()[0]:.1f})")
-    print("\n| T | bias | pass | blockwise ms | % matmul (window / run best) | jax.nn ms | speed-up vs jax.nn "
-          "| reference ms | speed-up vs ref | blockwise GiB | jax.nn GiB | reference GiB |"
-          + (" blockwise peak RSS GiB |" if args.rss else ""))
+    print(
+        f"\n## Summary (matmul ceiling {mm / 1e9:.1f} GFLOP/s; tiles "
+        f"{DEFAULT_BLOCK_Q}x{DEFAULT_BLOCK_K}; causal; load average {os.getloadavg()[0]:.1f})"
+    )
+    print(
+        "\n| T | bias | pass | blockwise ms | % matmul (window / run best) | jax.nn ms | speed-up vs jax.nn "
+        "| reference ms | speed-up vs ref | blockwise GiB | jax.nn GiB | reference GiB |"
+        + (" blockwise peak RSS GiB |" if args.rss else "")
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.rss else ""))
     index = {(r["T"], r["bias"], r["grad"], r["impl"]): r for r in rows}
     for (T, bias_name, grad, impl), bw in index.items():
         if impl != "blockwise":
             continue
-        nn, ref = index.get((T, bias_name, grad, "jax.nn")), index.get((T, bias_name, grad,
-                                                                           "reference"))
+        nn, ref = (
+            index.get((T, bias_name, grad, "jax.nn")),
+            index.get((T, bias_name, grad, "reference")),
+        )
 
         def ms(r):
             return "skipped" if r is None or r["time"] is None else f"{r['time'] * 1e3:.0f}"
@@ -290,17 +318,22 @@ def print_summary(rows, mm, args):
             rate = attention_flops(T, grad) / bw["time"]
             pct = f"{100 * rate / bw['mm']:.0f}% / {100 * rate / mm:.0f}%"
         mem = lambda r: "-" if r is None else fmt_gib(r["mem"]) + ("" if r["time"] else " (skip)")
-        line = (f"| {T} | {bias_name} | {'fwd+bwd' if grad else 'fwd'} | {ms(bw)} | {pct} | "
-                f"{ms(nn)} | {speedup(nn)} | {ms(ref)} | {speedup(ref)} | {mem(bw)} | "
-                f"{mem(nn)} | {mem(ref)} |")
+        line = (
+            f"| {T} | {bias_name} | {'fwd+bwd' if grad else 'fwd'} | {ms(bw)} | {pct} | "
+            f"{ms(nn)} | {speedup(nn)} | {ms(ref)} | {speedup(ref)} | {mem(bw)} | "
+            f"{mem(nn)} | {mem(ref)} |"
+        )
         if args.rss:
             line += f" {fmt_gib(bw['rss'])} |"
         print(line)
     # Linear memory: blockwise bytes per token across lengths.
     for bias_name in args.biases:
         for grad in (False, True):
-            pts = [(r["T"], r["mem"]) for r in rows if r["impl"] == "blockwise"
-                   and r["bias"] == bias_name and r["grad"] == grad]
+            pts = [
+                (r["T"], r["mem"])
+                for r in rows
+                if r["impl"] == "blockwise" and r["bias"] == bias_name and r["grad"] == grad
+            ]
             if len(pts) > 1:
                 per_token = ", ".join(f"T={t}: {m / t / 1024:.1f} KiB/token" for t, m in pts)
                 print(f"blockwise {bias_name} {'fwd+bwd' if grad else 'fwd'} memory: {per_token}")
@@ -319,9 +352,12 @@ def run_crossover(args):
                     f, params = make_fn(impl, bias_name, grad)
                     compiled = f.lower(q, k, v, params).compile()
                     times[impl] = best_time(lambda: compiled(q, k, v, params), args.repeats)
-                print(f"| {T} | {bias_name} | {'fwd+bwd' if grad else 'fwd'} | "
-                      f"{times['xla'] * 1e3:.2f} | {times['blockwise'] * 1e3:.2f} | "
-                      f"{times['xla'] / times['blockwise']:.2f} |", flush=True)
+                print(
+                    f"| {T} | {bias_name} | {'fwd+bwd' if grad else 'fwd'} | "
+                    f"{times['xla'] * 1e3:.2f} | {times['blockwise'] * 1e3:.2f} | "
+                    f"{times['xla'] / times['blockwise']:.2f} |",
+                    flush=True,
+                )
 
 
 def run_tiles(args):
@@ -343,8 +379,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
     parser.add_argument("--biases", nargs="+", default=["alibi", "t5"])
-    parser.add_argument("--max-grad-len", type=int, default=16384,
-                        help="forward+backward only up to this length (32k is forward only)")
+    parser.add_argument(
+        "--max-grad-len",
+        type=int,
+        default=16384,
+        help="forward+backward only up to this length (32k is forward only)",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--mem-budget-gib", type=float, default=16.0)
     parser.add_argument("--rss", action="store_true", help="also peak RSS of a subprocess")
@@ -355,10 +395,18 @@ def main():
     if args._child:
         impl, bias_name, T, run_it = args._child.split(",")
         return child_rss(impl, bias_name, int(T), run_it == "1")
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                if line.startswith("model name")), platform.processor())
-    print(f"# posattn attention benchmark\n{cpu}, {os.cpu_count()} cores; jax {jax.__version__}, "
-          f"{jax.devices()[0].platform}; load average {os.getloadavg()[0]:.1f}\n")
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in open("/proc/cpuinfo")
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    print(
+        f"# posattn attention benchmark\n{cpu}, {os.cpu_count()} cores; jax {jax.__version__}, "
+        f"{jax.devices()[0].platform}; load average {os.getloadavg()[0]:.1f}\n"
+    )
     if args.crossover:
         return run_crossover(args)
     if args.tiles:

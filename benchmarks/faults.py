@@ -24,14 +24,32 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-OVERRIDES = ["model.d_model=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
-             "data.seq_len=32", "train.batch_size=8", "train.eval_every=0", "train.warmup_steps=10",
-             "train.checkpoint_every=2", "train.log_every=1", "train.keep_checkpoints=3"]
+OVERRIDES = [
+    "model.d_model=32",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "data.seq_len=32",
+    "train.batch_size=8",
+    "train.eval_every=0",
+    "train.warmup_steps=10",
+    "train.checkpoint_every=2",
+    "train.log_every=1",
+    "train.keep_checkpoints=3",
+]
 
 
 def command(workdir: pathlib.Path, steps: int) -> list[str]:
-    return [sys.executable, "-m", "posattn.train", "--config", str(ROOT / "configs" / "tiny.py"),
-            "--workdir", str(workdir), f"--config.train.steps={steps}"] + [f"--config.{o}" for o in OVERRIDES]
+    return [
+        sys.executable,
+        "-m",
+        "posattn.train",
+        "--config",
+        str(ROOT / "configs" / "tiny.py"),
+        "--workdir",
+        str(workdir),
+        f"--config.train.steps={steps}",
+    ] + [f"--config.{o}" for o in OVERRIDES]
 
 
 def logged_losses(workdir: pathlib.Path) -> dict[int, float]:
@@ -75,8 +93,13 @@ def main() -> int:
     log = []
     for kill in range(args.kills):
         before = len(logged_losses(faulty))
-        proc = subprocess.Popen(command(faulty, args.steps), env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            command(faulty, args.steps),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         while proc.poll() is None and len(logged_losses(faulty)) <= before:
             time.sleep(0.02)  # wait until this restart is training
         if proc.poll() is not None:
@@ -89,8 +112,11 @@ def main() -> int:
         log.append(proc.communicate()[0])
         hit_write = bool(temporary_dirs(faulty))
         during_write += hit_write
-        print(f"kill {kill + 1:2d}: at step {max(logged_losses(faulty), default=0):4d}, "
-              f"checkpoints {sorted(saved_before)[-3:]}, during a write: {hit_write}", flush=True)
+        print(
+            f"kill {kill + 1:2d}: at step {max(logged_losses(faulty), default=0):4d}, "
+            f"checkpoints {sorted(saved_before)[-3:]}, during a write: {hit_write}",
+            flush=True,
+        )
         survived += 1
     final = subprocess.run(command(faulty, args.steps), env=env, capture_output=True, text=True)
     log.append(final.stdout + final.stderr)
@@ -100,10 +126,16 @@ def main() -> int:
                 discarded.add(int(line.split("checkpoint ")[1].split(" ")[0]))
     ref, got = logged_losses(reference), logged_losses(faulty)
     mismatches = sum(1 for step in ref if got.get(step) != ref[step])
-    summary = {"kills": args.kills, "kills_survived": survived if final.returncode == 0 else 0,
-               "kills_during_checkpoint_write": during_write, "checkpoints_lost": len(discarded),
-               "steps_compared": len(ref), "mismatches": mismatches, "final_returncode": final.returncode,
-               "wall_s": round(time.perf_counter() - start, 1)}
+    summary = {
+        "kills": args.kills,
+        "kills_survived": survived if final.returncode == 0 else 0,
+        "kills_during_checkpoint_write": during_write,
+        "checkpoints_lost": len(discarded),
+        "steps_compared": len(ref),
+        "mismatches": mismatches,
+        "final_returncode": final.returncode,
+        "wall_s": round(time.perf_counter() - start, 1),
+    }
     print(json.dumps(summary))
     return 0 if mismatches == 0 and final.returncode == 0 else 1
 

@@ -8,6 +8,7 @@ Run (about a minute on 2 CPU cores):
     .venv/bin/python benchmarks/rope_phase_error.py
 Results and their meaning: docs/rope.md, "Precision at long positions".
 """
+
 import time
 
 import jax
@@ -28,13 +29,17 @@ def sweep(theta, positions_chunks):
     angles = jax.jit(rope_angles)
     # Rotating the unit vector (1, 0) of every pair gives (cos, sin) of the angle actually applied.
     unit = jnp.tile(jnp.array([1.0, 0.0], jnp.float32), theta.shape[0])[None, None, :]  # (1, 1, H)
-    rotate = jax.jit(lambda p: apply_rope(jnp.broadcast_to(unit, (p.shape[0], 1, unit.shape[-1])), p, theta))
+    rotate = jax.jit(
+        lambda p: apply_rope(jnp.broadcast_to(unit, (p.shape[0], 1, unit.shape[-1])), p, theta)
+    )
     ours = applied = naive = 0.0
     for p in positions_chunks:
         exact = p[:, None].astype(np.float64) * theta.astype(np.float64)
         ours = max(ours, np.abs(wrapped(np.asarray(angles(p, theta), np.float64) - exact)).max())
         pairs = np.asarray(rotate(p), np.float64).reshape(p.shape[0], -1, 2)  # (T, F, 2)
-        applied = max(applied, np.abs(wrapped(np.arctan2(pairs[..., 1], pairs[..., 0]) - exact)).max())
+        applied = max(
+            applied, np.abs(wrapped(np.arctan2(pairs[..., 1], pairs[..., 0]) - exact)).max()
+        )
         product = (p[:, None].astype(np.float32) * theta).astype(np.float64)
         naive = max(naive, np.abs(wrapped(product - exact)).max())
     return ours, applied, naive
@@ -58,21 +63,29 @@ def cost(theta, length=8192, repeats=20):
 def main():
     rng = np.random.default_rng(0)
     print(f"jax {jax.__version__}, backend {jax.default_backend()}")
-    print("| frequencies (head_dim 128) | positions | rope_angles | applied rotation | float32 p*theta |")
+    print(
+        "| frequencies (head_dim 128) | positions | rope_angles | applied rotation | float32 p*theta |"
+    )
     print("|---|---|---|---|---|")
     for base in (10000.0, 500000.0):
         theta = np.asarray(rope_frequencies(128, base=base)[0])
         ranges = {
-            "all 0 .. 2^20 - 1": (np.arange(s, s + CHUNK, dtype=np.int32) for s in range(0, 2**20, CHUNK)),
-            "40k random in (-2^24, 2^24)": [rng.integers(-2**24 + 1, 2**24, 40_000).astype(np.int32)],
+            "all 0 .. 2^20 - 1": (
+                np.arange(s, s + CHUNK, dtype=np.int32) for s in range(0, 2**20, CHUNK)
+            ),
+            "40k random in (-2^24, 2^24)": [
+                rng.integers(-(2**24) + 1, 2**24, 40_000).astype(np.int32)
+            ],
         }
         for label, chunks in ranges.items():
             ours, applied, naive = sweep(theta, chunks)
             print(f"| base {base:g} | {label} | {ours:.2e} | {applied:.2e} | {naive:.2e} |")
     theta = rope_frequencies(128)[0]
     accurate, plain = cost(theta)
-    print(f"\ncost, 8192 positions x 64 frequencies, jit on {jax.default_backend()}: "
-          f"rope_angles {accurate:.0f} us, plain product {plain:.0f} us")
+    print(
+        f"\ncost, 8192 positions x 64 frequencies, jit on {jax.default_backend()}: "
+        f"rope_angles {accurate:.0f} us, plain product {plain:.0f} us"
+    )
 
 
 if __name__ == "__main__":

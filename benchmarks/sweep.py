@@ -36,12 +36,15 @@ def _cli(args: list[str]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=("cli", "in-process"), default="cli")
-    parser.add_argument("--steps", type=int, default=None, help="train.steps (default: the config's)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="train.steps (default: the config's)"
+    )
     args = parser.parse_args()
     extra = [f"--config.train.steps={args.steps}"] if args.steps else []
 
     from posattn import config as config_lib
-    from posattn import sweep, sweep_config
+    from posattn import sweep
+    from posattn.sweep import plan as sweep_config
 
     config = config_lib.load_config(CONFIG, extra)
     programs = sweep_config.plan(config, cli_overrides=extra)
@@ -50,11 +53,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
         if args.mode == "cli":
-            t_sweep = _cli(["posattn.sweep", "--config", str(CONFIG), "--workdir", str(tmp / "sweep"), *extra])
+            t_sweep = _cli(
+                ["posattn.sweep", "--config", str(CONFIG), "--workdir", str(tmp / "sweep"), *extra]
+            )
             t_single = sum(
-                _cli(["posattn.train", "--config", str(CONFIG), "--workdir", str(tmp / f"m{m.index}"),
-                      *[sweep_config.format_override(k, v) for k, v in m.overrides.items()]])
-                for m in members)
+                _cli(
+                    [
+                        "posattn.train",
+                        "--config",
+                        str(CONFIG),
+                        "--workdir",
+                        str(tmp / f"m{m.index}"),
+                        *[sweep_config.format_override(k, v) for k, v in m.overrides.items()],
+                    ]
+                )
+                for m in members
+            )
         else:
             from posattn.train import train_and_evaluate
 
@@ -67,8 +81,10 @@ def main() -> None:
             t_single = time.perf_counter() - start
         records = json.loads((tmp / "sweep" / "sweep.json").read_text())["members"]
     load = os.getloadavg()[0]
-    print(f"mode={args.mode} steps={config.train.steps} members=8 programs={len(programs)} cpus={os.cpu_count()} "
-          f"load1={load:.1f}")
+    print(
+        f"mode={args.mode} steps={config.train.steps} members=8 programs={len(programs)} cpus={os.cpu_count()} "
+        f"load1={load:.1f}"
+    )
     print(f"8 sequential single runs: {t_single:.1f} s")
     print(f"one 8-member sweep:       {t_sweep:.1f} s")
     print(f"speed-up (single runs / sweep): {t_single / t_sweep:.2f}x")

@@ -14,7 +14,7 @@ Configs (both built from configs/tiny.py through the command-line override path)
   small  d_model 128, 4 layers, 4 / 4 heads (head dim 32), d_ff 512, T 256, batch 16 (4096
          tokens per step): the issue's shape and benchmarks/xtransformers_baseline.py's defaults.
 
-The step is `posattn.steps.train_step` jitted with donated state, as `posattn.train` runs it
+The step is `posattn.train.steps.train_step` jitted with donated state, as `posattn.train` runs it
 (AdamW, clipping, bound projection, metrics), on `data.train_batch` batches of the stdlib corpus
 built before timing. A round times --steps consecutive steps (wall clock, ended by
 `block_until_ready` on the metrics) after a warm-up; the rounds of every (config, family) and of
@@ -49,6 +49,7 @@ x-transformers' own Decoder of the same width, depth, heads, head dim (d_model /
 default 64), ff_mult 4 and length, RoPE on the whole head (LayerNorm, exact GELU, untied logits:
 the library's defaults), AdamW and clipping, torch threads as given.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,14 +68,21 @@ from flax import nnx
 
 from posattn import attention as attention_lib
 from posattn import config as config_lib
-from posattn import data, families, steps
-from posattn.model import TransformerLM
+from posattn import families
+from posattn.nn.model import TransformerLM
+from posattn.train import data, steps
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = {
     "tiny": [],
-    "small": ["model.d_model=128", "model.num_layers=4", "model.num_heads=4", "model.num_kv_heads=4",
-              "data.seq_len=256", "train.batch_size=16"],
+    "small": [
+        "model.d_model=128",
+        "model.num_layers=4",
+        "model.num_heads=4",
+        "model.num_kv_heads=4",
+        "data.seq_len=256",
+        "train.batch_size=16",
+    ],
 }
 BASELINE_POSITIONS = ("rope", "alibi", "learned", "nope")
 
@@ -92,9 +100,13 @@ def timed(fn, *args, repeats: int = 1) -> float:
 class Case:
     """One (config, family): the jitted step, its batches, and the pieces timed alone."""
 
-    def __init__(self, config_name: str, family: str, *, steps_per_round: int, overrides: list[str]):
+    def __init__(
+        self, config_name: str, family: str, *, steps_per_round: int, overrides: list[str]
+    ):
         self.name, self.family = config_name, family
-        args = [f"--config.{o}" for o in CONFIGS[config_name] + [f"model.position={family}"] + overrides]
+        args = [
+            f"--config.{o}" for o in CONFIGS[config_name] + [f"model.position={family}"] + overrides
+        ]
         config = config_lib.load_config(ROOT / "configs" / "tiny.py", args)
         cfg = self.cfg = config_lib.validate(config)
         self.B, self.T = int(config.train.batch_size), int(config.data.seq_len)
@@ -105,8 +117,10 @@ class Case:
         self.step = jax.jit(functools.partial(steps.train_step, graphdef, optim), donate_argnums=0)
         corpus = data.load_corpus(config.data.corpus)
         options = data.batch_options(config.data, causal=cfg.causal, vocab_size=cfg.vocab_size)
-        self.batches = [data.train_batch(corpus, seed=0, step=s, batch_size=self.B, seq_len=self.T, **options)
-                        for s in range(steps_per_round)]
+        self.batches = [
+            data.train_batch(corpus, seed=0, step=s, batch_size=self.B, seq_len=self.T, **options)
+            for s in range(steps_per_round)
+        ]
         self.steps_per_round = steps_per_round
         self._attention_piece()
         self._matmul_piece()
@@ -134,16 +148,30 @@ class Case:
 
         def loss(q, k, v, params):
             bias = None if bias_fn is None else (bias_fn, params)
-            out = attention_lib.attention(q, k, v, bias=bias, causal=layer.causal, scale=layer.scale,
-                                          implementation=layer.implementation)
+            out = attention_lib.attention(
+                q,
+                k,
+                v,
+                bias=bias,
+                causal=layer.causal,
+                scale=layer.scale,
+                implementation=layer.implementation,
+            )
             return jnp.sum(out * d_out)
 
         floats = {n: p for n, p in bias_params.items() if jnp.issubdtype(p.dtype, jnp.floating)}
         ints = {n: p for n, p in bias_params.items() if n not in floats}
-        fn = jax.jit(jax.value_and_grad(lambda q, k, v, f: loss(q, k, v, {**f, **ints}), argnums=(0, 1, 2, 3)))
+        fn = jax.jit(
+            jax.value_and_grad(
+                lambda q, k, v, f: loss(q, k, v, {**f, **ints}), argnums=(0, 1, 2, 3)
+            )
+        )
         self.attention_args = (fn, q, k, v, floats)
-        self.attention_impl = attention_lib.choose_implementation(q, k, None) if layer.implementation == "auto" \
+        self.attention_impl = (
+            attention_lib.choose_implementation(q, k, None)
+            if layer.implementation == "auto"
             else layer.implementation
+        )
         timed(fn, q, k, v, floats)
 
     def _matmul_piece(self):
@@ -151,11 +179,20 @@ class Case:
         M, D, F, V = self.B * self.T, cfg.d_model, cfg.ff_dim, cfg.vocab_size
         NH, KH = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         owners = sum(i % cfg.kv_share == 0 for i in range(cfg.num_layers))
-        shapes = ([(D, NH), (NH, D), (D, F), (F, D)] * cfg.num_layers + [(D, KH), (D, KH)] * owners
-                  + [(D, V)])
+        shapes = (
+            [(D, NH), (NH, D), (D, F), (F, D)] * cfg.num_layers
+            + [(D, KH), (D, KH)] * owners
+            + [(D, V)]
+        )
         keys = iter(jax.random.split(jax.random.key(2), 3 * len(shapes)))
-        operands = [(jax.random.normal(next(keys), (M, i)), jax.random.normal(next(keys), (i, o)),
-                     jax.random.normal(next(keys), (M, o))) for i, o in shapes]
+        operands = [
+            (
+                jax.random.normal(next(keys), (M, i)),
+                jax.random.normal(next(keys), (i, o)),
+                jax.random.normal(next(keys), (M, o)),
+            )
+            for i, o in shapes
+        ]
 
         @jax.jit
         def gemms(operands):
@@ -169,13 +206,27 @@ class Case:
         step_s = self.run_steps()
         attention_s = timed(*self.attention_args, repeats=3) * self.cfg.num_layers
         matmul_s = timed(*self.matmul_args, repeats=3)
-        result = {"step_ms": step_s * 1e3, "attention_ms": attention_s * 1e3, "matmul_ms": matmul_s * 1e3}
+        result = {
+            "step_ms": step_s * 1e3,
+            "attention_ms": attention_s * 1e3,
+            "matmul_ms": matmul_s * 1e3,
+        }
         self.rounds.append(result)
         return result
 
 
-CROSSOVER_SHAPES = ["16,128,4,32", "64,128,4,32", "16,256,4,32", "32,256,4,32", "16,512,4,32",
-                    "1,512,8,64", "2,768,8,64", "1,1024,4,64", "1,1024,8,64", "1,2048,8,64"]
+CROSSOVER_SHAPES = [
+    "16,128,4,32",
+    "64,128,4,32",
+    "16,256,4,32",
+    "32,256,4,32",
+    "16,512,4,32",
+    "1,512,8,64",
+    "2,768,8,64",
+    "1,1024,4,64",
+    "1,1024,8,64",
+    "1,2048,8,64",
+]
 
 
 def crossover(shapes: list[str], rounds: int) -> None:
@@ -183,7 +234,11 @@ def crossover(shapes: list[str], rounds: int) -> None:
     from posattn import positions
 
     impls = ("chunked", "blockwise", "xla")
-    print("\n| B, T, N, H | " + " | ".join(f"{i} ms" for i in impls) + " | blockwise / chunked | xla / chunked |")
+    print(
+        "\n| B, T, N, H | "
+        + " | ".join(f"{i} ms" for i in impls)
+        + " | blockwise / chunked | xla / chunked |"
+    )
     print("|---|" + "---|" * (len(impls) + 2))
     for shape in shapes:
         B, T, N, H = (int(x) for x in shape.split(","))
@@ -196,9 +251,13 @@ def crossover(shapes: list[str], rounds: int) -> None:
 
         fns = {}
         for impl in impls:
+
             def loss(q, k, v, slopes, impl=impl):
-                out = attention_lib.attention(q, k, v, bias=(alibi, slopes), causal=True, implementation=impl)
+                out = attention_lib.attention(
+                    q, k, v, bias=(alibi, slopes), causal=True, implementation=impl
+                )
                 return jnp.sum(out * d_out)
+
             fns[impl] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
             timed(fns[impl], q, k, v, slopes)  # compile
         best = {impl: float("inf") for impl in impls}
@@ -206,14 +265,18 @@ def crossover(shapes: list[str], rounds: int) -> None:
             for impl, fn in fns.items():
                 best[impl] = min(best[impl], timed(fn, q, k, v, slopes))
         ms = {impl: t * 1e3 for impl, t in best.items()}
-        print(f"| {B}, {T}, {N}, {H} | " + " | ".join(f"{ms[i]:.1f}" for i in impls)
-              + f" | {ms['blockwise'] / ms['chunked']:.2f} | {ms['xla'] / ms['chunked']:.2f} |", flush=True)
+        print(
+            f"| {B}, {T}, {N}, {H} | "
+            + " | ".join(f"{ms[i]:.1f}" for i in impls)
+            + f" | {ms['blockwise'] / ms['chunked']:.2f} | {ms['xla'] / ms['chunked']:.2f} |",
+            flush=True,
+        )
 
 
 def pieces(rounds: int) -> None:
     """The pieces of a step's "other" share, each alone, at the small config's shape."""
     from posattn import rotary
-    from posattn.layers import RMSNorm
+    from posattn.nn.layers import RMSNorm
 
     B, T, N, H, D, F, V = 16, 256, 4, 32, 128, 512, 256
     keys = iter(jax.random.split(jax.random.key(0), 8))
@@ -226,7 +289,9 @@ def pieces(rounds: int) -> None:
     positions = jnp.arange(T)
     norm = RMSNorm(D, dtype=jnp.float32)
 
-    def weighted(fn, arg):  # forward + backward of sum(fn(arg) * w), w a fixed array like fn's output
+    def weighted(
+        fn, arg
+    ):  # forward + backward of sum(fn(arg) * w), w a fixed array like fn's output
         w = jax.random.normal(jax.random.key(9), jax.eval_shape(fn, arg).shape)
         return jax.jit(jax.value_and_grad(lambda a: jnp.sum(fn(a) * w))), arg
 
@@ -236,9 +301,11 @@ def pieces(rounds: int) -> None:
 
     cases = {
         f"RoPE interleaved, one of q/k {list(x.shape)}": weighted(
-            lambda a: rotary.apply_rope(a, positions, inv_freq, layout="interleaved"), x),
+            lambda a: rotary.apply_rope(a, positions, inv_freq, layout="interleaved"), x
+        ),
         f"RoPE half, one of q/k {list(x.shape)}": weighted(
-            lambda a: rotary.apply_rope(a, positions, inv_freq, layout="half"), x),
+            lambda a: rotary.apply_rope(a, positions, inv_freq, layout="half"), x
+        ),
         f"GELU tanh {list(h.shape)}": weighted(lambda a: jax.nn.gelu(a, approximate=True), h),
         f"GELU exact {list(h.shape)}": weighted(lambda a: jax.nn.gelu(a, approximate=False), h),
         f"ReLU {list(h.shape)}": weighted(jax.nn.relu, h),
@@ -254,10 +321,26 @@ def pieces(rounds: int) -> None:
 
 def baseline_round(python: str, case: Case, *, threads: int, steps_per_round: int) -> dict:
     cfg = case.cfg
-    cmd = [python, str(ROOT / "benchmarks" / "xtransformers_baseline.py"), "--d_model", str(cfg.d_model),
-           "--layers", str(cfg.num_layers), "--heads", str(cfg.num_heads), "--seq_len", str(case.T),
-           "--batch", str(case.B), "--position", case.family, "--steps", str(steps_per_round),
-           "--threads", str(threads)]
+    cmd = [
+        python,
+        str(ROOT / "benchmarks" / "xtransformers_baseline.py"),
+        "--d_model",
+        str(cfg.d_model),
+        "--layers",
+        str(cfg.num_layers),
+        "--heads",
+        str(cfg.num_heads),
+        "--seq_len",
+        str(case.T),
+        "--batch",
+        str(case.B),
+        "--position",
+        case.family,
+        "--steps",
+        str(steps_per_round),
+        "--threads",
+        str(threads),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=1800)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -272,7 +355,11 @@ def load_average() -> str:
 def cpu_model() -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+        return next(
+            line.split(":", 1)[1].strip()
+            for line in out.splitlines()
+            if line.startswith("Model name")
+        )
     except (OSError, subprocess.CalledProcessError, StopIteration):
         return platform.processor() or "unknown"
 
@@ -281,23 +368,42 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--families", nargs="+", default=families.names(), choices=families.names())
-    parser.add_argument("--rounds", type=int, default=3, help="timed rounds per case (min/median over them)")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="timed rounds per case (min/median over them)"
+    )
     parser.add_argument("--steps", type=int, default=10, help="steps per timed round")
-    parser.add_argument("--override", nargs="*", default=[],
-                        help="extra config overrides for every case, e.g. model.attention_impl=xla")
-    parser.add_argument("--xtransformers", metavar="PYTHON",
-                        help="an interpreter with torch + x-transformers: run the baseline side by side")
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads for the baseline")
+    parser.add_argument(
+        "--override",
+        nargs="*",
+        default=[],
+        help="extra config overrides for every case, e.g. model.attention_impl=xla",
+    )
+    parser.add_argument(
+        "--xtransformers",
+        metavar="PYTHON",
+        help="an interpreter with torch + x-transformers: run the baseline side by side",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=os.cpu_count(), help="torch threads for the baseline"
+    )
     parser.add_argument("--json", metavar="PATH", help="also write every round as JSON")
-    parser.add_argument("--crossover", action="store_true",
-                        help="time attention alone per implementation at --shapes instead")
-    parser.add_argument("--pieces", action="store_true",
-                        help="time RoPE, GELU, RMSNorm and the cross-entropy alone instead")
+    parser.add_argument(
+        "--crossover",
+        action="store_true",
+        help="time attention alone per implementation at --shapes instead",
+    )
+    parser.add_argument(
+        "--pieces",
+        action="store_true",
+        help="time RoPE, GELU, RMSNorm and the cross-entropy alone instead",
+    )
     parser.add_argument("--shapes", nargs="+", default=CROSSOVER_SHAPES, metavar="B,T,N,H")
     args = parser.parse_args(argv)
 
-    print(f"# {cpu_model()}, {os.cpu_count()} cores; jax {jax.__version__} ({jax.default_backend()}); "
-          f"load average at start {load_average()}")
+    print(
+        f"# {cpu_model()}, {os.cpu_count()} cores; jax {jax.__version__} ({jax.default_backend()}); "
+        f"load average at start {load_average()}"
+    )
     if args.pieces:
         pieces(args.rounds)
         print(f"# load average at the end {load_average()}")
@@ -307,22 +413,33 @@ def main(argv=None):
         print(f"# load average at the end {load_average()}")
         return
     print(f"# overrides: {args.override or 'none'}; {args.rounds} rounds of {args.steps} steps")
-    cases = [Case(c, f, steps_per_round=args.steps, overrides=args.override)
-             for c in args.configs for f in args.families]
+    cases = [
+        Case(c, f, steps_per_round=args.steps, overrides=args.override)
+        for c in args.configs
+        for f in args.families
+    ]
     baselines = {}
     if args.xtransformers:
-        baselines = {id(c): [] for c in cases
-                     if c.family in BASELINE_POSITIONS and c.cfg.num_kv_heads == c.cfg.num_heads}
+        baselines = {
+            id(c): []
+            for c in cases
+            if c.family in BASELINE_POSITIONS and c.cfg.num_kv_heads == c.cfg.num_heads
+        }
     for r in range(args.rounds):
         for case in cases:
             case.run_round()
             if id(case) in baselines:
-                baselines[id(case)].append(baseline_round(args.xtransformers, case, threads=args.threads,
-                                                          steps_per_round=args.steps))
+                baselines[id(case)].append(
+                    baseline_round(
+                        args.xtransformers, case, threads=args.threads, steps_per_round=args.steps
+                    )
+                )
         print(f"# round {r + 1}/{args.rounds} done, load average {load_average()}", flush=True)
 
-    print("\n| config | family | attention impl | step ms (min / median) | tokens/s (median) | "
-          "attention alone | matmuls alone | other | x-transformers ms (min / median) | ratio (median / best) |")
+    print(
+        "\n| config | family | attention impl | step ms (min / median) | tokens/s (median) | "
+        "attention alone | matmuls alone | other | x-transformers ms (min / median) | ratio (median / best) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     records = []
     for case in cases:
@@ -331,15 +448,24 @@ def main(argv=None):
         att = statistics.median(x["attention_ms"] for x in case.rounds)
         mm = statistics.median(x["matmul_ms"] for x in case.rounds)
         tokens = case.B * case.T
-        row = (f"| {case.name} | {case.family} | {case.attention_impl} | {min(step):.1f} / {med:.1f} | "
-               f"{tokens / med * 1e3:,.0f} | {att:.1f} ms ({att / med:.0%}) | {mm:.1f} ms ({mm / med:.0%}, "
-               f"{case.matmul_flops / (mm * 1e-3) / 1e9:.0f} GFLOP/s) | {max(med - att - mm, 0.0) / med:.0%} |")
-        record = {"config": case.name, "family": case.family, "tokens_per_step": tokens, "rounds": case.rounds}
+        row = (
+            f"| {case.name} | {case.family} | {case.attention_impl} | {min(step):.1f} / {med:.1f} | "
+            f"{tokens / med * 1e3:,.0f} | {att:.1f} ms ({att / med:.0%}) | {mm:.1f} ms ({mm / med:.0%}, "
+            f"{case.matmul_flops / (mm * 1e-3) / 1e9:.0f} GFLOP/s) | {max(med - att - mm, 0.0) / med:.0%} |"
+        )
+        record = {
+            "config": case.name,
+            "family": case.family,
+            "tokens_per_step": tokens,
+            "rounds": case.rounds,
+        }
         if id(case) in baselines:
             theirs = [x["ms_per_step"] for x in baselines[id(case)]]
             their_med = statistics.median(theirs)
-            row += (f" {min(theirs):.1f} / {their_med:.1f} | {their_med / med:.2f}x / "
-                    f"{min(theirs) / min(step):.2f}x |")
+            row += (
+                f" {min(theirs):.1f} / {their_med:.1f} | {their_med / med:.2f}x / "
+                f"{min(theirs) / min(step):.2f}x |"
+            )
             record["xtransformers"] = baselines[id(case)]
         else:
             row += " - | - |"

@@ -33,12 +33,25 @@ def main():
     # whatever the width, which at d_model 128 and 4 heads would double the attention's width) and
     # RoPE on the whole head (its default rotates half of it).
     dim_head = a.d_model // a.heads
-    kwargs = {"rope": dict(rotary_pos_emb=True, rotary_emb_dim=dim_head),
-              "alibi": dict(alibi_pos_bias=True, alibi_num_heads=a.heads), "learned": {}, "nope": {}}[a.position]
+    kwargs = {
+        "rope": dict(rotary_pos_emb=True, rotary_emb_dim=dim_head),
+        "alibi": dict(alibi_pos_bias=True, alibi_num_heads=a.heads),
+        "learned": {},
+        "nope": {},
+    }[a.position]
     model = TransformerWrapper(
-        num_tokens=256, max_seq_len=a.seq_len, use_abs_pos_emb=a.position == "learned",
-        attn_layers=Decoder(dim=a.d_model, depth=a.layers, heads=a.heads, attn_dim_head=dim_head, ff_mult=4,
-                            **kwargs))
+        num_tokens=256,
+        max_seq_len=a.seq_len,
+        use_abs_pos_emb=a.position == "learned",
+        attn_layers=Decoder(
+            dim=a.d_model,
+            depth=a.layers,
+            heads=a.heads,
+            attn_dim_head=dim_head,
+            ff_mult=4,
+            **kwargs,
+        ),
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     tokens = torch.randint(0, 256, (a.batch, a.seq_len + 1))
 
@@ -57,9 +70,17 @@ def main():
     for _ in range(a.steps):
         step()
     ms = (time.perf_counter() - start) / a.steps * 1e3
-    print(json.dumps({"ms_per_step": ms, "tokens_per_sec": a.batch * a.seq_len / ms * 1e3,
-                      "parameters": sum(p.numel() for p in model.parameters()),
-                      "torch": torch.__version__, "threads": a.threads}))
+    print(
+        json.dumps(
+            {
+                "ms_per_step": ms,
+                "tokens_per_sec": a.batch * a.seq_len / ms * 1e3,
+                "parameters": sum(p.numel() for p in model.parameters()),
+                "torch": torch.__version__,
+                "threads": a.threads,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

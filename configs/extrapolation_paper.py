@@ -37,25 +37,50 @@ from extrapolation import FAMILIES  # noqa: E402
 def get_config(arg=None):
     L = int(arg) if arg else 512
     config = base()
-    config.model.update(d_model=1024, num_layers=16, num_heads=8, num_kv_heads=8, d_ff=4096, vocab_size=50304,
-                        max_len=L, dtype="bfloat16", attention_impl="auto", t5_num_buckets=32,
-                        t5_max_distance=128, fire_init_L=512.0)
+    config.model.update(
+        d_model=1024,
+        num_layers=16,
+        num_heads=8,
+        num_kv_heads=8,
+        d_ff=4096,
+        vocab_size=50304,
+        max_len=L,
+        dtype="bfloat16",
+        attention_impl="auto",
+        t5_num_buckets=32,
+        t5_max_distance=128,
+        fire_init_L=512.0,
+    )
     config.data.update(corpus="data/wikitext103", seq_len=L, passkey_fraction=0.0)
-    config.train.update(steps=50_000, batch_size=64 * 512 // L, learning_rate=6e-4, warmup_steps=2000,
-                        min_lr_ratio=0.1, weight_decay=0.1, checkpoint_every=2000, keep_checkpoints=2,
-                        log_every=50, eval_every=0, seed=0)
+    config.train.update(
+        steps=50_000,
+        batch_size=64 * 512 // L,
+        learning_rate=6e-4,
+        warmup_steps=2000,
+        min_lr_ratio=0.1,
+        weight_decay=0.1,
+        checkpoint_every=2000,
+        keep_checkpoints=2,
+        log_every=50,
+        eval_every=0,
+        seed=0,
+    )
     config.families = FAMILIES
     config.rope_scalings = ("linear", "ntk", "dynamic", "yarn")
-    config.eval = ml_collections.ConfigDict(dict(
-        multiples=(1, 2, 4, 8, 16),
-        lengths=(512, 1012, 2012, 4012, 8512) if L == 512 else (),
-        max_tokens=24 * 8512,        # ~204k predicted tokens per length (WikiText-103 val: ~250k GPT-2 tokens)
-        batch_size=4,
-        attention_impl="auto",
-        per_position_bins=64,
-        seed=1234,
-    ))
-    config.passkey = ml_collections.ConfigDict(dict(
-        depths=(0.0, 0.25, 0.5, 0.75, 1.0), samples=20, digits=5, enabled=False))
+    config.eval = ml_collections.ConfigDict(
+        dict(
+            multiples=(1, 2, 4, 8, 16),
+            lengths=(512, 1012, 2012, 4012, 8512) if L == 512 else (),
+            max_tokens=24
+            * 8512,  # ~204k predicted tokens per length (WikiText-103 val: ~250k GPT-2 tokens)
+            batch_size=4,
+            attention_impl="auto",
+            per_position_bins=64,
+            seed=1234,
+        )
+    )
+    config.passkey = ml_collections.ConfigDict(
+        dict(depths=(0.0, 0.25, 0.5, 0.75, 1.0), samples=20, digits=5, enabled=False)
+    )
     config.copy = ml_collections.ConfigDict(dict(samples=32, segment=32, enabled=False))
     return config

@@ -14,9 +14,18 @@ from common import base  # noqa: E402
 
 def get_config():
     config = base()
-    config.model.update(d_model=768, num_layers=12, num_heads=12, num_kv_heads=12, max_len=1024,
-                        dtype="bfloat16")
+    config.model.update(
+        d_model=768, num_layers=12, num_heads=12, num_kv_heads=12, max_len=1024, dtype="bfloat16"
+    )
     config.data.seq_len = 1024
-    config.train.update(steps=100_000, batch_size=64, learning_rate=6e-4, warmup_steps=2000,
-                        weight_decay=0.1, checkpoint_every=2000, eval_every=2000, eval_batches=20)
+    config.train.update(
+        steps=100_000,
+        batch_size=64,
+        learning_rate=6e-4,
+        warmup_steps=2000,
+        weight_decay=0.1,
+        checkpoint_every=2000,
+        eval_every=2000,
+        eval_batches=20,
+    )
     return config

@@ -21,9 +21,11 @@ def get_config():
     config = tiny_config()
     config.sweep = ml_collections.ConfigDict()
     config.sweep.discrete = ml_collections.ConfigDict({"model": {"position": ("rope", "alibi")}})
-    config.sweep.continuous = ml_collections.ConfigDict({
-        "train": {"seed": (0, 1), "learning_rate": (1e-3, 3e-3)},
-    })
+    config.sweep.continuous = ml_collections.ConfigDict(
+        {
+            "train": {"seed": (0, 1), "learning_rate": (1e-3, 3e-3)},
+        }
+    )
     config.sweep.combine = "grid"
     config.sweep.eval_lengths = ()  # e.g. (64, 128, 256): extrapolation losses per member
     return config

@@ -14,12 +14,12 @@ except `model.position`, so all see the same batches (a pure function of seed an
 rows included) and the same initialisation seed; each family's run lives in `WORKDIR/<family>/`
 (checkpointed, resumable; a finished one is skipped, and so is its evaluation once
 `WORKDIR/<family>/eval.json` holds it for the same evaluation settings). Evaluation
-(`posattn.evaluate`): mean next-byte NLL on non-overlapping held-out windows of each length, the
+(`posattn.eval.lengths`): mean next-byte NLL on non-overlapping held-out windows of each length, the
 per-position NLL at the longest length, passkey exact-match accuracy per (length, depth), and
 copy accuracy per length. RoPE is also evaluated with eval-time scaling (rows `rope+linear`,
 `rope+ntk`, `rope+dynamic`, `rope+yarn`): the trained RoPE parameters with the Hugging Face
 `rope_scaling` {rope_type, factor = eval_len / L, original_max_position_embeddings = L}
-(`posattn.evaluate.rope_scaling_row`); at eval_len <= L they are plain RoPE. "dynamic" recomputes
+(`posattn.eval.lengths.rope_scaling_row`); at eval_len <= L they are plain RoPE. "dynamic" recomputes
 its base from the window length it reads, which in a whole-window evaluation is eval_len, so it
 stretches the base by (s * eval_len / L - (s - 1))^(d/(d-2)) = (s^2 - s + 1)^(d/(d-2)), as
 Hugging Face does when its factor is set to the extension ratio.
@@ -46,11 +46,13 @@ import numpy as np
 from flax import nnx
 
 from posattn import config as config_lib
-from posattn import data as data_lib
-from posattn import evaluate, families, probes
+from posattn import families
 from posattn.attention import IMPLEMENTATIONS
-from posattn.model import TransformerLM
+from posattn.eval import lengths as evaluate
+from posattn.eval import probes
+from posattn.nn.model import TransformerLM
 from posattn.train import NonFiniteLossError, WorkdirBusyError, restore_trained, train_and_evaluate
+from posattn.train import data as data_lib
 
 __all__ = ["eval_lengths", "family_config", "main", "run"]
 
@@ -75,30 +77,44 @@ def check_experiment(config: ml_collections.ConfigDict) -> None:
     fail = config_lib.ConfigError
     unknown = [f for f in config.families if f not in families.names()]
     if unknown or not config.families:
-        raise fail(f"config.families={tuple(config.families)!r}: unknown {unknown}; known: {', '.join(families.names())}")
+        raise fail(
+            f"config.families={tuple(config.families)!r}: unknown {unknown}; known: {', '.join(families.names())}"
+        )
     bad = [k for k in config.rope_scalings if k not in ROPE_KINDS]
     if bad:
         raise fail(f"config.rope_scalings has {bad[0]!r}; allowed: {', '.join(ROPE_KINDS)}")
     if config.rope_scalings and "rope" not in config.families:
-        raise fail("config.rope_scalings needs 'rope' in config.families (the rows rescale the trained RoPE model)")
+        raise fail(
+            "config.rope_scalings needs 'rope' in config.families (the rows rescale the trained RoPE model)"
+        )
     lengths = eval_lengths(config)
     if not lengths or any(x < 2 for x in lengths) or lengths != sorted(set(lengths)):
-        raise fail(f"eval lengths {lengths} (config.eval.lengths / eval.multiples) must be distinct, increasing, >= 2")
+        raise fail(
+            f"eval lengths {lengths} (config.eval.lengths / eval.multiples) must be distinct, increasing, >= 2"
+        )
     if config.eval.attention_impl not in IMPLEMENTATIONS:
-        raise fail(f"config.eval.attention_impl={config.eval.attention_impl!r}; allowed: {', '.join(IMPLEMENTATIONS)}")
+        raise fail(
+            f"config.eval.attention_impl={config.eval.attention_impl!r}; allowed: {', '.join(IMPLEMENTATIONS)}"
+        )
     for key in ("max_tokens", "batch_size", "per_position_bins"):
         if not (isinstance(config.eval[key], int) and config.eval[key] > 0):
             raise fail(f"config.eval.{key}={config.eval[key]!r} must be a positive integer")
     if config.passkey.enabled:
         need = probes.passkey_min_length(config.passkey.digits) - 1
         if lengths[0] < need:
-            raise fail(f"config.passkey.digits={config.passkey.digits} needs eval lengths >= {need}, "
-                       f"got {lengths[0]}; use fewer digits or set config.passkey.enabled=False")
+            raise fail(
+                f"config.passkey.digits={config.passkey.digits} needs eval lengths >= {need}, "
+                f"got {lengths[0]}; use fewer digits or set config.passkey.enabled=False"
+            )
         if not config.passkey.depths or any(not 0 <= d <= 1 for d in config.passkey.depths):
-            raise fail(f"config.passkey.depths={tuple(config.passkey.depths)!r} must be numbers in [0, 1]")
+            raise fail(
+                f"config.passkey.depths={tuple(config.passkey.depths)!r} must be numbers in [0, 1]"
+            )
     if config.copy.enabled and not 2 <= config.copy.segment <= lengths[0] // 2:
-        raise fail(f"config.copy.segment={config.copy.segment} must lie in [2, shortest eval length / 2 = "
-                   f"{lengths[0] // 2}]")
+        raise fail(
+            f"config.copy.segment={config.copy.segment} must lie in [2, shortest eval length / 2 = "
+            f"{lengths[0] // 2}]"
+        )
 
 
 def family_config(config: ml_collections.ConfigDict, family: str) -> ml_collections.ConfigDict:
@@ -111,10 +127,13 @@ def family_config(config: ml_collections.ConfigDict, family: str) -> ml_collecti
 
 def _eval_settings(config, lengths) -> dict:
     """Everything an evaluation result depends on besides the trained parameters."""
-    return {"lengths": lengths, "rope_scalings": list(config.rope_scalings),
-            **{f"eval.{k}": v for k, v in config.eval.to_dict().items() if k != "batch_size"},
-            **{f"passkey.{k}": v for k, v in config.passkey.to_dict().items()},
-            **{f"copy.{k}": v for k, v in config.copy.to_dict().items()}}
+    return {
+        "lengths": lengths,
+        "rope_scalings": list(config.rope_scalings),
+        **{f"eval.{k}": v for k, v in config.eval.to_dict().items() if k != "batch_size"},
+        **{f"passkey.{k}": v for k, v in config.passkey.to_dict().items()},
+        **{f"copy.{k}": v for k, v in config.copy.to_dict().items()},
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -134,11 +153,19 @@ def _train(train_config, fam_dir: pathlib.Path) -> dict:
         if info.get("config") == config:
             return info
     start = time.perf_counter()
-    result = train_and_evaluate(train_config, fam_dir)  # resumes; refuses a workdir of another config
+    result = train_and_evaluate(
+        train_config, fam_dir
+    )  # resumes; refuses a workdir of another config
     if not result.get("finished"):
-        raise Interrupted(f"training in {fam_dir} stopped at step {result.get('step')}; rerun to resume")
-    info = {"seconds": round(time.perf_counter() - start, 1), "final_train_loss": result.get("loss"),
-            "steps": int(train_config.train.steps), "config": config}
+        raise Interrupted(
+            f"training in {fam_dir} stopped at step {result.get('step')}; rerun to resume"
+        )
+    info = {
+        "seconds": round(time.perf_counter() - start, 1),
+        "final_train_loss": result.get("loss"),
+        "steps": int(train_config.train.steps),
+        "config": config,
+    }
     marker.write_text(json.dumps(info) + "\n")
     return info
 
@@ -147,7 +174,9 @@ def restore_model(train_config, fam_dir: pathlib.Path, *, attention_impl: str):
     """(cfg, graphdef, params, constants) of the finished run in `fam_dir`, with `attention_impl`."""
     restored = restore_trained(train_config, fam_dir / "checkpoints")
     if restored is None or restored[2] != int(train_config.train.steps):
-        raise RuntimeError(f"{fam_dir} holds no finished checkpoint; delete {fam_dir / 'trained.json'} and rerun")
+        raise RuntimeError(
+            f"{fam_dir} holds no finished checkpoint; delete {fam_dir / 'trained.json'} and rerun"
+        )
     cfg, state, _ = restored
     cfg = dataclasses.replace(cfg, attention_impl=attention_impl)
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(params=0))))
@@ -165,21 +194,44 @@ def _evaluate_model(model, corpus, config, lengths, *, only: list[int] | None = 
     ev = config.eval
     loss, curve = [], None
     for length in todo:
-        per_pos = evaluate.nll_by_position(graphdef, params, constants, corpus.val, length=length,
-                                           max_tokens=ev.max_tokens, batch_size=ev.batch_size)
+        per_pos = evaluate.nll_by_position(
+            graphdef,
+            params,
+            constants,
+            corpus.val,
+            length=length,
+            max_tokens=ev.max_tokens,
+            batch_size=ev.batch_size,
+        )
         loss.append(None if per_pos is None else float(per_pos.mean()))
         if length == lengths[-1] and per_pos is not None:
             curve = bin_curve(per_pos, ev.per_position_bins)
     out = {"eval_len": todo, "loss": loss, "per_position": curve}
     if config.passkey.enabled:
-        acc = evaluate.passkey_accuracy(graphdef, params, constants, lengths=todo, depths=list(config.passkey.depths),
-                                        samples=config.passkey.samples, digits=config.passkey.digits,
-                                        seed=ev.seed, batch_size=ev.batch_size)
+        acc = evaluate.passkey_accuracy(
+            graphdef,
+            params,
+            constants,
+            lengths=todo,
+            depths=list(config.passkey.depths),
+            samples=config.passkey.samples,
+            digits=config.passkey.digits,
+            seed=ev.seed,
+            batch_size=ev.batch_size,
+        )
         out["passkey_grid"] = [[None if np.isnan(x) else float(x) for x in row] for row in acc]
     if config.copy.enabled:
-        out["copy_acc"] = evaluate.copy_accuracy(graphdef, params, constants, corpus.val, lengths=todo,
-                                                 samples=config.copy.samples, segment=config.copy.segment,
-                                                 seed=ev.seed, batch_size=ev.batch_size)
+        out["copy_acc"] = evaluate.copy_accuracy(
+            graphdef,
+            params,
+            constants,
+            corpus.val,
+            lengths=todo,
+            samples=config.copy.samples,
+            segment=config.copy.segment,
+            seed=ev.seed,
+            batch_size=ev.batch_size,
+        )
     return out
 
 
@@ -195,7 +247,9 @@ def _rope_rows(cfg, params, plain: dict, corpus, config, lengths) -> dict[str, d
             if scaling is None:
                 continue  # <= L: the plain RoPE numbers
             graphdef, constants = evaluate.with_rope_scaling(cfg, scaling)
-            one = _evaluate_model((graphdef, params, constants), corpus, config, lengths, only=[length])
+            one = _evaluate_model(
+                (graphdef, params, constants), corpus, config, lengths, only=[length]
+            )
             row["loss"][i] = one["loss"][0]
             if "passkey_grid" in one:
                 row["passkey_grid"][i] = one["passkey_grid"][0]
@@ -209,13 +263,18 @@ def _rope_rows(cfg, params, plain: dict, corpus, config, lengths) -> dict[str, d
 
 def _evaluate_family(config, family, fam_dir, corpus, lengths, train_config) -> dict[str, dict]:
     cache = fam_dir / "eval.json"
-    settings = {**_eval_settings(config, lengths), "trained": json.loads(config_lib.to_json(train_config))}
+    settings = {
+        **_eval_settings(config, lengths),
+        "trained": json.loads(config_lib.to_json(train_config)),
+    }
     if cache.exists():
         saved = json.loads(cache.read_text())
         if saved.get("settings") == settings:
             return saved["rows"]
     start = time.perf_counter()
-    cfg, graphdef, params, constants = restore_model(train_config, fam_dir, attention_impl=config.eval.attention_impl)
+    cfg, graphdef, params, constants = restore_model(
+        train_config, fam_dir, attention_impl=config.eval.attention_impl
+    )
     rows = {family: _evaluate_model((graphdef, params, constants), corpus, config, lengths)}
     if family == "rope" and config.rope_scalings:
         rows.update(_rope_rows(cfg, params, rows[family], corpus, config, lengths))
@@ -238,8 +297,10 @@ def run(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[s
     corpus = data_lib.load_corpus(config.data.corpus)
     data_lib.check_length(corpus, max(lengths), split="val")
     if config.passkey.enabled and corpus.val.dtype != np.uint8:
-        raise config_lib.ConfigError(f"config.passkey.enabled: the probes are bytes, corpus {corpus.name!r} holds "
-                                     "token ids; set config.passkey.enabled=False and config.copy.enabled=False")
+        raise config_lib.ConfigError(
+            f"config.passkey.enabled: the probes are bytes, corpus {corpus.name!r} holds "
+            "token ids; set config.passkey.enabled=False and config.copy.enabled=False"
+        )
     provenance = _provenance()  # the code as the run starts, not as it is when the run ends
     begin = time.perf_counter()
     rows, training = {}, {}
@@ -248,26 +309,37 @@ def run(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[s
         train_config = family_config(config, family)
         _say(f"{family}: training ({train_config.train.steps} steps at L={config.data.seq_len})")
         training[family] = _train(train_config, fam_dir)
-        _say(f"{family}: trained in {training[family]['seconds']} s, last step's train loss "
-             f"{training[family]['final_train_loss']:.4f}; evaluating at {lengths}")
+        _say(
+            f"{family}: trained in {training[family]['seconds']} s, last step's train loss "
+            f"{training[family]['final_train_loss']:.4f}; evaluating at {lengths}"
+        )
         new = _evaluate_family(config, family, fam_dir, corpus, lengths, train_config)
         for name, row in new.items():
-            _say(f"{name}: loss {fmt_list(row['loss'])}"
-                 + (f", passkey {fmt_list(passkey_by_length(row))}" if "passkey_grid" in row else ""))
+            _say(
+                f"{name}: loss {fmt_list(row['loss'])}"
+                + (f", passkey {fmt_list(passkey_by_length(row))}" if "passkey_grid" in row else "")
+            )
         rows.update(new)
-    results = _assemble(config, corpus, lengths, rows, training, time.perf_counter() - begin, provenance)
+    results = _assemble(
+        config, corpus, lengths, rows, training, time.perf_counter() - begin, provenance
+    )
     (workdir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (workdir / "results.md").write_text(markdown(results))
     plots(results, workdir)
-    _say(f"wrote {workdir / 'results.json'}, results.md and plots in {results['timing']['total_seconds']:.0f} s")
+    _say(
+        f"wrote {workdir / 'results.json'}, results.md and plots in {results['timing']['total_seconds']:.0f} s"
+    )
     return results
 
 
 def _assemble(config, corpus, lengths, rows, training, seconds, provenance) -> dict[str, Any]:
     fams = {}
     for name, row in rows.items():
-        fams[name] = {"eval_len": lengths, "loss": row["loss"],
-                      "passkey_acc": passkey_by_length(row) if "passkey_grid" in row else None}
+        fams[name] = {
+            "eval_len": lengths,
+            "loss": row["loss"],
+            "passkey_acc": passkey_by_length(row) if "passkey_grid" in row else None,
+        }
     return {
         "train_len": int(config.data.seq_len),
         "corpus": corpus.name,
@@ -275,16 +347,25 @@ def _assemble(config, corpus, lengths, rows, training, seconds, provenance) -> d
         # Extra keys (API.md allows them; the three above are the contract).
         "corpus_sha256": corpus.sha256,
         "loss_unit": "nats per token (byte)" if corpus.val.dtype == np.uint8 else "nats per token",
-        "passkey": {"depths": list(config.passkey.depths), "digits": config.passkey.digits,
-                    "samples": config.passkey.samples,
-                    "acc": {n: r["passkey_grid"] for n, r in rows.items() if "passkey_grid" in r}}
-        if config.passkey.enabled else None,
+        "passkey": {
+            "depths": list(config.passkey.depths),
+            "digits": config.passkey.digits,
+            "samples": config.passkey.samples,
+            "acc": {n: r["passkey_grid"] for n, r in rows.items() if "passkey_grid" in r},
+        }
+        if config.passkey.enabled
+        else None,
         "copy_acc": {n: r["copy_acc"] for n, r in rows.items() if "copy_acc" in r} or None,
-        "per_position": {"eval_len": lengths[-1], "bins": config.eval.per_position_bins,
-                         "curves": {n: r["per_position"] for n, r in rows.items() if r.get("per_position")}},
+        "per_position": {
+            "eval_len": lengths[-1],
+            "bins": config.eval.per_position_bins,
+            "curves": {n: r["per_position"] for n, r in rows.items() if r.get("per_position")},
+        },
         "training": {n: {k: v for k, v in t.items() if k != "config"} for n, t in training.items()},
-        "timing": {"total_seconds": round(seconds, 1),
-                   "eval_seconds": {n: r.get("eval_seconds") for n, r in rows.items()}},
+        "timing": {
+            "total_seconds": round(seconds, 1),
+            "eval_seconds": {n: r.get("eval_seconds") for n, r in rows.items()},
+        },
         "config": config.to_dict(),
         "provenance": provenance,
     }
@@ -293,15 +374,23 @@ def _assemble(config, corpus, lengths, rows, training, seconds, provenance) -> d
 def _provenance() -> dict[str, Any]:
     def git(*args):
         try:
-            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+            return subprocess.run(
+                ["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return None
+
     status = git("status", "--porcelain")
-    return {"commit": git("rev-parse", "HEAD"), "uncommitted_changes": bool(status) if status is not None else None,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-            "cpu_count": os.cpu_count(), "devices": [str(d) for d in jax.devices()],
-            "python": platform.python_version(), "jax": jax.__version__}
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "uncommitted_changes": bool(status) if status is not None else None,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "cpu_count": os.cpu_count(),
+        "devices": [str(d) for d in jax.devices()],
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -314,14 +403,22 @@ def bin_curve(per_position: np.ndarray, bins: int) -> dict[str, list[float]]:
 
     Returns {"position": the mean position of each run, "loss": its mean NLL}.
     """
-    edges = np.unique(np.geomspace(1, per_position.size + 1, bins + 1).astype(int)) - 1  # over positions 0..T
+    edges = (
+        np.unique(np.geomspace(1, per_position.size + 1, bins + 1).astype(int)) - 1
+    )  # over positions 0..T
     parts = [np.arange(a, b) for a, b in zip(edges[:-1], edges[1:])]
-    return {"position": [float(p.mean()) for p in parts], "loss": [float(per_position[p].mean()) for p in parts]}
+    return {
+        "position": [float(p.mean()) for p in parts],
+        "loss": [float(per_position[p].mean()) for p in parts],
+    }
 
 
 def passkey_by_length(row: dict) -> list[float | None]:
     """Passkey accuracy per length, averaged over depths (None where the model cannot run)."""
-    return [None if any(x is None for x in cells) else float(np.mean(cells)) for cells in row["passkey_grid"]]
+    return [
+        None if any(x is None for x in cells) else float(np.mean(cells))
+        for cells in row["passkey_grid"]
+    ]
 
 
 def fmt_list(values) -> str:
@@ -329,10 +426,18 @@ def fmt_list(values) -> str:
 
 
 def _table(title: str, lengths, rows: dict[str, list], fmt: str) -> list[str]:
-    lines = [f"### {title}", "", "| row | " + " | ".join(str(x) for x in lengths) + " |",
-             "|---|" + "---:|" * len(lengths)]
+    lines = [
+        f"### {title}",
+        "",
+        "| row | " + " | ".join(str(x) for x in lengths) + " |",
+        "|---|" + "---:|" * len(lengths),
+    ]
     for name, values in rows.items():
-        lines.append(f"| {name} | " + " | ".join("null" if v is None else format(v, fmt) for v in values) + " |")
+        lines.append(
+            f"| {name} | "
+            + " | ".join("null" if v is None else format(v, fmt) for v in values)
+            + " |"
+        )
     return lines + [""]
 
 
@@ -340,23 +445,44 @@ def markdown(results: dict) -> str:
     """results.md: the loss table (families x lengths), passkey and copy accuracy, provenance."""
     fams, lengths = results["families"], next(iter(results["families"].values()))["eval_len"]
     prov, L = results["provenance"], results["train_len"]
-    out = [f"# Length extrapolation: trained at L = {L}, corpus {results['corpus']}", "",
-           f"Commit {prov['commit']}{' (with uncommitted changes)' if prov['uncommitted_changes'] else ''}, "
-           f"{prov['date']}, {prov['machine']}, {prov['cpu_count']} CPUs, {', '.join(prov['devices'])}; "
-           f"total {results['timing']['total_seconds']:.0f} s.", "",
-           f"Loss: mean next-token cross-entropy, {results['loss_unit']}, non-overlapping held-out windows; "
-           "`null`: the model cannot read that length (learned table).", ""]
-    out += _table("Loss (nats) by eval length", lengths, {n: f["loss"] for n, f in fams.items()}, ".4f")
+    out = [
+        f"# Length extrapolation: trained at L = {L}, corpus {results['corpus']}",
+        "",
+        f"Commit {prov['commit']}{' (with uncommitted changes)' if prov['uncommitted_changes'] else ''}, "
+        f"{prov['date']}, {prov['machine']}, {prov['cpu_count']} CPUs, {', '.join(prov['devices'])}; "
+        f"total {results['timing']['total_seconds']:.0f} s.",
+        "",
+        f"Loss: mean next-token cross-entropy, {results['loss_unit']}, non-overlapping held-out windows; "
+        "`null`: the model cannot read that length (learned table).",
+        "",
+    ]
+    out += _table(
+        "Loss (nats) by eval length", lengths, {n: f["loss"] for n, f in fams.items()}, ".4f"
+    )
     if results["passkey"]:
-        out += _table(f"Passkey exact-match accuracy ({results['passkey']['digits']} digits, mean over depths "
-                      f"{results['passkey']['depths']})", lengths,
-                      {n: f["passkey_acc"] for n, f in fams.items()}, ".2f")
+        out += _table(
+            f"Passkey exact-match accuracy ({results['passkey']['digits']} digits, mean over depths "
+            f"{results['passkey']['depths']})",
+            lengths,
+            {n: f["passkey_acc"] for n, f in fams.items()},
+            ".2f",
+        )
     if results["copy_acc"]:
-        out += _table("Copy accuracy (repeated random-letter segment)", lengths, results["copy_acc"], ".2f")
-    out += ["### Training", "", "Train loss: the last step's batch (passkey rows included).", "",
-            "| family | steps | train loss | seconds |", "|---|---:|---:|---:|"]
-    out += [f"| {n} | {t['steps']} | {t['final_train_loss']:.4f} | {t['seconds']} |"
-            for n, t in results["training"].items()]
+        out += _table(
+            "Copy accuracy (repeated random-letter segment)", lengths, results["copy_acc"], ".2f"
+        )
+    out += [
+        "### Training",
+        "",
+        "Train loss: the last step's batch (passkey rows included).",
+        "",
+        "| family | steps | train loss | seconds |",
+        "|---|---:|---:|---:|",
+    ]
+    out += [
+        f"| {n} | {t['steps']} | {t['final_train_loss']:.4f} | {t['seconds']} |"
+        for n, t in results["training"].items()
+    ]
     return "\n".join(out) + "\n"
 
 
@@ -379,8 +505,13 @@ def plots(results: dict, workdir: pathlib.Path) -> None:
         pts = [(x, y) for x, y in zip(f["eval_len"], f["loss"]) if y is not None]
         if pts:
             ax.plot(*zip(*pts), label=name, **style(name))
-    ax.set(xscale="log", xlabel="eval length (tokens)", ylabel=f"loss ({results['loss_unit']})",
-           title=f"Held-out loss vs length, trained at L = {L}", ylim=(None, top))
+    ax.set(
+        xscale="log",
+        xlabel="eval length (tokens)",
+        ylabel=f"loss ({results['loss_unit']})",
+        title=f"Held-out loss vs length, trained at L = {L}",
+        ylim=(None, top),
+    )
     ax.set_xticks(lengths, [str(x) for x in lengths])
     ax.axvline(L, color="gray", lw=0.8)
     ax.legend(fontsize=7, ncol=2)
@@ -390,9 +521,13 @@ def plots(results: dict, workdir: pathlib.Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, c in pp["curves"].items():
         ax.plot(np.add(c["position"], 1), c["loss"], label=name, **style(name))
-    ax.set(xscale="log", xlabel="tokens of context (position + 1; log-spaced bins)", ylabel="mean loss in bin",
-           ylim=(None, top),
-           title=f"Per-position loss, windows of {pp['eval_len']} (L = {L})")
+    ax.set(
+        xscale="log",
+        xlabel="tokens of context (position + 1; log-spaced bins)",
+        ylabel="mean loss in bin",
+        ylim=(None, top),
+        title=f"Per-position loss, windows of {pp['eval_len']} (L = {L})",
+    )
     ax.axvline(L, color="gray", lw=0.8)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout(), fig.savefig(workdir / "per_position.png", dpi=120), plt.close(fig)
@@ -400,15 +535,24 @@ def plots(results: dict, workdir: pathlib.Path) -> None:
     if results["passkey"]:
         grids = results["passkey"]["acc"]
         cols = 5
-        fig, axes = plt.subplots(-(-len(grids) // cols), cols, figsize=(2.8 * cols, 2.6 * -(-len(grids) // cols)),
-                                 squeeze=False, layout="constrained")
+        fig, axes = plt.subplots(
+            -(-len(grids) // cols),
+            cols,
+            figsize=(2.8 * cols, 2.6 * -(-len(grids) // cols)),
+            squeeze=False,
+            layout="constrained",
+        )
         for ax, (name, grid) in zip(axes.flat, grids.items()):
-            img = np.array([[np.nan if v is None else v for v in row] for row in grid]).T  # (depths, lengths)
+            img = np.array(
+                [[np.nan if v is None else v for v in row] for row in grid]
+            ).T  # (depths, lengths)
             im = ax.imshow(img, vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="lower")
             ax.set_title(name, fontsize=8)
             ax.set_xticks(range(len(lengths)), [str(x) for x in lengths], fontsize=6)
-            ax.set_yticks(range(len(results["passkey"]["depths"])), results["passkey"]["depths"], fontsize=6)
-        for ax in axes.flat[len(grids):]:
+            ax.set_yticks(
+                range(len(results["passkey"]["depths"])), results["passkey"]["depths"], fontsize=6
+            )
+        for ax in axes.flat[len(grids) :]:
             ax.axis("off")
         fig.colorbar(im, ax=axes, shrink=0.6, label="exact-match accuracy")
         fig.suptitle(f"Passkey: length (x) by depth (y), trained at L = {L}")
@@ -420,8 +564,13 @@ def plots(results: dict, workdir: pathlib.Path) -> None:
             pts = [(x, y) for x, y in zip(lengths, acc) if y is not None]
             if pts:
                 ax.plot(*zip(*pts), label=name, **style(name))
-        ax.set(xscale="log", xlabel="eval length", ylabel="copy accuracy", ylim=(0, 1),
-               title=f"Copy task vs length, trained at L = {L}")
+        ax.set(
+            xscale="log",
+            xlabel="eval length",
+            ylabel="copy accuracy",
+            ylim=(0, 1),
+            title=f"Copy task vs length, trained at L = {L}",
+        )
         ax.set_xticks(lengths, [str(x) for x in lengths])
         ax.axvline(L, color="gray", lw=0.8)
         ax.legend(fontsize=7, ncol=2)
@@ -440,7 +589,9 @@ def main(argv: list[str] | None = None) -> int:
         if "workdir" not in flags or unknown:
             raise config_lib.ConfigError(
                 "usage: python experiments/length_extrapolation.py [--config configs/extrapolation.py] "
-                "[--config.key=value ...] --workdir DIR" + (f" (unknown flag --{sorted(unknown)[0]})" if unknown else ""))
+                "[--config.key=value ...] --workdir DIR"
+                + (f" (unknown flag --{sorted(unknown)[0]})" if unknown else "")
+            )
         config = config_lib.load_config(path or DEFAULT_CONFIG, overrides)
         run(config, flags["workdir"])
     except (config_lib.ConfigError, data_lib.DataError) as e:

@@ -19,15 +19,27 @@ def small_config(**overrides):
     """configs/tiny.py shrunk further, with `section.key=value` overrides (dots as double underscores)."""
     from posattn import config as config_lib
 
-    base = ["model.d_model=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
-            "data.seq_len=32", "train.steps=20", "train.batch_size=8", "train.warmup_steps=2",
-            "train.checkpoint_every=10", "train.eval_every=0", "train.log_every=5"]
+    base = [
+        "model.d_model=32",
+        "model.num_layers=2",
+        "model.num_heads=4",
+        "model.num_kv_heads=2",
+        "data.seq_len=32",
+        "train.steps=20",
+        "train.batch_size=8",
+        "train.warmup_steps=2",
+        "train.checkpoint_every=10",
+        "train.eval_every=0",
+        "train.log_every=5",
+    ]
     extra = [f"{k.replace('__', '.')}={v}" for k, v in overrides.items()]
     return config_lib.load_config(ROOT / "configs" / "tiny.py", base + extra)
 
 
 def read_metrics(workdir):
-    lines = [json.loads(x) for x in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+    lines = [
+        json.loads(x) for x in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()
+    ]
     return [x for x in lines if "loss" in x], [x for x in lines if "eval_loss" in x]
 
 
@@ -37,13 +49,25 @@ def losses(workdir):
 
 def run_python(code: str, *, devices: int = 1, env: dict | None = None, timeout: int = 300):
     """Runs `code` in a fresh interpreter with `devices` simulated CPU devices; returns stdout."""
-    full_env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-                    JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT / "tests") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    full_env = dict(
+        os.environ,
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=str(ROOT / "tests") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     full_env.update(env or {})
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          env=full_env, timeout=timeout, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        cwd=ROOT,
+    )
     if proc.returncode != 0:
-        raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        raise AssertionError(
+            f"subprocess failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
     return proc.stdout
 
 

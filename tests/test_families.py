@@ -9,14 +9,25 @@ import pytest
 
 from posattn import families, positions
 
-SETTINGS = families.BiasSettings(num_heads=4, head_dim=16, t5_num_buckets=32, t5_max_distance=128,
-                                 fire_init_L=16.0)
+SETTINGS = families.BiasSettings(
+    num_heads=4, head_dim=16, t5_num_buckets=32, t5_max_distance=128, fire_init_L=16.0
+)
 BIAS_FAMILIES = [n for n in families.names() if families.get(n).bias is not None]
 
 
 def test_registry_lists_every_family():
-    assert set(families.names()) == {"nope", "sinusoidal", "learned", "rope", "t5", "alibi", "kerple_power",
-                                     "kerple_log", "sandwich", "fire"}
+    assert set(families.names()) == {
+        "nope",
+        "sinusoidal",
+        "learned",
+        "rope",
+        "t5",
+        "alibi",
+        "kerple_power",
+        "kerple_log",
+        "sandwich",
+        "fire",
+    }
 
 
 def test_unknown_family_lists_the_known_ones():
@@ -54,8 +65,10 @@ def test_family_biases_match_the_pure_functions():
     q, k = jnp.arange(20), jnp.arange(20)
     offset = q[:, None] - k[None, :]
     alibi = families.get("alibi").bias
-    np.testing.assert_allclose(_bias("alibi", alibi.init(None, SETTINGS), q, k)[:, offset >= 0],
-                               positions.alibi_bias(offset, positions.alibi_slopes(4))[:, offset >= 0])
+    np.testing.assert_allclose(
+        _bias("alibi", alibi.init(None, SETTINGS), q, k)[:, offset >= 0],
+        positions.alibi_bias(offset, positions.alibi_slopes(4))[:, offset >= 0],
+    )
     table = jnp.arange(4 * 32, dtype=jnp.float32).reshape(4, 32)
     buckets = positions.t5_bucket(offset, bidirectional=False, num_buckets=32, max_distance=128)
     np.testing.assert_array_equal(_bias("t5", {"table": table}, q, k), table[:, buckets])
@@ -66,8 +79,9 @@ def test_family_biases_match_the_pure_functions():
 
 def test_alibi_slope_scale_multiplies_slopes():
     scaled = dataclasses.replace(SETTINGS, alibi_slope_scale=0.5)
-    np.testing.assert_allclose(families.get("alibi").bias.init(None, scaled)["slopes"],
-                               0.5 * positions.alibi_slopes(4))
+    np.testing.assert_allclose(
+        families.get("alibi").bias.init(None, scaled)["slopes"], 0.5 * positions.alibi_slopes(4)
+    )
 
 
 def _check_grads_fd(name, params, *, eps=1e-2, rtol=2e-2, seed=0):
@@ -84,7 +98,9 @@ def _check_grads_fd(name, params, *, eps=1e-2, rtol=2e-2, seed=0):
         return jnp.sum(w * _bias(name, p, q_pos, k_pos))
 
     def f64(p):
-        return float(np.sum(np.asarray(w, np.float64) * np.asarray(_bias(name, p, q_pos, k_pos), np.float64)))
+        return float(
+            np.sum(np.asarray(w, np.float64) * np.asarray(_bias(name, p, q_pos, k_pos), np.float64))
+        )
 
     grads = jax.grad(f)(params)
     for i, leaf_name in enumerate(sorted(params)):
@@ -94,8 +110,13 @@ def _check_grads_fd(name, params, *, eps=1e-2, rtol=2e-2, seed=0):
         minus = dict(params, **{leaf_name: params[leaf_name] - eps * direction})
         numeric = (f64(plus) - f64(minus)) / (2 * eps)
         analytic = jnp.sum(grads[leaf_name] * direction)
-        np.testing.assert_allclose(analytic, numeric, rtol=rtol, atol=1e-2 * max(1.0, abs(float(numeric))),
-                                   err_msg=f"{name}.{leaf_name}")
+        np.testing.assert_allclose(
+            analytic,
+            numeric,
+            rtol=rtol,
+            atol=1e-2 * max(1.0, abs(float(numeric))),
+            err_msg=f"{name}.{leaf_name}",
+        )
 
 
 def test_t5_table_gradient_matches_finite_differences():
@@ -119,7 +140,9 @@ def test_fire_gradients_match_finite_differences():
     params = dict(params, c=jnp.asarray(0.5), b1=sign * (jnp.abs(params["w1"]) + 0.5))
     _check_grads_fd("fire", params, eps=1e-3)
     grads = jax.grad(lambda p: jnp.sum(_bias("fire", p, jnp.arange(40), jnp.arange(40))))(params)
-    assert all(bool(jnp.all(jnp.isfinite(g))) and float(jnp.abs(g).sum()) > 0 for g in grads.values())
+    assert all(
+        bool(jnp.all(jnp.isfinite(g))) and float(jnp.abs(g).sum()) > 0 for g in grads.values()
+    )
 
 
 def test_fire_uses_the_true_query_position():

@@ -2,6 +2,7 @@
 
 Run: .venv/bin/python -m pytest tests/test_rotary.py -q
 """
+
 import collections
 import math
 
@@ -12,8 +13,14 @@ import ml_collections
 import numpy as np
 import pytest
 
-from posattn.rotary import (ROPE_TYPES, apply_rope, rope_angles, rope_decay_bound,
-                            rope_frequencies, validate_rope_scaling)
+from posattn.rotary import (
+    ROPE_TYPES,
+    apply_rope,
+    rope_angles,
+    rope_decay_bound,
+    rope_frequencies,
+    validate_rope_scaling,
+)
 
 # ----------------------------------------------------------------------------------------------
 # Golden values, recorded with transformers 5.24.0 / torch 2.13.0+cpu / numpy 2.4.6 by a scratch
@@ -32,145 +39,456 @@ Case = collections.namedtuple("Case", "head_dim base seq_len attention_factor sc
 FREQ_GOLDEN = {
     # head_dim=32, rope_theta=10000.0, max_position_embeddings=2048, seq_len=None,
     #   rope_parameters={'rope_type': 'default'}
-    'default': Case(32, 10000.0, None, 1.0,
+    "default": Case(
+        32,
+        10000.0,
+        None,
+        1.0,
         scaling=None,
         inv_freq=[
-            1.0, 0.56234133, 0.31622776, 0.17782794, 0.1, 0.05623413, 0.03162278, 0.017782794,
-            0.01, 0.0056234132, 0.0031622779, 0.0017782794, 0.001, 0.0005623413, 0.0003162278,
-            0.00017782794]),
+            1.0,
+            0.56234133,
+            0.31622776,
+            0.17782794,
+            0.1,
+            0.05623413,
+            0.03162278,
+            0.017782794,
+            0.01,
+            0.0056234132,
+            0.0031622779,
+            0.0017782794,
+            0.001,
+            0.0005623413,
+            0.0003162278,
+            0.00017782794,
+        ],
+    ),
     # head_dim=32, rope_theta=10000.0, max_position_embeddings=2048, seq_len=None,
     #   rope_parameters={'rope_type': 'linear', 'factor': 2.5}
-    'linear': Case(32, 10000.0, None, 1.0,
-        scaling={'factor': 2.5, 'rope_type': 'linear'},
+    "linear": Case(
+        32,
+        10000.0,
+        None,
+        1.0,
+        scaling={"factor": 2.5, "rope_type": "linear"},
         inv_freq=[
-            0.4, 0.22493653, 0.1264911, 0.07113118, 0.04, 0.022493651, 0.012649111, 0.0071131177,
-            0.0039999997, 0.0022493652, 0.0012649111, 0.00071131176, 0.00040000002, 0.00022493652,
-            0.00012649111, 7.113117e-05]),
+            0.4,
+            0.22493653,
+            0.1264911,
+            0.07113118,
+            0.04,
+            0.022493651,
+            0.012649111,
+            0.0071131177,
+            0.0039999997,
+            0.0022493652,
+            0.0012649111,
+            0.00071131176,
+            0.00040000002,
+            0.00022493652,
+            0.00012649111,
+            7.113117e-05,
+        ],
+    ),
     # head_dim=32, rope_theta=10000.0, max_position_embeddings=256, seq_len=None,
     #   rope_parameters={'rope_type': 'dynamic', 'factor': 2.0}
-    'dynamic_none': Case(32, 10000.0, None, 1.0,
-        scaling={'factor': 2.0, 'original_max_position_embeddings': 256, 'rope_type': 'dynamic'},
+    "dynamic_none": Case(
+        32,
+        10000.0,
+        None,
+        1.0,
+        scaling={"factor": 2.0, "original_max_position_embeddings": 256, "rope_type": "dynamic"},
         inv_freq=[
-            1.0, 0.56234133, 0.31622776, 0.17782794, 0.1, 0.05623413, 0.03162278, 0.017782794,
-            0.01, 0.0056234132, 0.0031622779, 0.0017782794, 0.001, 0.0005623413, 0.0003162278,
-            0.00017782794]),
+            1.0,
+            0.56234133,
+            0.31622776,
+            0.17782794,
+            0.1,
+            0.05623413,
+            0.03162278,
+            0.017782794,
+            0.01,
+            0.0056234132,
+            0.0031622779,
+            0.0017782794,
+            0.001,
+            0.0005623413,
+            0.0003162278,
+            0.00017782794,
+        ],
+    ),
     # head_dim=32, rope_theta=10000.0, max_position_embeddings=256, seq_len=100,
     #   rope_parameters={'rope_type': 'dynamic', 'factor': 2.0}
-    'dynamic_100': Case(32, 10000.0, 100, 1.0,
-        scaling={'factor': 2.0, 'original_max_position_embeddings': 256, 'rope_type': 'dynamic'},
+    "dynamic_100": Case(
+        32,
+        10000.0,
+        100,
+        1.0,
+        scaling={"factor": 2.0, "original_max_position_embeddings": 256, "rope_type": "dynamic"},
         inv_freq=[
-            1.0, 0.56234133, 0.31622776, 0.17782794, 0.1, 0.05623413, 0.03162278, 0.017782794,
-            0.01, 0.0056234132, 0.0031622779, 0.0017782794, 0.001, 0.0005623413, 0.0003162278,
-            0.00017782794]),
+            1.0,
+            0.56234133,
+            0.31622776,
+            0.17782794,
+            0.1,
+            0.05623413,
+            0.03162278,
+            0.017782794,
+            0.01,
+            0.0056234132,
+            0.0031622779,
+            0.0017782794,
+            0.001,
+            0.0005623413,
+            0.0003162278,
+            0.00017782794,
+        ],
+    ),
     # head_dim=32, rope_theta=10000.0, max_position_embeddings=256, seq_len=512,
     #   rope_parameters={'rope_type': 'dynamic', 'factor': 2.0}
-    'dynamic_512': Case(32, 10000.0, 512, 1.0,
-        scaling={'factor': 2.0, 'original_max_position_embeddings': 256, 'rope_type': 'dynamic'},
+    "dynamic_512": Case(
+        32,
+        10000.0,
+        512,
+        1.0,
+        scaling={"factor": 2.0, "original_max_position_embeddings": 256, "rope_type": "dynamic"},
         inv_freq=[
-            1.0, 0.5226271, 0.2731391, 0.14274988, 0.07460496, 0.03899057, 0.020377528,
-            0.010649848, 0.005565899, 0.0029088897, 0.0015202645, 0.00079453137, 0.00041524367,
-            0.00021701757, 0.00011341926, 5.927598e-05]),
+            1.0,
+            0.5226271,
+            0.2731391,
+            0.14274988,
+            0.07460496,
+            0.03899057,
+            0.020377528,
+            0.010649848,
+            0.005565899,
+            0.0029088897,
+            0.0015202645,
+            0.00079453137,
+            0.00041524367,
+            0.00021701757,
+            0.00011341926,
+            5.927598e-05,
+        ],
+    ),
     # head_dim=32, rope_theta=10000.0, max_position_embeddings=256, seq_len=1000,
     #   rope_parameters={'rope_type': 'dynamic', 'factor': 2.0}
-    'dynamic_1000': Case(32, 10000.0, 1000, 1.0,
-        scaling={'factor': 2.0, 'original_max_position_embeddings': 256, 'rope_type': 'dynamic'},
+    "dynamic_1000": Case(
+        32,
+        10000.0,
+        1000,
+        1.0,
+        scaling={"factor": 2.0, "original_max_position_embeddings": 256, "rope_type": "dynamic"},
         inv_freq=[
-            1.0, 0.49481887, 0.24484569, 0.12115426, 0.059949413, 0.029664101, 0.014678355,
-            0.007263127, 0.0035939321, 0.0017783453, 0.0008799588, 0.0004354202, 0.00021545411,
-            0.000106610765, 5.275301e-05, 2.6103186e-05]),
+            1.0,
+            0.49481887,
+            0.24484569,
+            0.12115426,
+            0.059949413,
+            0.029664101,
+            0.014678355,
+            0.007263127,
+            0.0035939321,
+            0.0017783453,
+            0.0008799588,
+            0.0004354202,
+            0.00021545411,
+            0.000106610765,
+            5.275301e-05,
+            2.6103186e-05,
+        ],
+    ),
     # head_dim=32, rope_theta=10000.0, max_position_embeddings=8192, seq_len=None,
     #   rope_parameters={'rope_type': 'yarn', 'factor': 4.0, 'original_max_position_embeddings':
     #   2048}
-    'yarn': Case(32, 10000.0, None, 1.138629436111989,
-        scaling={'factor': 4.0, 'original_max_position_embeddings': 2048, 'rope_type': 'yarn'},
+    "yarn": Case(
+        32,
+        10000.0,
+        None,
+        1.138629436111989,
+        scaling={"factor": 4.0, "original_max_position_embeddings": 2048, "rope_type": "yarn"},
         inv_freq=[
-            1.0, 0.56234133, 0.31622776, 0.17782794, 0.1, 0.05020904, 0.02484647, 0.012066896,
-            0.0057142857, 0.0026108704, 0.001129385, 0.00044456986, 0.00025, 0.00014058533,
-            7.905695e-05, 4.4456985e-05]),
+            1.0,
+            0.56234133,
+            0.31622776,
+            0.17782794,
+            0.1,
+            0.05020904,
+            0.02484647,
+            0.012066896,
+            0.0057142857,
+            0.0026108704,
+            0.001129385,
+            0.00044456986,
+            0.00025,
+            0.00014058533,
+            7.905695e-05,
+            4.4456985e-05,
+        ],
+    ),
     # head_dim=32, rope_theta=10000.0, max_position_embeddings=8192, seq_len=None,
     #   rope_parameters={'rope_type': 'yarn', 'factor': 4.0, 'original_max_position_embeddings':
     #   2048, 'truncate': False}
-    'yarn_no_truncate': Case(32, 10000.0, None, 1.138629436111989,
-        scaling={'factor': 4.0,
-             'original_max_position_embeddings': 2048,
-             'rope_type': 'yarn',
-             'truncate': False},
+    "yarn_no_truncate": Case(
+        32,
+        10000.0,
+        None,
+        1.138629436111989,
+        scaling={
+            "factor": 4.0,
+            "original_max_position_embeddings": 2048,
+            "rope_type": "yarn",
+            "truncate": False,
+        },
         inv_freq=[
-            1.0, 0.56234133, 0.31622776, 0.17782794, 0.1, 0.049453083, 0.023870196, 0.011207953,
-            0.0050569717, 0.0021432224, 0.00081129046, 0.00044456986, 0.00025, 0.00014058533,
-            7.905695e-05, 4.4456985e-05]),
+            1.0,
+            0.56234133,
+            0.31622776,
+            0.17782794,
+            0.1,
+            0.049453083,
+            0.023870196,
+            0.011207953,
+            0.0050569717,
+            0.0021432224,
+            0.00081129046,
+            0.00044456986,
+            0.00025,
+            0.00014058533,
+            7.905695e-05,
+            4.4456985e-05,
+        ],
+    ),
     # head_dim=32, rope_theta=10000.0, max_position_embeddings=131072, seq_len=None,
     #   rope_parameters={'rope_type': 'yarn', 'factor': 2.0, 'original_max_position_embeddings':
     #   65536}
-    'yarn_long_original': Case(32, 10000.0, None, 1.0693147180559945,
-        scaling={'factor': 2.0, 'original_max_position_embeddings': 65536, 'rope_type': 'yarn'},
+    "yarn_long_original": Case(
+        32,
+        10000.0,
+        None,
+        1.0693147180559945,
+        scaling={"factor": 2.0, "original_max_position_embeddings": 65536, "rope_type": "yarn"},
         inv_freq=[
-            1.0, 0.56234133, 0.31622776, 0.17782794, 0.1, 0.05623413, 0.03162278, 0.017782794,
-            0.01, 0.0056234132, 0.0031622779, 0.0016512595, 0.0008571429, 0.00044183957,
-            0.00022587698, 0.000114317954]),
+            1.0,
+            0.56234133,
+            0.31622776,
+            0.17782794,
+            0.1,
+            0.05623413,
+            0.03162278,
+            0.017782794,
+            0.01,
+            0.0056234132,
+            0.0031622779,
+            0.0016512595,
+            0.0008571429,
+            0.00044183957,
+            0.00022587698,
+            0.000114317954,
+        ],
+    ),
     # head_dim=64, rope_theta=10000.0, max_position_embeddings=16384, seq_len=None,
     #   rope_parameters={'rope_type': 'yarn', 'factor': 8.0, 'original_max_position_embeddings':
     #   2048, 'mscale': 1.0, 'mscale_all_dim': 0.8}
-    'yarn_mscale': Case(64, 10000.0, None, 1.0356570849393496,
-        scaling={'factor': 8.0,
-             'mscale': 1.0,
-             'mscale_all_dim': 0.8,
-             'original_max_position_embeddings': 2048,
-             'rope_type': 'yarn'},
+    "yarn_mscale": Case(
+        64,
+        10000.0,
+        None,
+        1.0356570849393496,
+        scaling={
+            "factor": 8.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.8,
+            "original_max_position_embeddings": 2048,
+            "rope_type": "yarn",
+        },
         inv_freq=[
-            1.0, 0.7498942, 0.56234133, 0.4216965, 0.31622776, 0.23713736, 0.17782794, 0.13335215,
-            0.1, 0.06994205, 0.04866415, 0.033654623, 0.023108954, 0.01573315, 0.010601281,
-            0.0070522767, 0.004615384, 0.0029563138, 0.0018384235, 0.0010947889, 0.00060813036,
-            0.00029642173, 0.00022228493, 0.00016669018, 0.000125, 9.373677e-05, 7.029266e-05,
-            5.271206e-05, 3.9528473e-05, 2.9642173e-05, 2.2228493e-05, 1.6669019e-05]),
+            1.0,
+            0.7498942,
+            0.56234133,
+            0.4216965,
+            0.31622776,
+            0.23713736,
+            0.17782794,
+            0.13335215,
+            0.1,
+            0.06994205,
+            0.04866415,
+            0.033654623,
+            0.023108954,
+            0.01573315,
+            0.010601281,
+            0.0070522767,
+            0.004615384,
+            0.0029563138,
+            0.0018384235,
+            0.0010947889,
+            0.00060813036,
+            0.00029642173,
+            0.00022228493,
+            0.00016669018,
+            0.000125,
+            9.373677e-05,
+            7.029266e-05,
+            5.271206e-05,
+            3.9528473e-05,
+            2.9642173e-05,
+            2.2228493e-05,
+            1.6669019e-05,
+        ],
+    ),
     # head_dim=32, rope_theta=500000.0, max_position_embeddings=32768, seq_len=None,
     #   rope_parameters={'rope_type': 'yarn', 'factor': 16.0, 'original_max_position_embeddings':
     #   2048, 'attention_factor': 0.9, 'beta_fast': 16.0, 'beta_slow': 2.0}
-    'yarn_explicit': Case(32, 500000.0, None, 0.9,
-        scaling={'attention_factor': 0.9,
-             'beta_fast': 16.0,
-             'beta_slow': 2.0,
-             'factor': 16.0,
-             'original_max_position_embeddings': 2048,
-             'rope_type': 'yarn'},
+    "yarn_explicit": Case(
+        32,
+        500000.0,
+        None,
+        0.9,
+        scaling={
+            "attention_factor": 0.9,
+            "beta_fast": 16.0,
+            "beta_slow": 2.0,
+            "factor": 16.0,
+            "original_max_position_embeddings": 2048,
+            "rope_type": "yarn",
+        },
         inv_freq=[
-            1.0, 0.44036663, 0.19392276, 0.0853971, 0.028792117, 0.008797734, 0.00216501,
-            0.00020071538, 8.838834e-05, 3.8923277e-05, 1.7140512e-05, 7.548109e-06, 3.3239348e-06,
-            1.4637499e-06, 6.445866e-07, 2.838544e-07]),
+            1.0,
+            0.44036663,
+            0.19392276,
+            0.0853971,
+            0.028792117,
+            0.008797734,
+            0.00216501,
+            0.00020071538,
+            8.838834e-05,
+            3.8923277e-05,
+            1.7140512e-05,
+            7.548109e-06,
+            3.3239348e-06,
+            1.4637499e-06,
+            6.445866e-07,
+            2.838544e-07,
+        ],
+    ),
     # head_dim=128, rope_theta=500000.0, max_position_embeddings=131072, seq_len=None,
     #   rope_parameters={'rope_type': 'llama3', 'factor': 8.0, 'low_freq_factor': 1.0,
     #   'high_freq_factor': 4.0, 'original_max_position_embeddings': 8192}
-    'llama3': Case(128, 500000.0, None, 1.0,
-        scaling={'factor': 8.0,
-             'high_freq_factor': 4.0,
-             'low_freq_factor': 1.0,
-             'original_max_position_embeddings': 8192,
-             'rope_type': 'llama3'},
+    "llama3": Case(
+        128,
+        500000.0,
+        None,
+        1.0,
+        scaling={
+            "factor": 8.0,
+            "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
         inv_freq=[
-            1.0, 0.8146172, 0.6636013, 0.540581, 0.44036663, 0.35873023, 0.29222783, 0.23805381,
-            0.19392276, 0.15797281, 0.12868738, 0.10483095, 0.0853971, 0.06956595, 0.05666962,
-            0.04616405, 0.03760603, 0.03063452, 0.024955409, 0.020329105, 0.01656044, 0.01349042,
-            0.010989529, 0.008952259, 0.007292665, 0.0059407307, 0.0048394212, 0.003942276,
-            0.003211446, 0.0021665706, 0.0013718937, 0.00085675146, 0.000524846, 0.00031269365,
-            0.00017850779, 9.556212e-05, 7.7846555e-05, 6.3415144e-05, 5.165907e-05, 4.2082367e-05,
-            3.4281024e-05, 2.792591e-05, 2.2748929e-05, 1.853167e-05, 1.5096218e-05, 1.2297639e-05,
-            1.0017869e-05, 8.160728e-06, 6.6478697e-06, 5.4154693e-06, 4.4115345e-06,
-            3.5937119e-06, 2.9274997e-06, 2.3847917e-06, 1.9426925e-06, 1.5825508e-06,
-            1.2891732e-06, 1.0501826e-06, 8.554969e-07, 6.9690253e-07, 5.677088e-07, 4.6246538e-07,
-            3.7673226e-07, 3.068926e-07]),
+            1.0,
+            0.8146172,
+            0.6636013,
+            0.540581,
+            0.44036663,
+            0.35873023,
+            0.29222783,
+            0.23805381,
+            0.19392276,
+            0.15797281,
+            0.12868738,
+            0.10483095,
+            0.0853971,
+            0.06956595,
+            0.05666962,
+            0.04616405,
+            0.03760603,
+            0.03063452,
+            0.024955409,
+            0.020329105,
+            0.01656044,
+            0.01349042,
+            0.010989529,
+            0.008952259,
+            0.007292665,
+            0.0059407307,
+            0.0048394212,
+            0.003942276,
+            0.003211446,
+            0.0021665706,
+            0.0013718937,
+            0.00085675146,
+            0.000524846,
+            0.00031269365,
+            0.00017850779,
+            9.556212e-05,
+            7.7846555e-05,
+            6.3415144e-05,
+            5.165907e-05,
+            4.2082367e-05,
+            3.4281024e-05,
+            2.792591e-05,
+            2.2748929e-05,
+            1.853167e-05,
+            1.5096218e-05,
+            1.2297639e-05,
+            1.0017869e-05,
+            8.160728e-06,
+            6.6478697e-06,
+            5.4154693e-06,
+            4.4115345e-06,
+            3.5937119e-06,
+            2.9274997e-06,
+            2.3847917e-06,
+            1.9426925e-06,
+            1.5825508e-06,
+            1.2891732e-06,
+            1.0501826e-06,
+            8.554969e-07,
+            6.9690253e-07,
+            5.677088e-07,
+            4.6246538e-07,
+            3.7673226e-07,
+            3.068926e-07,
+        ],
+    ),
     # head_dim=32, rope_theta=10000.0, max_position_embeddings=1024, seq_len=None,
     #   rope_parameters={'rope_type': 'llama3', 'factor': 4.0, 'low_freq_factor': 1.0,
     #   'high_freq_factor': 4.0, 'original_max_position_embeddings': 256}
-    'llama3_small': Case(32, 10000.0, None, 1.0,
-        scaling={'factor': 4.0,
-             'high_freq_factor': 4.0,
-             'low_freq_factor': 1.0,
-             'original_max_position_embeddings': 256,
-             'rope_type': 'llama3'},
+    "llama3_small": Case(
+        32,
+        10000.0,
+        None,
+        1.0,
+        scaling={
+            "factor": 4.0,
+            "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 256,
+            "rope_type": "llama3",
+        },
         inv_freq=[
-            1.0, 0.56234133, 0.31622776, 0.17782794, 0.1, 0.03221069, 0.010185918, 0.0044456986,
-            0.0025, 0.0014058533, 0.00079056947, 0.00044456986, 0.00025, 0.00014058533,
-            7.905695e-05, 4.4456985e-05]),
+            1.0,
+            0.56234133,
+            0.31622776,
+            0.17782794,
+            0.1,
+            0.03221069,
+            0.010185918,
+            0.0044456986,
+            0.0025,
+            0.0014058533,
+            0.00079056947,
+            0.00044456986,
+            0.00025,
+            0.00014058533,
+            7.905695e-05,
+            4.4456985e-05,
+        ],
+    ),
 }
 
 # Rotations of x = pseudo_random(shape, seed) (below; the same function ran in the scratch script),
@@ -186,38 +504,222 @@ FREQ_GOLDEN = {
 INTERLEAVED_INV_FREQ = [1.0, 0.1, 0.01, 0.001]
 INTERLEAVED_POSITIONS = [3, 17, 250, 1023, 4096]
 INTERLEAVED_OUT = [
-    1.9133182, -0.7496817, -1.4271274, 1.0412016, -0.062198337, -1.6418905, 0.8349327, -0.6925095,
-    -1.7945135, 0.0040220623, -1.574212, 0.7623697, -0.27832353, -1.8713884, 0.6126906, -0.9160928,
-    -0.4023308, -1.5014642, -0.7690665, -1.6140617, -0.87317616, 1.793011, 0.40636513, -1.1340946,
-    -0.5553005, -1.2258202, -0.5192917, -1.8063946, -1.0551656, 1.5355991, 0.18727483, -1.3607635,
-    -0.14000818, -1.1768103, -1.8607534, 0.7779122, -0.07559176, -1.7772433, 0.33557475, -1.551884,
-    -0.4100695, -1.0141872, 1.853604, 0.05705476, 0.23639916, -1.7320654, 0.17474198, -1.8230155,
-    -0.5279686, -0.95340633, -0.39387846, 1.5598117, 1.7417527, 0.33557537, -1.9424278, 0.5939115,
-    -0.821444, -0.8382908, -0.13143118, 1.3851669, 1.7355039, 0.6507584, -1.8682277, 0.2875233,
-    -0.6053974, -1.1830138, 0.7692858, 0.9437794, 1.9499713, -0.34781778, 1.7910988, -0.10413764,
-    -0.91716915, -1.2296801, 0.8942404, 0.6543563, -1.8267977, -0.57600796, 1.7380728, 0.20661566]
+    1.9133182,
+    -0.7496817,
+    -1.4271274,
+    1.0412016,
+    -0.062198337,
+    -1.6418905,
+    0.8349327,
+    -0.6925095,
+    -1.7945135,
+    0.0040220623,
+    -1.574212,
+    0.7623697,
+    -0.27832353,
+    -1.8713884,
+    0.6126906,
+    -0.9160928,
+    -0.4023308,
+    -1.5014642,
+    -0.7690665,
+    -1.6140617,
+    -0.87317616,
+    1.793011,
+    0.40636513,
+    -1.1340946,
+    -0.5553005,
+    -1.2258202,
+    -0.5192917,
+    -1.8063946,
+    -1.0551656,
+    1.5355991,
+    0.18727483,
+    -1.3607635,
+    -0.14000818,
+    -1.1768103,
+    -1.8607534,
+    0.7779122,
+    -0.07559176,
+    -1.7772433,
+    0.33557475,
+    -1.551884,
+    -0.4100695,
+    -1.0141872,
+    1.853604,
+    0.05705476,
+    0.23639916,
+    -1.7320654,
+    0.17474198,
+    -1.8230155,
+    -0.5279686,
+    -0.95340633,
+    -0.39387846,
+    1.5598117,
+    1.7417527,
+    0.33557537,
+    -1.9424278,
+    0.5939115,
+    -0.821444,
+    -0.8382908,
+    -0.13143118,
+    1.3851669,
+    1.7355039,
+    0.6507584,
+    -1.8682277,
+    0.2875233,
+    -0.6053974,
+    -1.1830138,
+    0.7692858,
+    0.9437794,
+    1.9499713,
+    -0.34781778,
+    1.7910988,
+    -0.10413764,
+    -0.91716915,
+    -1.2296801,
+    0.8942404,
+    0.6543563,
+    -1.8267977,
+    -0.57600796,
+    1.7380728,
+    0.20661566,
+]
 
 # Half: x = pseudo_random((2, 4, 2, 8), seed=2), yarn inv_freq and attention factor.
 HALF_INV_FREQ = [1.0, 0.0625, 0.0025, 0.00025]
 HALF_ATTENTION_FACTOR = 1.138629436111989
 HALF_POSITIONS = [[0, 1, 2, 3], [100, 101, 102, 5000]]
 HALF_OUT = [
-    -2.2771764, 0.5376721, -1.2020015, 1.612847, -0.1268223, -1.8664958, 0.9483526, -0.7913167,
-    2.0235274, 0.28385815, -1.4558154, 1.359033, -0.38063627, -2.1203098, 0.6945386, -1.045135,
-    1.4900553, -0.106200404, -1.7107259, 1.1055437, 1.1463653, 2.1780133, 0.43644917, -1.2986727,
-    1.5664963, -0.3436701, -1.9639045, 0.8517932, 0.79565185, 1.9088415, 0.1819971, -1.5525501,
-    0.51327986, -0.68241346, -2.216895, 0.59848994, 1.6228851, 1.6001713, -0.07799309, -1.806278,
-    0.8496961, -0.9026029, 2.0850239, 0.34480292, 1.4977167, 1.3166934, -0.31030047, -2.0602188,
-    -0.51409584, -1.1851332, 1.83389, 0.08827852, 1.7396694, 0.9610652, -0.5607974, 2.2403796,
-    -0.22700368, -1.387187, 1.5819824, -0.16534503, 1.9551251, 0.66438794, -0.8165078, 1.986371,
-    -0.8795622, -1.4702066, 1.5486338, -0.46085116, -1.9853013, 0.70667505, -0.72145367, 1.7216984,
-    1.0792978, -1.7323065, 1.365505, -0.70824116, 1.8517995, 0.46142232, -1.0301718, 1.4616191,
-    -1.0867612, -2.0040097, 1.1857206, -0.9559315, 1.5675956, 0.09117839, -1.3359339, 1.2013009,
-    -1.1984341, -2.2502754, 1.0033641, -1.2032608, 1.2264618, -0.16996595, -1.6451089, 0.9411595,
-    -1.4528321, 2.070595, 0.8258906, -1.450756, -0.6240765, -0.16862075, -1.9522252, 0.68065566,
-    -1.226115, 1.8411212, -0.5045528, -1.6980158, -0.90236133, -0.4446368, 2.1453834, 0.42045262,
-    0.66640365, -0.9979555, -0.07115298, -0.81099075, 1.3959326, -1.4563079, 1.958497, -1.775407,
-    0.37638265, -1.2283515, -0.34124163, -0.65015835, 1.6074346, -1.1810611, 1.7220755, -2.0963056]
+    -2.2771764,
+    0.5376721,
+    -1.2020015,
+    1.612847,
+    -0.1268223,
+    -1.8664958,
+    0.9483526,
+    -0.7913167,
+    2.0235274,
+    0.28385815,
+    -1.4558154,
+    1.359033,
+    -0.38063627,
+    -2.1203098,
+    0.6945386,
+    -1.045135,
+    1.4900553,
+    -0.106200404,
+    -1.7107259,
+    1.1055437,
+    1.1463653,
+    2.1780133,
+    0.43644917,
+    -1.2986727,
+    1.5664963,
+    -0.3436701,
+    -1.9639045,
+    0.8517932,
+    0.79565185,
+    1.9088415,
+    0.1819971,
+    -1.5525501,
+    0.51327986,
+    -0.68241346,
+    -2.216895,
+    0.59848994,
+    1.6228851,
+    1.6001713,
+    -0.07799309,
+    -1.806278,
+    0.8496961,
+    -0.9026029,
+    2.0850239,
+    0.34480292,
+    1.4977167,
+    1.3166934,
+    -0.31030047,
+    -2.0602188,
+    -0.51409584,
+    -1.1851332,
+    1.83389,
+    0.08827852,
+    1.7396694,
+    0.9610652,
+    -0.5607974,
+    2.2403796,
+    -0.22700368,
+    -1.387187,
+    1.5819824,
+    -0.16534503,
+    1.9551251,
+    0.66438794,
+    -0.8165078,
+    1.986371,
+    -0.8795622,
+    -1.4702066,
+    1.5486338,
+    -0.46085116,
+    -1.9853013,
+    0.70667505,
+    -0.72145367,
+    1.7216984,
+    1.0792978,
+    -1.7323065,
+    1.365505,
+    -0.70824116,
+    1.8517995,
+    0.46142232,
+    -1.0301718,
+    1.4616191,
+    -1.0867612,
+    -2.0040097,
+    1.1857206,
+    -0.9559315,
+    1.5675956,
+    0.09117839,
+    -1.3359339,
+    1.2013009,
+    -1.1984341,
+    -2.2502754,
+    1.0033641,
+    -1.2032608,
+    1.2264618,
+    -0.16996595,
+    -1.6451089,
+    0.9411595,
+    -1.4528321,
+    2.070595,
+    0.8258906,
+    -1.450756,
+    -0.6240765,
+    -0.16862075,
+    -1.9522252,
+    0.68065566,
+    -1.226115,
+    1.8411212,
+    -0.5045528,
+    -1.6980158,
+    -0.90236133,
+    -0.4446368,
+    2.1453834,
+    0.42045262,
+    0.66640365,
+    -0.9979555,
+    -0.07115298,
+    -0.81099075,
+    1.3959326,
+    -1.4563079,
+    1.958497,
+    -1.775407,
+    0.37638265,
+    -1.2283515,
+    -0.34124163,
+    -0.65015835,
+    1.6074346,
+    -1.1810611,
+    1.7220755,
+    -2.0963056,
+]
 
 
 def pseudo_random(shape, seed):
@@ -239,8 +741,13 @@ def wrapped(angle):
 
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 8192}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 # Compiled once per shape: eager op-by-op dispatch of the ~40 small ops costs more than the tests.
 rope = jax.jit(apply_rope, static_argnames="layout")
 
@@ -249,8 +756,9 @@ rope = jax.jit(apply_rope, static_argnames="layout")
 @pytest.mark.parametrize("name", sorted(FREQ_GOLDEN))
 def test_frequencies_match_hugging_face(name):
     case = FREQ_GOLDEN[name]
-    inv_freq, factor = rope_frequencies(case.head_dim, base=case.base, scaling=case.scaling,
-                                        seq_len=case.seq_len)
+    inv_freq, factor = rope_frequencies(
+        case.head_dim, base=case.base, scaling=case.scaling, seq_len=case.seq_len
+    )
     chex.assert_shape(inv_freq, (case.head_dim // 2,))
     assert inv_freq.dtype == jnp.float32
     # HF evaluates in float32, up to 3.5 ulp away from the float64 value; posattn rounds the
@@ -262,7 +770,9 @@ def test_frequencies_match_hugging_face(name):
 def test_frequencies_are_float64_rounded_once_to_float32():
     d, base = 128, 500000.0
     inv_freq, _ = rope_frequencies(d, base=base)
-    np.testing.assert_array_equal(inv_freq, (1.0 / base ** (np.arange(0, d, 2) / d)).astype(np.float32))
+    np.testing.assert_array_equal(
+        inv_freq, (1.0 / base ** (np.arange(0, d, 2) / d)).astype(np.float32)
+    )
 
 
 def test_dynamic_accepts_a_traced_length_without_retracing():
@@ -299,44 +809,79 @@ def test_type_alias_defaults_and_config_dicts_give_the_same_frequencies():
         inv_freq, factor = rope_frequencies(32, scaling=scaling)
         np.testing.assert_array_equal(inv_freq, reference[0])
         assert factor == reference[1]
-    np.testing.assert_array_equal(rope_frequencies(32, scaling={"rope_type": "default"})[0],
-                                  rope_frequencies(32)[0])
+    np.testing.assert_array_equal(
+        rope_frequencies(32, scaling={"rope_type": "default"})[0], rope_frequencies(32)[0]
+    )
     normalised = validate_rope_scaling(YARN, 32)
-    assert normalised["beta_fast"] == 32.0 and normalised["beta_slow"] == 1.0 and normalised["truncate"]
+    assert (
+        normalised["beta_fast"] == 32.0
+        and normalised["beta_slow"] == 1.0
+        and normalised["truncate"]
+    )
     assert validate_rope_scaling(ml_collections.ConfigDict(YARN), 32) == normalised
 
 
-@pytest.mark.parametrize("scaling, head_dim, fragments", [
-    ({"rope_type": "longrope", "factor": 2.0}, 64, ["'rope_type'", "'longrope'", ", ".join(ROPE_TYPES)]),
-    ({"rope_type": "linear"}, 64, ["'linear'", "missing 'factor'"]),
-    ({"rope_type": "yarn", "factor": 4.0}, 64, ["missing 'original_max_position_embeddings'"]),
-    ({"type": "dynamic", "factor": 2.0}, 64, ["'dynamic'", "missing 'original_max_position_embeddings'",
-                                              "config.max_position_embeddings"]),
-    ({**LLAMA3, "low_freq_factor": None}, 128, ["missing 'low_freq_factor'"]),
-    ({"rope_type": "linear", "factor": 0.5}, 64, ["'factor'", "0.5", ">= 1"]),
-    ({"rope_type": "linear", "factor": True}, 64, ["'factor'", "True", ">= 1"]),
-    ({**YARN, "beta_fast": 1.0, "beta_slow": 2.0}, 64, ["'beta_fast'", "1.0", "beta_slow = 2.0"]),
-    ({**YARN, "beta_fast": 0}, 64, ["'beta_fast'", "= 0", "> 0"]),  # HF's `or 32` would hide it
-    ({**YARN, "beta_slow": -1.0}, 64, ["'beta_slow'", "-1.0", "> 0"]),
-    ({**YARN, "mscale": -0.5}, 64, ["'mscale'", "-0.5", ">= 0"]),
-    ({**YARN, "attention_factor": 0.0}, 64, ["'attention_factor'", "0.0", "> 0"]),
-    ({**YARN, "truncate": "yes"}, 64, ["'truncate'", "'yes'", "True or False"]),
-    ({**YARN, "original_max_position_embeddings": 2048.5}, 64, ["'original_max_position_embeddings'",
-                                                                 "2048.5", "positive integer"]),
-    ({**LLAMA3, "low_freq_factor": 4.0, "high_freq_factor": 1.0}, 128,
-     ["'high_freq_factor'", "1.0", "low_freq_factor = 4.0"]),
-    ({**LLAMA3, "low_freq_factor": 0}, 128, ["'low_freq_factor'", "= 0", "> 0"]),
-    ({**YARN, "beta_fats": 16}, 64, ["'beta_fats'", "beta_fast, beta_slow"]),
-    ({**YARN, "rope_theta": 1e6}, 64, ["'rope_theta'", "base"]),
-    ({**YARN, "partial_rotary_factor": 0.5}, 64, ["'partial_rotary_factor'", "0.5", "only 1.0"]),
-    ({"rope_type": "linear", "type": "yarn", "factor": 2.0}, 64, ["'type'", "'yarn'", "alias"]),
-    ("yarn", 64, ["rope_scaling = 'yarn'", "None or a dict"]),
-    (None, 63, ["head_dim = 63", "even integer"]),
-    ({"rope_type": "ntk", "factor": 2.0}, 2, ["head_dim = 2", "'ntk'", ">= 4"]),
-])
+@pytest.mark.parametrize(
+    "scaling, head_dim, fragments",
+    [
+        (
+            {"rope_type": "longrope", "factor": 2.0},
+            64,
+            ["'rope_type'", "'longrope'", ", ".join(ROPE_TYPES)],
+        ),
+        ({"rope_type": "linear"}, 64, ["'linear'", "missing 'factor'"]),
+        ({"rope_type": "yarn", "factor": 4.0}, 64, ["missing 'original_max_position_embeddings'"]),
+        (
+            {"type": "dynamic", "factor": 2.0},
+            64,
+            [
+                "'dynamic'",
+                "missing 'original_max_position_embeddings'",
+                "config.max_position_embeddings",
+            ],
+        ),
+        ({**LLAMA3, "low_freq_factor": None}, 128, ["missing 'low_freq_factor'"]),
+        ({"rope_type": "linear", "factor": 0.5}, 64, ["'factor'", "0.5", ">= 1"]),
+        ({"rope_type": "linear", "factor": True}, 64, ["'factor'", "True", ">= 1"]),
+        (
+            {**YARN, "beta_fast": 1.0, "beta_slow": 2.0},
+            64,
+            ["'beta_fast'", "1.0", "beta_slow = 2.0"],
+        ),
+        ({**YARN, "beta_fast": 0}, 64, ["'beta_fast'", "= 0", "> 0"]),  # HF's `or 32` would hide it
+        ({**YARN, "beta_slow": -1.0}, 64, ["'beta_slow'", "-1.0", "> 0"]),
+        ({**YARN, "mscale": -0.5}, 64, ["'mscale'", "-0.5", ">= 0"]),
+        ({**YARN, "attention_factor": 0.0}, 64, ["'attention_factor'", "0.0", "> 0"]),
+        ({**YARN, "truncate": "yes"}, 64, ["'truncate'", "'yes'", "True or False"]),
+        (
+            {**YARN, "original_max_position_embeddings": 2048.5},
+            64,
+            ["'original_max_position_embeddings'", "2048.5", "positive integer"],
+        ),
+        (
+            {**LLAMA3, "low_freq_factor": 4.0, "high_freq_factor": 1.0},
+            128,
+            ["'high_freq_factor'", "1.0", "low_freq_factor = 4.0"],
+        ),
+        ({**LLAMA3, "low_freq_factor": 0}, 128, ["'low_freq_factor'", "= 0", "> 0"]),
+        ({**YARN, "beta_fats": 16}, 64, ["'beta_fats'", "beta_fast, beta_slow"]),
+        ({**YARN, "rope_theta": 1e6}, 64, ["'rope_theta'", "base"]),
+        (
+            {**YARN, "partial_rotary_factor": 0.5},
+            64,
+            ["'partial_rotary_factor'", "0.5", "only 1.0"],
+        ),
+        ({"rope_type": "linear", "type": "yarn", "factor": 2.0}, 64, ["'type'", "'yarn'", "alias"]),
+        ("yarn", 64, ["rope_scaling = 'yarn'", "None or a dict"]),
+        (None, 63, ["head_dim = 63", "even integer"]),
+        ({"rope_type": "ntk", "factor": 2.0}, 2, ["head_dim = 2", "'ntk'", ">= 4"]),
+    ],
+)
 def test_invalid_settings_are_refused_naming_key_value_and_allowed(scaling, head_dim, fragments):
-    for check in (lambda: validate_rope_scaling(scaling, head_dim),
-                  lambda: rope_frequencies(head_dim, scaling=scaling)):
+    for check in (
+        lambda: validate_rope_scaling(scaling, head_dim),
+        lambda: rope_frequencies(head_dim, scaling=scaling),
+    ):
         with pytest.raises(ValueError) as error:
             check()
         for fragment in fragments:
@@ -353,7 +898,9 @@ def test_invalid_base_and_length_are_refused():
 def test_vmap_over_a_swept_base():
     bases = jnp.array([1e4, 5e4, 5e5])
     for scaling in (None, YARN, LLAMA3):
-        swept = jax.jit(jax.vmap(lambda b: rope_frequencies(128, base=b, scaling=scaling)[0]))(bases)
+        swept = jax.jit(jax.vmap(lambda b: rope_frequencies(128, base=b, scaling=scaling)[0]))(
+            bases
+        )
         chex.assert_shape(swept, (3, 64))
         for row, base in zip(swept, [1e4, 5e4, 5e5]):
             # traced base: computed in float32 on the device, a few ulp from the host float64 path
@@ -392,8 +939,13 @@ def test_interleaved_matches_meta_view_as_complex():
 
 def test_half_matches_hugging_face_rotate_half_with_factor_and_per_sequence_positions():
     x = pseudo_random((2, 4, 2, 8), seed=2)
-    out = rope(x, jnp.array(HALF_POSITIONS), jnp.array(HALF_INV_FREQ, jnp.float32), layout="half",
-                     attention_factor=HALF_ATTENTION_FACTOR)
+    out = rope(
+        x,
+        jnp.array(HALF_POSITIONS),
+        jnp.array(HALF_INV_FREQ, jnp.float32),
+        layout="half",
+        attention_factor=HALF_ATTENTION_FACTOR,
+    )
     np.testing.assert_allclose(np.ravel(out), HALF_OUT, rtol=0, atol=1e-6)
 
 
@@ -426,27 +978,38 @@ def test_scores_depend_only_on_the_offset_even_near_a_million(layout):
     q = jnp.broadcast_to(pseudo_random((1, 1, 128), seed=5), (7, 1, 128))
     k = jnp.broadcast_to(pseudo_random((1, 1, 128), seed=6), (7, 1, 128))
     for m, n in [(3, 0), (0, 3), (1000, 17)]:
-        scores = jnp.sum(rope(q, m + shifts, inv_freq, layout=layout)
-                         * rope(k, n + shifts, inv_freq, layout=layout), axis=(-1, -2))
+        scores = jnp.sum(
+            rope(q, m + shifts, inv_freq, layout=layout)
+            * rope(k, n + shifts, inv_freq, layout=layout),
+            axis=(-1, -2),
+        )
         assert float(jnp.max(scores) - jnp.min(scores)) < 1e-4  # |q| |k| ~ 150
 
 
 def test_angles_are_accurate_where_a_float32_product_is_not():
     # Phase error against float64 (the float32 theta taken as exact). The exhaustive sweep over all
     # p < 2^20 (benchmarks/rope_phase_error.py) measured 7.3e-7 rad; this is a sample of it.
-    theta = np.concatenate([rope_frequencies(128)[0], rope_frequencies(128, base=500000.0)[0],
-                            rope_frequencies(128, scaling=LLAMA3, base=500000.0)[0]])
+    theta = np.concatenate(
+        [
+            rope_frequencies(128)[0],
+            rope_frequencies(128, base=500000.0)[0],
+            rope_frequencies(128, scaling=LLAMA3, base=500000.0)[0],
+        ]
+    )
     rng = np.random.default_rng(0)
-    positions = np.concatenate([np.arange(4096), rng.integers(-2**20, 2**20, 20_000),
-                                [2**20 - 1, 10**6, -2**20]]).astype(np.int32)
+    positions = np.concatenate(
+        [np.arange(4096), rng.integers(-(2**20), 2**20, 20_000), [2**20 - 1, 10**6, -(2**20)]]
+    ).astype(np.int32)
     exact = positions[:, None].astype(np.float64) * theta.astype(np.float64)
     angles = jax.jit(rope_angles)
     error = np.abs(wrapped(np.asarray(angles(positions, theta), np.float64) - exact))
     assert error.max() < 1e-6
-    naive = np.abs(wrapped((positions[:, None].astype(np.float32) * theta).astype(np.float64) - exact))
+    naive = np.abs(
+        wrapped((positions[:, None].astype(np.float32) * theta).astype(np.float64) - exact)
+    )
     assert naive.max() > 0.01  # the test can see the error it guards against
     # Up to the documented limit |p| < 2^24 (measured 1.03e-6 rad).
-    far = rng.integers(-2**24 + 1, 2**24, 5_000).astype(np.int32)
+    far = rng.integers(-(2**24) + 1, 2**24, 5_000).astype(np.int32)
     exact = far[:, None].astype(np.float64) * theta.astype(np.float64)
     assert np.abs(wrapped(np.asarray(angles(far, theta), np.float64) - exact)).max() < 2e-6
 
@@ -465,7 +1028,9 @@ def test_output_keeps_the_input_dtype_and_rotates_in_float32():
     positions, inv_freq = jnp.arange(5) + 40_000, rope_frequencies(16)[0]
     out = rope(x, positions, inv_freq)
     assert out.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(out, rope(x.astype(jnp.float32), positions, inv_freq).astype(jnp.bfloat16))
+    np.testing.assert_array_equal(
+        out, rope(x.astype(jnp.float32), positions, inv_freq).astype(jnp.bfloat16)
+    )
 
 
 def test_jit_vmap_and_eval_shape():
@@ -474,15 +1039,22 @@ def test_jit_vmap_and_eval_shape():
     inv_freq = rope_frequencies(32, scaling=YARN)[0]
     direct = apply_rope(x, positions, inv_freq, layout="half")
     jitted = jax.jit(apply_rope, static_argnames="layout")(x, positions, inv_freq, layout="half")
-    mapped = jax.jit(jax.vmap(lambda xb, pb: apply_rope(xb, pb, inv_freq, layout="half")))(x, positions)
+    mapped = jax.jit(jax.vmap(lambda xb, pb: apply_rope(xb, pb, inv_freq, layout="half")))(
+        x, positions
+    )
     chex.assert_trees_all_close(jitted, direct, mapped, rtol=0, atol=1e-6)
     # One frequency vector per swept base, one rotation each: [3 bases, B, T, N, H].
     swept = jax.jit(jax.vmap(lambda b: apply_rope(x, positions, rope_frequencies(32, base=b)[0])))(
-        jnp.array([1e4, 1e5, 1e6]))
+        jnp.array([1e4, 1e5, 1e6])
+    )
     chex.assert_shape(swept, (3, *x.shape))
     # A Llama-sized call, shapes only.
-    big = jax.eval_shape(apply_rope, jax.ShapeDtypeStruct((8, 8192, 32, 128), jnp.bfloat16),
-                         jax.ShapeDtypeStruct((8, 8192), jnp.int32), jax.ShapeDtypeStruct((64,), jnp.float32))
+    big = jax.eval_shape(
+        apply_rope,
+        jax.ShapeDtypeStruct((8, 8192, 32, 128), jnp.bfloat16),
+        jax.ShapeDtypeStruct((8, 8192), jnp.int32),
+        jax.ShapeDtypeStruct((64,), jnp.float32),
+    )
     assert big.shape == (8, 8192, 32, 128) and big.dtype == jnp.bfloat16
 
 
@@ -503,11 +1075,15 @@ def test_bad_arguments_are_refused():
 # ---------------------------------------------------------------------------------- decay bound
 def test_decay_bound_starts_at_half_the_pairs_and_falls_slower_for_a_larger_base():
     offsets = jnp.arange(4096)
-    bounds = {base: np.asarray(rope_decay_bound(offsets, rope_frequencies(128, base=base)[0]))
-              for base in (1e4, 1e6)}
+    bounds = {
+        base: np.asarray(rope_decay_bound(offsets, rope_frequencies(128, base=base)[0]))
+        for base in (1e4, 1e6)
+    }
     small = bounds[1e4]
     assert small[0] == pytest.approx((64 + 1) / 2, rel=1e-6)  # S_j = j at offset 0
-    windows = [small[a:b].mean() for a, b in [(0, 16), (16, 64), (64, 256), (256, 1024), (1024, 4096)]]
+    windows = [
+        small[a:b].mean() for a, b in [(0, 16), (16, 64), (64, 256), (256, 1024), (1024, 4096)]
+    ]
     assert all(np.diff(windows) < 0), windows  # measured 21.5, 12.8, 8.9, 6.3, 5.0
     assert np.any(np.diff(small) > 0)  # with ripples, not monotone
     assert bounds[1e6][64:4096].mean() > small[64:4096].mean()  # a larger base stretches the decay

@@ -20,7 +20,8 @@ import importlib.util
 import json
 import math
 import pathlib
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import ml_collections
 
@@ -106,7 +107,9 @@ class ModelConfig:
 # Loading and overriding.
 
 
-def load_config(path: str | pathlib.Path, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
+def load_config(
+    path: str | pathlib.Path, overrides: Sequence[str] = ()
+) -> ml_collections.ConfigDict:
     """Loads `get_config()` from a Python file and applies `--config.key=value` overrides.
 
     Args:
@@ -141,7 +144,9 @@ def parse_value(text: str) -> Any:
         return text  # a bare string such as alibi or /path/to/corpus
 
 
-def apply_overrides(config: ml_collections.ConfigDict, overrides: Sequence[str]) -> ml_collections.ConfigDict:
+def apply_overrides(
+    config: ml_collections.ConfigDict, overrides: Sequence[str]
+) -> ml_collections.ConfigDict:
     """Returns a copy of `config` with `key=value` overrides applied, refusing unknown keys."""
     config = ml_collections.ConfigDict(config.to_dict())
     for item in overrides:
@@ -197,7 +202,9 @@ def _coerce(key: str, old: Any, value: Any) -> Any:
             return value
     else:
         return value
-    raise ConfigError(f"config key {key!r} expects a {type(old).__name__} (like {old!r}), got {value!r}")
+    raise ConfigError(
+        f"config key {key!r} expects a {type(old).__name__} (like {old!r}), got {value!r}"
+    )
 
 
 def parse_args(argv: Sequence[str]) -> tuple[str | None, list[str], dict[str, str]]:
@@ -223,7 +230,9 @@ def parse_args(argv: Sequence[str]) -> tuple[str | None, list[str], dict[str, st
             else:
                 flags[name.replace("-", "_")] = value
         else:
-            raise ConfigError(f"unexpected argument {arg!r}; flags look like --workdir DIR or --config.key=value")
+            raise ConfigError(
+                f"unexpected argument {arg!r}; flags look like --workdir DIR or --config.key=value"
+            )
         i += 1
     return path, overrides, flags
 
@@ -234,8 +243,10 @@ def config_and_workdir(argv: Sequence[str], command: str) -> tuple[str, list[str
     path, overrides, flags = parse_args(argv)
     unknown = set(flags) - {"workdir"}
     if path is None or "workdir" not in flags or unknown:
-        raise ConfigError(f"usage: python -m {command} --config configs/<name>.py --workdir DIR [--config.key=value ...]"
-                          + (f" (unknown flag --{sorted(unknown)[0]})" if unknown else ""))
+        raise ConfigError(
+            f"usage: python -m {command} --config configs/<name>.py --workdir DIR [--config.key=value ...]"
+            + (f" (unknown flag --{sorted(unknown)[0]})" if unknown else "")
+        )
     return path, overrides, flags["workdir"]
 
 
@@ -252,10 +263,21 @@ def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"config.{key}={value!r} is invalid: {allowed}")
 
 
-def _positive_int(section: Mapping[str, Any], prefix: str, name: str, allow_zero: bool = False) -> None:
+def _positive_int(
+    section: Mapping[str, Any], prefix: str, name: str, allow_zero: bool = False
+) -> None:
     value = section[name]
-    ok = isinstance(value, int) and not isinstance(value, bool) and (value >= 0 if allow_zero else value > 0)
-    _require(ok, f"{prefix}.{name}", value, "must be a positive integer" if not allow_zero else "must be an integer >= 0")
+    ok = (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and (value >= 0 if allow_zero else value > 0)
+    )
+    _require(
+        ok,
+        f"{prefix}.{name}",
+        value,
+        "must be a positive integer" if not allow_zero else "must be an integer >= 0",
+    )
 
 
 def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
@@ -264,7 +286,9 @@ def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = set(section.keys()) - known
     if unknown:
-        raise ConfigError(f"unknown config key(s) config.model.{sorted(unknown)[0]}: known keys are {sorted(known)}")
+        raise ConfigError(
+            f"unknown config key(s) config.model.{sorted(unknown)[0]}: known keys are {sorted(known)}"
+        )
     values = dict(section.to_dict())
     scaling = values.get("rope_scaling")
     if isinstance(scaling, str):
@@ -286,31 +310,76 @@ def _validate_model(cfg: ModelConfig) -> None:
         raise ConfigError(
             f"config.model.position={cfg.position!r} is not a known position family; known: {', '.join(families.names())}"
         )
-    _require(cfg.kind in ("decoder", "encoder"), f"{p}.kind", cfg.kind, "allowed: 'decoder', 'encoder'")
+    _require(
+        cfg.kind in ("decoder", "encoder"), f"{p}.kind", cfg.kind, "allowed: 'decoder', 'encoder'"
+    )
     fields = cfg.__dict__
-    for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "max_len", "kv_share",
-                 "t5_num_buckets", "t5_max_distance", "fire_mlp_width"):
+    for name in (
+        "vocab_size",
+        "d_model",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "max_len",
+        "kv_share",
+        "t5_num_buckets",
+        "t5_max_distance",
+        "fire_mlp_width",
+    ):
         _positive_int(fields, p, name)
     _positive_int(fields, p, "d_ff", allow_zero=True)
-    _require(cfg.d_model % cfg.num_heads == 0, f"{p}.d_model", cfg.d_model,
-             f"must be divisible by model.num_heads={cfg.num_heads} (head dim = d_model / num_heads)")
-    _require(cfg.num_heads % cfg.num_kv_heads == 0, f"{p}.num_kv_heads", cfg.num_kv_heads,
-             f"must divide model.num_heads={cfg.num_heads} (grouped-query attention; 1 is multi-query)")
-    _require(cfg.num_layers % cfg.kv_share == 0, f"{p}.kv_share", cfg.kv_share,
-             f"must divide model.num_layers={cfg.num_layers} (layers share K/V in groups of kv_share)")
-    _require(cfg.dtype in ("float32", "bfloat16"), f"{p}.dtype", cfg.dtype, "allowed: 'float32', 'bfloat16'")
-    _require(cfg.attention_impl in IMPLEMENTATIONS, f"{p}.attention_impl", cfg.attention_impl,
-             "allowed: " + ", ".join(repr(name) for name in IMPLEMENTATIONS))
-    _require(cfg.rope_layout in ("interleaved", "half"), f"{p}.rope_layout", cfg.rope_layout,
-             "allowed: 'interleaved', 'half'")
+    _require(
+        cfg.d_model % cfg.num_heads == 0,
+        f"{p}.d_model",
+        cfg.d_model,
+        f"must be divisible by model.num_heads={cfg.num_heads} (head dim = d_model / num_heads)",
+    )
+    _require(
+        cfg.num_heads % cfg.num_kv_heads == 0,
+        f"{p}.num_kv_heads",
+        cfg.num_kv_heads,
+        f"must divide model.num_heads={cfg.num_heads} (grouped-query attention; 1 is multi-query)",
+    )
+    _require(
+        cfg.num_layers % cfg.kv_share == 0,
+        f"{p}.kv_share",
+        cfg.kv_share,
+        f"must divide model.num_layers={cfg.num_layers} (layers share K/V in groups of kv_share)",
+    )
+    _require(
+        cfg.dtype in ("float32", "bfloat16"),
+        f"{p}.dtype",
+        cfg.dtype,
+        "allowed: 'float32', 'bfloat16'",
+    )
+    _require(
+        cfg.attention_impl in IMPLEMENTATIONS,
+        f"{p}.attention_impl",
+        cfg.attention_impl,
+        "allowed: " + ", ".join(repr(name) for name in IMPLEMENTATIONS),
+    )
+    _require(
+        cfg.rope_layout in ("interleaved", "half"),
+        f"{p}.rope_layout",
+        cfg.rope_layout,
+        "allowed: 'interleaved', 'half'",
+    )
     for name in ("rope_base", "alibi_slope_scale", "fire_init_c", "fire_init_L", "init_scale"):
         value = fields[name]
-        _require(isinstance(value, (int, float)) and math.isfinite(value) and value > 0, f"{p}.{name}", value,
-                 "must be a positive finite number")
+        _require(
+            isinstance(value, (int, float)) and math.isfinite(value) and value > 0,
+            f"{p}.{name}",
+            value,
+            "must be a positive finite number",
+        )
     family = cfg.family
     if family.rotary:
-        _require(cfg.head_dim % 2 == 0, f"{p}.d_model", cfg.d_model,
-                 f"gives an odd head dim {cfg.head_dim} (d_model / num_heads); RoPE rotates pairs and needs an even head dim")
+        _require(
+            cfg.head_dim % 2 == 0,
+            f"{p}.d_model",
+            cfg.d_model,
+            f"gives an odd head dim {cfg.head_dim} (d_model / num_heads); RoPE rotates pairs and needs an even head dim",
+        )
         if cfg.rope_scaling is not None:
             try:
                 rotary.validate_rope_scaling(cfg.rope_scaling_dict, cfg.head_dim)
@@ -323,14 +392,26 @@ def _validate_model(cfg: ModelConfig) -> None:
         )
     if cfg.position == "t5":
         buckets = cfg.t5_num_buckets // (1 if cfg.causal else 2)
-        _require(buckets >= 2 and (cfg.causal or cfg.t5_num_buckets % 2 == 0), f"{p}.t5_num_buckets",
-                 cfg.t5_num_buckets, "needs at least 2 buckets per direction (an even number for the encoder)")
-        _require(cfg.t5_max_distance > buckets // 2, f"{p}.t5_max_distance", cfg.t5_max_distance,
-                 f"must exceed the exact-bucket range num_buckets//2={buckets // 2} "
-                 "(the log-spaced buckets cover max_exact..max_distance)")
+        _require(
+            buckets >= 2 and (cfg.causal or cfg.t5_num_buckets % 2 == 0),
+            f"{p}.t5_num_buckets",
+            cfg.t5_num_buckets,
+            "needs at least 2 buckets per direction (an even number for the encoder)",
+        )
+        _require(
+            cfg.t5_max_distance > buckets // 2,
+            f"{p}.t5_max_distance",
+            cfg.t5_max_distance,
+            f"must exceed the exact-bucket range num_buckets//2={buckets // 2} "
+            "(the log-spaced buckets cover max_exact..max_distance)",
+        )
     if cfg.position == "sandwich":
-        _require(cfg.head_dim % 2 == 0, f"{p}.d_model", cfg.d_model,
-                 f"gives an odd head dim {cfg.head_dim}; Sandwich sums d'/2 cosines and needs an even head dim")
+        _require(
+            cfg.head_dim % 2 == 0,
+            f"{p}.d_model",
+            cfg.d_model,
+            f"gives an odd head dim {cfg.head_dim}; Sandwich sums d'/2 cosines and needs an even head dim",
+        )
 
 
 _DATA_KEYS = {"corpus", "seq_len"}
@@ -341,7 +422,9 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
     """Checks every setting of a training config; returns the ModelConfig. Raises ConfigError."""
     for section, keys in (("model", {"position"}), ("data", _DATA_KEYS), ("train", _TRAIN_KEYS)):
         if section not in config:
-            raise ConfigError(f"config has no {section!r} section (see configs/tiny.py for the layout)")
+            raise ConfigError(
+                f"config has no {section!r} section (see configs/tiny.py for the layout)"
+            )
         missing = keys - set(config[section].keys())
         if missing:
             raise ConfigError(f"config.{section} lacks required key(s) {sorted(missing)}")
@@ -353,31 +436,60 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
             f"config.data.seq_len={data.seq_len} exceeds config.model.max_len={cfg.max_len}, the learned "
             "position table's size; raise model.max_len or shorten data.seq_len"
         )
-    _require(isinstance(data.corpus, str) and data.corpus != "", "data.corpus", data.corpus,
-             "must be 'stdlib', a text file or directory, or a directory holding nanoGPT train.bin/val.bin")
+    _require(
+        isinstance(data.corpus, str) and data.corpus != "",
+        "data.corpus",
+        data.corpus,
+        "must be 'stdlib', a text file or directory, or a directory holding nanoGPT train.bin/val.bin",
+    )
     for name in ("passkey_fraction", "mask_rate"):
         value = data.get(name, 0.0)
-        _require(isinstance(value, (int, float)) and 0.0 <= value <= 1.0, f"data.{name}", value,
-                 "must be a fraction in [0, 1]")
+        _require(
+            isinstance(value, (int, float)) and 0.0 <= value <= 1.0,
+            f"data.{name}",
+            value,
+            "must be a fraction in [0, 1]",
+        )
     if data.get("passkey_fraction", 0.0) > 0 and not cfg.causal:
         raise ConfigError(
             f"config.data.passkey_fraction={data.passkey_fraction} mixes passkey sequences into a causal LM's "
-            "batches, but config.model.kind='encoder'; set the fraction to 0 or use the decoder")
+            "batches, but config.model.kind='encoder'; set the fraction to 0 or use the decoder"
+        )
     for name in ("steps", "batch_size", "checkpoint_every"):
         _positive_int(train, "train", name)
     _positive_int(train, "train", "seed", allow_zero=True)
-    for name in ("warmup_steps", "eval_every", "eval_batches", "log_every", "keep_checkpoints", "fsdp"):
+    for name in (
+        "warmup_steps",
+        "eval_every",
+        "eval_batches",
+        "log_every",
+        "keep_checkpoints",
+        "fsdp",
+    ):
         if name in train:
             _positive_int(train, "train", name, allow_zero=name in ("warmup_steps", "eval_every"))
     lr = train.learning_rate
-    _require(isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0, "train.learning_rate", lr,
-             "must be a positive finite number")
-    for name, lo, hi in (("weight_decay", 0.0, math.inf), ("grad_clip", 0.0, math.inf), ("b1", 0.0, 1.0),
-                         ("b2", 0.0, 1.0), ("min_lr_ratio", 0.0, 1.0)):
+    _require(
+        isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0,
+        "train.learning_rate",
+        lr,
+        "must be a positive finite number",
+    )
+    for name, lo, hi in (
+        ("weight_decay", 0.0, math.inf),
+        ("grad_clip", 0.0, math.inf),
+        ("b1", 0.0, 1.0),
+        ("b2", 0.0, 1.0),
+        ("min_lr_ratio", 0.0, 1.0),
+    ):
         if name in train:
             value = train[name]
-            _require(isinstance(value, (int, float)) and lo <= value <= hi, f"train.{name}", value,
-                     f"must be a number in [{lo}, {hi}]")
+            _require(
+                isinstance(value, (int, float)) and lo <= value <= hi,
+                f"train.{name}",
+                value,
+                f"must be a number in [{lo}, {hi}]",
+            )
     if "warmup_steps" in train and train.warmup_steps > train.steps:
         raise ConfigError(
             f"config.train.warmup_steps={train.warmup_steps} exceeds config.train.steps={train.steps}; "

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -111,7 +111,9 @@ def register(family: Family) -> Family:
     if family.name in _REGISTRY:
         raise ValueError(f"position family {family.name!r} is already registered")
     if family.embedding not in ("none", "sinusoidal", "learned"):
-        raise ValueError(f"family {family.name!r}: embedding must be 'none', 'sinusoidal' or 'learned'")
+        raise ValueError(
+            f"family {family.name!r}: embedding must be 'none', 'sinusoidal' or 'learned'"
+        )
     _REGISTRY[family.name] = family
     return family
 
@@ -125,7 +127,9 @@ def get(name: str) -> Family:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise ValueError(f"unknown position family {name!r}; known families: {', '.join(_REGISTRY)}") from None
+        raise ValueError(
+            f"unknown position family {name!r}; known families: {', '.join(_REGISTRY)}"
+        ) from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -149,14 +153,19 @@ def _distance(q_pos: Array, k_pos: Array, settings: BiasSettings) -> Array:
 def _t5_init(key: Array, s: BiasSettings) -> dict[str, Array]:
     # t5x's T5.1.1 network builds RelativePositionBiases with
     # `embedding_init=variance_scaling(1.0, 'fan_avg', 'uniform')` over the (heads, buckets) table.
-    init = jax.nn.initializers.variance_scaling(s.init_scale**2, "fan_avg", "uniform", in_axis=1, out_axis=0)
+    init = jax.nn.initializers.variance_scaling(
+        s.init_scale**2, "fan_avg", "uniform", in_axis=1, out_axis=0
+    )
     return {"table": init(key, (s.num_heads, s.t5_num_buckets), jnp.float32)}
 
 
 def _t5_fn(params: Params, q_pos: Array, k_pos: Array, s: BiasSettings) -> Array:
     bucket = positions.t5_bucket(
-        _offsets(q_pos, k_pos), bidirectional=s.bidirectional,
-        num_buckets=s.t5_num_buckets, max_distance=s.t5_max_distance)  # (t, s)
+        _offsets(q_pos, k_pos),
+        bidirectional=s.bidirectional,
+        num_buckets=s.t5_num_buckets,
+        max_distance=s.t5_max_distance,
+    )  # (t, s)
     return jnp.take(params["table"], bucket, axis=1).astype(jnp.float32)  # (N, t, s)
 
 
@@ -203,7 +212,9 @@ def _kerple_log_fn(params: Params, q_pos: Array, k_pos: Array, s: BiasSettings) 
 # Sandwich (Chi et al. 2023; the NeMo form): parameter-free.
 def _sandwich_fn(params: Params, q_pos: Array, k_pos: Array, s: BiasSettings) -> Array:
     del params
-    return positions.sandwich_bias(_distance(q_pos, k_pos, s), head_dim=s.head_dim, num_heads=s.num_heads)
+    return positions.sandwich_bias(
+        _distance(q_pos, k_pos, s), head_dim=s.head_dim, num_heads=s.num_heads
+    )
 
 
 # FIRE (Li et al. 2024): bias = f(psi(i - j) / psi(max(L, i))), psi(x) = log(c|x| + 1), f an MLP
@@ -221,7 +232,8 @@ def _fire_init(key: Array, s: BiasSettings) -> dict[str, Array]:
         "L_multiplier": jnp.asarray(1.0, jnp.float32),
         "w1": s.init_scale * jax.random.uniform(k1a, (width,), jnp.float32, -lim1, lim1),
         "b1": s.init_scale * jax.random.uniform(k1b, (width,), jnp.float32, -lim1, lim1),
-        "w2": s.init_scale * jax.random.uniform(k2a, (width, s.num_heads), jnp.float32, -lim2, lim2),
+        "w2": s.init_scale
+        * jax.random.uniform(k2a, (width, s.num_heads), jnp.float32, -lim2, lim2),
         "b2": s.init_scale * jax.random.uniform(k2b, (s.num_heads,), jnp.float32, -lim2, lim2),
     }
 
@@ -238,20 +250,67 @@ def _fire_fn(params: Params, q_pos: Array, k_pos: Array, s: BiasSettings) -> Arr
 # The families.
 
 register(Family("nope", description="no position signal (causal masking alone leaks order)"))
-register(Family("sinusoidal", embedding="sinusoidal", description="Vaswani et al. 2017 fixed sin/cos embeddings"))
-register(Family("learned", embedding="learned", description="GPT-style learned absolute embeddings"))
-register(Family("rope", rotary=True, description="RoPE (Su et al. 2021), with optional HF rope_scaling"))
-register(Family("t5", bias=BiasSpec(_t5_init, _t5_fn, shared_across_layers=True), scale_free=True,
-                description="T5 log-bucketed learned relative bias"))
-register(Family("alibi", bias=BiasSpec(_alibi_init, _alibi_fn, trainable=False),
-                description="ALiBi linear biases with geometric slopes"))
-register(Family("kerple_power", bias=BiasSpec(_kerple_power_init, _kerple_power_fn,
-                                              bounds={"r1": (_KERPLE_EPS, math.inf), "r2": (_KERPLE_EPS, 2.0)}),
-                description="Kerple power kernel -r1 |i-j|^r2"))
-register(Family("kerple_log", bias=BiasSpec(_kerple_log_init, _kerple_log_fn,
-                                            bounds={"r1": (_KERPLE_EPS, math.inf), "r2": (_KERPLE_EPS, math.inf)}),
-                description="Kerple logarithmic kernel -r1 log(1 + r2 |i-j|)"))
-register(Family("sandwich", bias=BiasSpec(lambda key, s: {}, _sandwich_fn, trainable=False),
-                description="Sandwich: sinusoidal inner product, ALiBi-compressed per head"))
-register(Family("fire", bias=BiasSpec(_fire_init, _fire_fn, bounds={"c": (1e-6, math.inf)}),
-                description="FIRE: MLP of a progressively interpolated log distance"))
+register(
+    Family(
+        "sinusoidal",
+        embedding="sinusoidal",
+        description="Vaswani et al. 2017 fixed sin/cos embeddings",
+    )
+)
+register(
+    Family("learned", embedding="learned", description="GPT-style learned absolute embeddings")
+)
+register(
+    Family("rope", rotary=True, description="RoPE (Su et al. 2021), with optional HF rope_scaling")
+)
+register(
+    Family(
+        "t5",
+        bias=BiasSpec(_t5_init, _t5_fn, shared_across_layers=True),
+        scale_free=True,
+        description="T5 log-bucketed learned relative bias",
+    )
+)
+register(
+    Family(
+        "alibi",
+        bias=BiasSpec(_alibi_init, _alibi_fn, trainable=False),
+        description="ALiBi linear biases with geometric slopes",
+    )
+)
+register(
+    Family(
+        "kerple_power",
+        bias=BiasSpec(
+            _kerple_power_init,
+            _kerple_power_fn,
+            bounds={"r1": (_KERPLE_EPS, math.inf), "r2": (_KERPLE_EPS, 2.0)},
+        ),
+        description="Kerple power kernel -r1 |i-j|^r2",
+    )
+)
+register(
+    Family(
+        "kerple_log",
+        bias=BiasSpec(
+            _kerple_log_init,
+            _kerple_log_fn,
+            bounds={"r1": (_KERPLE_EPS, math.inf), "r2": (_KERPLE_EPS, math.inf)},
+        ),
+        description="Kerple logarithmic kernel -r1 log(1 + r2 |i-j|)",
+    )
+)
+register(
+    Family(
+        "sandwich",
+        bias=BiasSpec(lambda key, s: {}, _sandwich_fn, trainable=False),
+        description="Sandwich: sinusoidal inner product, ALiBi-compressed per head",
+    )
+)
+register(
+    Family(
+        "fire",
+        bias=BiasSpec(_fire_init, _fire_fn, bounds={"c": (1e-6, math.inf)}),
+        description="FIRE: MLP of a progressively interpolated log distance",
+    )
+)

@@ -25,8 +25,8 @@ import numpy as np
 from flax import nnx
 
 from posattn import config as config_lib
-from posattn import decode
-from posattn.model import TransformerLM
+from posattn.nn import decode
+from posattn.nn.model import TransformerLM
 from posattn.train import restore_trained
 
 __all__ = ["load_model", "main"]
@@ -47,29 +47,47 @@ def load_model(workdir: str | pathlib.Path):
     workdir = pathlib.Path(workdir)
     path = workdir / "config.json"
     if not path.is_file():
-        raise GenerateError(f"{workdir} has no config.json: is it a workdir written by python -m posattn.train?")
+        raise GenerateError(
+            f"{workdir} has no config.json: is it a workdir written by python -m posattn.train?"
+        )
     config = ml_collections.ConfigDict(json.loads(path.read_text()))
     restored = restore_trained(config, workdir / "checkpoints")
     if restored is None:
-        raise GenerateError(f"{workdir / 'checkpoints'} holds no checkpoint that restores; train first with "
-                            f"python -m posattn.train --config configs/tiny.py --workdir {workdir}")
+        raise GenerateError(
+            f"{workdir / 'checkpoints'} holds no checkpoint that restores; train first with "
+            f"python -m posattn.train --config configs/tiny.py --workdir {workdir}"
+        )
     cfg, state, step = restored
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(params=0))))
     return cfg, graphdef, state["params"], state["constants"], step
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m posattn.generate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m posattn.generate", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--workdir", required=True, help="a workdir trained by python -m posattn.train")
     p.add_argument("--prompt", required=True, help="text to continue (encoded as UTF-8 bytes)")
     p.add_argument("--max_new_tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top_k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
-    p.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling; step t uses fold_in(key, t)")
-    p.add_argument("--no_cache", action="store_true", help="recompute the full forward for every token (oracle)")
-    p.add_argument("--dynamic_ntk", choices=decode.DYNAMIC_NTK_MODES, default="exact",
-                   help="dynamic-NTK RoPE only: 'exact' recomputes the prefix past m_l (default), 'rerotate' "
-                        "re-rotates cached keys, 'hf' keeps them as written (stale); docs/decoding.md")
+    p.add_argument(
+        "--top_k", type=int, default=0, help="sample among the k most likely tokens (0: all)"
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="PRNG seed for sampling; step t uses fold_in(key, t)"
+    )
+    p.add_argument(
+        "--no_cache",
+        action="store_true",
+        help="recompute the full forward for every token (oracle)",
+    )
+    p.add_argument(
+        "--dynamic_ntk",
+        choices=decode.DYNAMIC_NTK_MODES,
+        default="exact",
+        help="dynamic-NTK RoPE only: 'exact' recomputes the prefix past m_l (default), 'rerotate' "
+        "re-rotates cached keys, 'hf' keeps them as written (stale); docs/decoding.md",
+    )
     return p
 
 
@@ -78,21 +96,36 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, graphdef, params, constants, step = load_model(args.workdir)
         if cfg.vocab_size != BYTE_VOCAB:
-            raise GenerateError(f"the prompt is encoded as UTF-8 bytes, which needs a byte-level model "
-                                f"(model.vocab_size={BYTE_VOCAB}); this one has vocab_size={cfg.vocab_size}")
+            raise GenerateError(
+                f"the prompt is encoded as UTF-8 bytes, which needs a byte-level model "
+                f"(model.vocab_size={BYTE_VOCAB}); this one has vocab_size={cfg.vocab_size}"
+            )
         prompt = np.frombuffer(args.prompt.encode("utf-8"), np.uint8).astype(np.int32)
         start = time.perf_counter()
-        tokens = decode.generate(graphdef, params, constants, cfg, [prompt], max_new_tokens=args.max_new_tokens,
-                                 temperature=args.temperature, top_k=args.top_k, key=jax.random.key(args.seed),
-                                 use_cache=not args.no_cache, dynamic_ntk=args.dynamic_ntk)
+        tokens = decode.generate(
+            graphdef,
+            params,
+            constants,
+            cfg,
+            [prompt],
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            key=jax.random.key(args.seed),
+            use_cache=not args.no_cache,
+            dynamic_ntk=args.dynamic_ntk,
+        )
         seconds = time.perf_counter() - start
     except (GenerateError, config_lib.ConfigError, ValueError) as e:
         print(f"posattn.generate: error: {e}", file=sys.stderr)
         return 2
     text = bytes(tokens[0].astype(np.uint8).tolist()).decode("utf-8", errors="replace")
     print(args.prompt + text)
-    print(f"posattn.generate: {cfg.position} step {step}, {tokens.shape[1]} tokens in {seconds:.2f}s "
-          f"(compile included; cache {'off' if args.no_cache else 'on'})", file=sys.stderr)
+    print(
+        f"posattn.generate: {cfg.position} step {step}, {tokens.shape[1]} tokens in {seconds:.2f}s "
+        f"(compile included; cache {'off' if args.no_cache else 'on'})",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -172,8 +172,9 @@ def _t5_thresholds(num_buckets: int, max_distance: int) -> tuple[int, ...]:
     return tuple(int(t) for t in n[np.searchsorted(bucket, targets, side="left")])
 
 
-def t5_bucket(offset, *, bidirectional: bool, num_buckets: int = 32,
-              max_distance: int = 128) -> jax.Array:
+def t5_bucket(
+    offset, *, bidirectional: bool, num_buckets: int = 32, max_distance: int = 128
+) -> jax.Array:
     """T5 relative-position bucket of each offset `i - j` (Raffel et al. 2020).
 
     Follows mesh-tensorflow / t5x `_relative_position_bucket` (SPEC §3), not the seed's

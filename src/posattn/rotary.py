@@ -13,6 +13,7 @@ Shapes: B batch, T query length, N heads, H head dim (even), F = H // 2 rotation
   `validate_rope_scaling(scaling, head_dim)` checks a scaling dict once, before any compute.
 Formulas, reference functions, pitfalls and the precision measurement: docs/rope.md.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,8 +36,17 @@ _KEYS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "linear": (("factor",), {_M_L: None}),
     "ntk": (("factor",), {_M_L: None}),
     "dynamic": (("factor", _M_L), {}),
-    "yarn": (("factor", _M_L), {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": None,
-                                "mscale_all_dim": None, "attention_factor": None, "truncate": True}),
+    "yarn": (
+        ("factor", _M_L),
+        {
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": None,
+            "mscale_all_dim": None,
+            "attention_factor": None,
+            "truncate": True,
+        },
+    ),
     "llama3": (("factor", _M_L, "low_freq_factor", "high_freq_factor"), {}),
 }
 
@@ -54,10 +64,16 @@ def _refuse(key: str, value: Any, allowed: str) -> ValueError:
 
 def _check_head_dim(head_dim: Any, kind: str) -> None:
     minimum = 4 if kind in ("ntk", "dynamic") else 2  # their base exponent d / (d - 2) needs d > 2
-    if not isinstance(head_dim, numbers.Integral) or isinstance(head_dim, bool) or head_dim < minimum \
-            or head_dim % 2:
-        raise ValueError(f"head_dim = {head_dim!r} is not allowed with rope_type {kind!r}: RoPE rotates "
-                         f"pairs of features, so it must be an even integer >= {minimum}.")
+    if (
+        not isinstance(head_dim, numbers.Integral)
+        or isinstance(head_dim, bool)
+        or head_dim < minimum
+        or head_dim % 2
+    ):
+        raise ValueError(
+            f"head_dim = {head_dim!r} is not allowed with rope_type {kind!r}: RoPE rotates "
+            f"pairs of features, so it must be an even integer >= {minimum}."
+        )
 
 
 def validate_rope_scaling(scaling: Mapping | None, head_dim: int) -> dict[str, Any]:
@@ -82,8 +98,10 @@ def validate_rope_scaling(scaling: Mapping | None, head_dim: int) -> dict[str, A
     elif hasattr(scaling, "keys"):
         cfg = {key: scaling[key] for key in scaling.keys()}
     else:
-        raise ValueError(f"rope_scaling = {scaling!r} is not allowed: it must be None or a dict such as "
-                         "{'rope_type': 'linear', 'factor': 2.0}.")
+        raise ValueError(
+            f"rope_scaling = {scaling!r} is not allowed: it must be None or a dict such as "
+            "{'rope_type': 'linear', 'factor': 2.0}."
+        )
     kind, alias = cfg.pop("rope_type", None), cfg.pop("type", None)
     if kind is not None and alias is not None and kind != alias:
         raise _refuse("type", alias, f"it is an alias of 'rope_type', which says {kind!r}")
@@ -92,23 +110,43 @@ def validate_rope_scaling(scaling: Mapping | None, head_dim: int) -> dict[str, A
         raise _refuse("rope_type", kind, f"known types are {', '.join(ROPE_TYPES)}")
     _check_head_dim(head_dim, kind)
     if "rope_theta" in cfg:
-        raise _refuse("rope_theta", cfg["rope_theta"], "pass the base as rope_frequencies(base=...) "
-                      "(config key model.rope_base), not inside the scaling dict")
+        raise _refuse(
+            "rope_theta",
+            cfg["rope_theta"],
+            "pass the base as rope_frequencies(base=...) "
+            "(config key model.rope_base), not inside the scaling dict",
+        )
     partial = cfg.pop("partial_rotary_factor", 1.0)
     if partial != 1:
-        raise _refuse("partial_rotary_factor", partial, "only 1.0 (RoPE on the whole head) is supported")
+        raise _refuse(
+            "partial_rotary_factor", partial, "only 1.0 (RoPE on the whole head) is supported"
+        )
     required, optional = _KEYS[kind]
     for key in required:
         if cfg.get(key) is None:
-            hint = "" if key != _M_L else (" (the length the model was trained at" + (
-                "; Hugging Face reads it from config.max_position_embeddings for this kind)"
-                if kind == "dynamic" else ")"))
-            raise ValueError(f"rope_scaling for rope_type {kind!r} is missing {key!r}{hint}; it needs "
-                             f"{', '.join(required)}.")
+            hint = (
+                ""
+                if key != _M_L
+                else (
+                    " (the length the model was trained at"
+                    + (
+                        "; Hugging Face reads it from config.max_position_embeddings for this kind)"
+                        if kind == "dynamic"
+                        else ")"
+                    )
+                )
+            )
+            raise ValueError(
+                f"rope_scaling for rope_type {kind!r} is missing {key!r}{hint}; it needs "
+                f"{', '.join(required)}."
+            )
     unknown = sorted(set(cfg) - set(required) - set(optional))
     if unknown:
-        raise _refuse(unknown[0], cfg[unknown[0]], f"rope_type {kind!r} takes the keys "
-                      f"{', '.join((*required, *optional)) or '(none)'}")
+        raise _refuse(
+            unknown[0],
+            cfg[unknown[0]],
+            f"rope_type {kind!r} takes the keys {', '.join((*required, *optional)) or '(none)'}",
+        )
     cfg = {"rope_type": kind, **optional, **{k: v for k, v in cfg.items() if v is not None}}
 
     if "factor" in cfg and not (_is_number(cfg["factor"]) and cfg["factor"] >= 1):
@@ -119,15 +157,22 @@ def validate_rope_scaling(scaling: Mapping | None, head_dim: int) -> dict[str, A
     if kind == "yarn":
         for key in ("beta_fast", "beta_slow"):
             if not (_is_number(cfg[key]) and cfg[key] > 0):
-                raise _refuse(key, cfg[key], "a number > 0 (a count of rotations within the original "
-                              "length; None means the default 32 / 1)")
+                raise _refuse(
+                    key,
+                    cfg[key],
+                    "a number > 0 (a count of rotations within the original "
+                    "length; None means the default 32 / 1)",
+                )
         if cfg["beta_fast"] <= cfg["beta_slow"]:
-            raise _refuse("beta_fast", cfg["beta_fast"], f"it must exceed beta_slow = {cfg['beta_slow']!r}")
+            raise _refuse(
+                "beta_fast", cfg["beta_fast"], f"it must exceed beta_slow = {cfg['beta_slow']!r}"
+            )
         for key in ("mscale", "mscale_all_dim"):
             if cfg[key] is not None and not (_is_number(cfg[key]) and cfg[key] >= 0):
                 raise _refuse(key, cfg[key], "None or a number >= 0")
-        if cfg["attention_factor"] is not None and not (_is_number(cfg["attention_factor"])
-                                                        and cfg["attention_factor"] > 0):
+        if cfg["attention_factor"] is not None and not (
+            _is_number(cfg["attention_factor"]) and cfg["attention_factor"] > 0
+        ):
             raise _refuse("attention_factor", cfg["attention_factor"], "None or a number > 0")
         if not isinstance(cfg["truncate"], bool):
             raise _refuse("truncate", cfg["truncate"], "True or False")
@@ -136,8 +181,11 @@ def validate_rope_scaling(scaling: Mapping | None, head_dim: int) -> dict[str, A
             if not (_is_number(cfg[key]) and cfg[key] > 0):
                 raise _refuse(key, cfg[key], "a number > 0")
         if cfg["high_freq_factor"] <= cfg["low_freq_factor"]:
-            raise _refuse("high_freq_factor", cfg["high_freq_factor"],
-                          f"it must exceed low_freq_factor = {cfg['low_freq_factor']!r}")
+            raise _refuse(
+                "high_freq_factor",
+                cfg["high_freq_factor"],
+                f"it must exceed low_freq_factor = {cfg['low_freq_factor']!r}",
+            )
     return cfg
 
 
@@ -192,7 +240,9 @@ def _yarn(d, base, cfg, seq_len):
     # with a linear ramp in k between.
     xp, s, m_l = _xp(base), cfg["factor"], cfg[_M_L]
 
-    def pair_index(rotations):  # the (fractional) k whose wavelength fits `rotations` times into m_l
+    def pair_index(
+        rotations,
+    ):  # the (fractional) k whose wavelength fits `rotations` times into m_l
         return d * xp.log(m_l / (rotations * 2 * math.pi)) / (2 * xp.log(base))
 
     low, high = pair_index(cfg["beta_fast"]), pair_index(cfg["beta_slow"])
@@ -200,7 +250,9 @@ def _yarn(d, base, cfg, seq_len):
         low, high = xp.floor(low), xp.ceil(high)
     low, high = xp.maximum(low, 0), xp.minimum(high, d - 1)  # HF clamps with d - 1, not d/2 - 1
     high = xp.where(high == low, high + 0.001, high)
-    ramp = xp.clip((xp.arange(d // 2) - low) / (high - low), 0, 1)  # 0: keep theta_k, 1: theta_k / s
+    ramp = xp.clip(
+        (xp.arange(d // 2) - low) / (high - low), 0, 1
+    )  # 0: keep theta_k, 1: theta_k / s
     theta = _default(d, base, cfg, seq_len)
     return theta / s * ramp + theta * (1 - ramp)
 
@@ -218,8 +270,14 @@ def _llama3(d, base, cfg, seq_len):
     return xp.where(is_mid, interpolated, xp.where(wavelength > m_l / low, theta / s, theta))
 
 
-_INV_FREQ = {"default": _default, "linear": _linear, "ntk": _ntk, "dynamic": _dynamic,
-             "yarn": _yarn, "llama3": _llama3}
+_INV_FREQ = {
+    "default": _default,
+    "linear": _linear,
+    "ntk": _ntk,
+    "dynamic": _dynamic,
+    "yarn": _yarn,
+    "llama3": _llama3,
+}
 
 
 def _yarn_attention_factor(cfg: dict[str, Any]) -> float:
@@ -236,8 +294,13 @@ def _yarn_attention_factor(cfg: dict[str, Any]) -> float:
     return mscale(cfg["factor"])
 
 
-def rope_frequencies(head_dim: int, *, base: float = 10000.0, scaling: Mapping | None = None,
-                     seq_len: int | None = None) -> tuple[jax.Array, float]:
+def rope_frequencies(
+    head_dim: int,
+    *,
+    base: float = 10000.0,
+    scaling: Mapping | None = None,
+    seq_len: int | None = None,
+) -> tuple[jax.Array, float]:
     """Inverse frequencies theta_k of RoPE and the attention factor of its scaling.
 
     Args:
@@ -254,8 +317,14 @@ def rope_frequencies(head_dim: int, *, base: float = 10000.0, scaling: Mapping |
     cfg = validate_rope_scaling(scaling, head_dim)
     if _static(base) and not float(base) > 1:
         raise ValueError(f"base = {base!r} is not allowed: it must be a number > 1.")
-    if seq_len is not None and _static(seq_len) and not (float(seq_len) >= 1 and float(seq_len).is_integer()):
-        raise ValueError(f"seq_len = {seq_len!r} is not allowed: it must be None or a positive integer.")
+    if (
+        seq_len is not None
+        and _static(seq_len)
+        and not (float(seq_len) >= 1 and float(seq_len).is_integer())
+    ):
+        raise ValueError(
+            f"seq_len = {seq_len!r} is not allowed: it must be None or a positive integer."
+        )
     inv_freq = _INV_FREQ[cfg["rope_type"]](head_dim, base, cfg, seq_len)
     if isinstance(inv_freq, np.ndarray):  # host float64 -> float32, rounded to nearest by numpy
         inv_freq = inv_freq.astype(np.float32)
@@ -334,8 +403,14 @@ def rope_angles(positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------------------------
 # Rotation.
 # ----------------------------------------------------------------------------------------------
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, *, layout: str = "interleaved",
-               attention_factor: float = 1.0) -> jax.Array:
+def apply_rope(
+    x: jax.Array,
+    positions: jax.Array,
+    inv_freq: jax.Array,
+    *,
+    layout: str = "interleaved",
+    attention_factor: float = 1.0,
+) -> jax.Array:
     """Rotates each feature pair of x by `position * theta_k` (and scales by attention_factor).
 
     Args:
@@ -356,19 +431,25 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, *, layou
         raise ValueError(f"x must be [..., T, N, H] with H even, got shape {x.shape}.")
     half = x.shape[-1] // 2
     if jnp.shape(inv_freq) != (half,):
-        raise ValueError(f"inv_freq must have shape ({half},) for head dim {x.shape[-1]}, "
-                         f"got {jnp.shape(inv_freq)}.")
+        raise ValueError(
+            f"inv_freq must have shape ({half},) for head dim {x.shape[-1]}, "
+            f"got {jnp.shape(inv_freq)}."
+        )
     positions = jnp.asarray(positions)
     if positions.ndim < 1 or positions.shape[-1] != x.shape[-3]:
-        raise ValueError(f"positions must be [T] or [..., T] with T = {x.shape[-3]} (x is [..., T, N, H] "
-                         f"= {x.shape}), got shape {positions.shape}.")
+        raise ValueError(
+            f"positions must be [T] or [..., T] with T = {x.shape[-3]} (x is [..., T, N, H] "
+            f"= {x.shape}), got shape {positions.shape}."
+        )
     try:
         broadcast = np.broadcast_shapes(positions.shape + (1,), x.shape[:-1])
     except ValueError:
         broadcast = None
     if broadcast != x.shape[:-1]:
-        raise ValueError(f"positions of shape {positions.shape} do not broadcast to x's [..., T] = "
-                         f"{x.shape[:-2]}.")
+        raise ValueError(
+            f"positions of shape {positions.shape} do not broadcast to x's [..., T] = "
+            f"{x.shape[:-2]}."
+        )
     angles = rope_angles(positions, inv_freq)[..., None, :]  # (..., T, 1, F)
     rotation = jax.lax.complex(jnp.cos(angles), jnp.sin(angles)) * attention_factor
     x32 = x.astype(jnp.float32)
@@ -396,5 +477,7 @@ def rope_decay_bound(offsets: jax.Array, inv_freq: jax.Array) -> jax.Array:
       float32[...]; (F + 1) / 2 at offset 0.
     """
     angles = rope_angles(offsets, inv_freq)  # (..., F)
-    partial_sums = jnp.cumsum(jax.lax.complex(jnp.cos(angles), jnp.sin(angles)), axis=-1)  # S_1 .. S_F
+    partial_sums = jnp.cumsum(
+        jax.lax.complex(jnp.cos(angles), jnp.sin(angles)), axis=-1
+    )  # S_1 .. S_F
     return jnp.mean(jnp.abs(partial_sums), axis=-1)

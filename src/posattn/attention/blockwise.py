@@ -1,0 +1,411 @@
+"""Blockwise attention: tiled online softmax with a recomputing backward (FlashAttention-2).
+
+Shape legend: B batch, T query length, S key length, N query heads, K key/value heads, G = N // K
+query heads per key/value head, H head dim; tq/tk the query/key tile sizes, nq/nk the number of
+tiles, Tp = nq * tq and Sp = nk * tk the padded lengths.
+
+Forward (Dao 2023, "FlashAttention-2", Alg. 1): for each query tile, a loop over key tiles keeps a
+running row max `m`, row sum `l` and unnormalised output `acc` in float32; only [tq, tk] logits
+exist at a time. The log-sum-exp per query row is saved for the backward.
+
+Backward (Alg. 2, one pass): an outer loop over key tiles accumulates dK, dV for its tile while an
+inner loop over query tiles recomputes the probabilities from the saved log-sum-exp and adds into
+a dQ buffer of size [T] (linear in T). So training memory is linear in T too.
+
+Causal skipping: the key-tile loop of query tile i runs only up to the last key tile that any of
+its queries can see (and the query-tile loop of key tile j starts at the first query tile that can
+see it), so tiles above the diagonal are never computed. Likewise key tiles wholly past
+max(kv_lengths) are skipped. The bounds are traced values (fori_loop over a while loop), so the
+compiled program does not grow with T.
+
+Grouped-query heads: q is viewed as [B, K, G, tq, H] and contracted against the [B, K, tk, H] key
+tile directly; K/V are never repeated.
+
+The bias is evaluated per tile: a `(BiasFn, params)` pair is called on the tile's positions (once
+per batch row when q_offset is per-row) and differentiated with `jax.vjp` per tile, its parameter
+cotangents summed over tiles; a materialised [N, T, S] bias is sliced per tile and its gradient
+written tile by tile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Tile sizes: 256 to 512 were within noise of each other at T = 4096 on the 2-core Xeon of
+# docs/attention.md (8 heads, head dim 64), 1024 slower; 512 x 512 makes the fewest loop trips.
+DEFAULT_BLOCK_Q = 512
+DEFAULT_BLOCK_K = 512
+
+f32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Static facts about one call: shapes, tiling and which bias/mask terms exist."""
+
+    K: int
+    G: int
+    tq: int
+    tk: int
+    nq: int
+    nk: int
+    causal: bool
+    scale: float
+    bias_kind: str  # "none" | "fn" | "array"
+    bias_fn: Callable | None  # BiasFn(params, q_pos, k_pos) -> float[N, tq, tk]
+    kv_mask: bool  # keys past kv_len exist (explicit lengths or S padded to Sp)
+
+
+def blockwise_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    bias=None,
+    causal: bool = False,
+    q_offset: int | jax.Array = 0,
+    kv_lengths: jax.Array | None = None,
+    scale: float | None = None,
+    block_q: int = DEFAULT_BLOCK_Q,
+    block_k: int = DEFAULT_BLOCK_K,
+) -> jax.Array:
+    """Same contract as `posattn.attention.attention` (which validates the inputs), tiled.
+
+    Args:
+      q, k, v, bias, causal, q_offset, kv_lengths, scale: as in `posattn.attention.attention`.
+      block_q: query tile size (clipped to T).
+      block_k: key tile size (clipped to S).
+
+    Returns:
+      float[B, T, N, H] in q's dtype.
+    """
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    G = N // K
+    if scale is None:
+        scale = 1.0 / math.sqrt(H)
+    if not isinstance(scale, (int, float, np.number)):
+        # A traced scale (e.g. swept under vmap) is folded into q so autodiff outside the
+        # custom_vjp carries its gradient; a Python scale stays static inside the kernel.
+        q = (q.astype(f32) * scale).astype(q.dtype)
+        scale = 1.0
+    tq, tk = min(block_q, T), min(block_k, S)
+    nq, nk = -(-T // tq), -(-S // tk)
+    Tp, Sp = nq * tq, nk * tk
+
+    offsets = jnp.atleast_1d(jnp.asarray(q_offset, jnp.int32))  # (B or 1,)
+    kv_len = None
+    if kv_lengths is not None:
+        kv_len = jnp.minimum(jnp.asarray(kv_lengths, jnp.int32), S)  # (B,)
+    elif Sp != S:
+        kv_len = jnp.full((1,), S, jnp.int32)
+
+    bias_fn, params = None, ()
+    if isinstance(bias, tuple):
+        bias_kind = "fn"
+        bias_fn, params = bias
+    elif bias is not None:
+        bias_kind = "array"
+        b = jnp.pad(jnp.asarray(bias, f32), ((0, 0), (0, Tp - T), (0, Sp - S)))
+        params = b.reshape(N, nq, tq, nk, tk).transpose(1, 3, 0, 2, 4)  # (nq, nk, N, tq, tk)
+    else:
+        bias_kind = "none"
+
+    plan = _Plan(
+        K=K,
+        G=G,
+        tq=tq,
+        tk=tk,
+        nq=nq,
+        nk=nk,
+        causal=bool(causal),
+        scale=float(scale),
+        bias_kind=bias_kind,
+        bias_fn=bias_fn,
+        kv_mask=kv_len is not None,
+    )
+
+    qt = jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, 0)))
+    qt = qt.reshape(B, nq, tq, K, G, H).transpose(1, 0, 3, 4, 2, 5)  # (nq, B, K, G, tq, H)
+    kt = _tile_keys(k, nk, tk)  # (nk, B, K, tk, H)
+    vt = _tile_keys(v, nk, tk)  # (nk, B, K, tk, H)
+    out = _flash(plan, qt, kt, vt, params, offsets, kv_len)  # (nq, B, K, G, tq, H)
+    out = out.transpose(1, 0, 4, 2, 3, 5).reshape(B, Tp, N, H)  # (B, Tp, N, H)
+    return out[:, :T]
+
+
+def _tile_keys(x, nk, tk):
+    B, S, K, H = x.shape
+    x = jnp.pad(x, ((0, 0), (0, nk * tk - S), (0, 0), (0, 0)))
+    return x.reshape(B, nk, tk, K, H).transpose(1, 0, 3, 2, 4)  # (nk, B, K, tk, H)
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-tile pieces shared by the forward and the backward.
+
+
+def _tile_positions(plan, offsets, i, j):
+    q_pos = offsets[:, None] + i * plan.tq + jnp.arange(plan.tq, dtype=jnp.int32)  # (B|1, tq)
+    k_pos = j * plan.tk + jnp.arange(plan.tk, dtype=jnp.int32)  # (tk,)
+    return q_pos, k_pos
+
+
+def _tile_bias(plan, params, offsets, i, j):
+    """float32[B or 1, K, G, tq, tk] or None."""
+    match plan.bias_kind:
+        case "none":
+            return None
+        case "fn":
+            q_pos, k_pos = _tile_positions(plan, offsets, i, j)
+            b = jax.vmap(plan.bias_fn, in_axes=(None, 0, None))(params, q_pos, k_pos)
+        case "array":
+            b = params[i, j][None]  # (1, N, tq, tk)
+    return b.astype(f32).reshape(b.shape[0], plan.K, plan.G, plan.tq, plan.tk)
+
+
+def _tile_mask(plan, offsets, kv_len, i, j):
+    """bool[B or 1, 1, 1, tq, tk] (True = visible) or None when nothing is hidden."""
+    q_pos, k_pos = _tile_positions(plan, offsets, i, j)
+    mask = None
+    if plan.causal:
+        mask = k_pos[None, None, :] <= q_pos[:, :, None]  # (B|1, tq, tk)
+    if plan.kv_mask:
+        valid = k_pos[None, None, :] < kv_len[:, None, None]  # (B|1, 1, tk)
+        mask = valid if mask is None else mask & valid
+    return None if mask is None else mask[:, None, None]
+
+
+def _scores(plan, q_i, k_j, bias_t, mask, *, keys_transposed=False):
+    """float32[B, K, G, tq, tk] logits of one tile, hidden keys at -inf.
+
+    k_j is (B, K, tk, H), or (B, K, H, tk) with keys_transposed (the layout the CPU matmul wants,
+    so the forward transposes K once instead of once per tile).
+    """
+    spec = "bkgqh,bkhc->bkgqc" if keys_transposed else "bkgqh,bkch->bkgqc"
+    s = jnp.einsum(spec, q_i, k_j, preferred_element_type=f32) * plan.scale
+    if bias_t is not None:
+        s = s + bias_t
+    if mask is not None:
+        s = jnp.where(mask, s, -jnp.inf)
+    return s
+
+
+def _with_tile_mask(plan, offsets, kv_len, i, j, step, carry):
+    """step(carry, mask) for tile (i, j); mask is None when every pair in the tile is visible.
+
+    Only tiles crossing the causal diagonal or a kv length need the select; `lax.cond` runs the
+    mask-free branch for the others.
+    """
+    if not (plan.causal or plan.kv_mask):
+        return step(carry, None)
+    last_k = j * plan.tk + plan.tk - 1
+    all_visible = jnp.bool_(True)
+    if plan.causal:  # the earliest query of the tile sees the tile's last key
+        all_visible &= jnp.min(offsets) + i * plan.tq >= last_k
+    if plan.kv_mask:
+        all_visible &= last_k < jnp.min(kv_len)
+    return jax.lax.cond(
+        all_visible,
+        lambda c: step(c, None),
+        lambda c: step(c, _tile_mask(plan, offsets, kv_len, i, j)),
+        carry,
+    )
+
+
+def _key_tile_end(plan, offsets, kv_len, i):
+    """One past the last key tile that query tile i can see (traced int)."""
+    end = jnp.int32(plan.nk)
+    if plan.causal:
+        last_q = jnp.max(offsets) + (i + 1) * plan.tq - 1  # latest query position in the tile
+        end = jnp.clip(last_q // plan.tk + 1, 0, plan.nk)
+    if plan.kv_mask:
+        end = jnp.minimum(end, -(-jnp.max(kv_len) // plan.tk))
+    return end
+
+
+def _query_tile_start(plan, offsets, j):
+    """The first query tile that can see key tile j (traced int)."""
+    if not plan.causal:
+        return jnp.int32(0)
+    first_k = j * plan.tk
+    # ceil((first_k - max_offset - (tq - 1)) / tq), clipped to [0, nq]
+    start = -((jnp.max(offsets) + plan.tq - 1 - first_k) // plan.tq)
+    return jnp.clip(start, 0, plan.nq)
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel: forward and backward over tiles.
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(plan, qt, kt, vt, params, offsets, kv_len):
+    return _forward(plan, qt, kt, vt, params, offsets, kv_len)[0]
+
+
+def _forward(plan, qt, kt, vt, params, offsets, kv_len):
+    """Returns out (nq, B, K, G, tq, H) in q's dtype and lse float32 (nq, B, K, G, tq)."""
+    _, B, K, G, tq, H = qt.shape
+
+    kt_t = jnp.swapaxes(kt, -1, -2)  # (nk, B, K, H, tk)
+
+    def query_tile(i):
+        q_i = qt[i]  # (B, K, G, tq, H)
+
+        def step(carry, mask, j):
+            m, l, acc = carry
+            s = _scores(
+                plan,
+                q_i,
+                kt_t[j],
+                _tile_bias(plan, params, offsets, i, j),
+                mask,
+                keys_transposed=True,
+            )  # (B, K, G, tq, tk)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all hidden so far: keep 0s
+            p = jnp.exp(s - m_safe[..., None])
+            alpha = jnp.exp(m - m_safe)
+            l = alpha * l + jnp.sum(p, axis=-1)
+            pv = jnp.einsum(
+                "bkgqc,bkch->bkgqh", p.astype(vt.dtype), vt[j], preferred_element_type=f32
+            )
+            return m_new, l, alpha[..., None] * acc + pv
+
+        def key_tile(j, carry):
+            return _with_tile_mask(plan, offsets, kv_len, i, j, partial(step, j=j), carry)
+
+        init = (
+            jnp.full((B, K, G, tq), -jnp.inf, f32),
+            jnp.zeros((B, K, G, tq), f32),
+            jnp.zeros((B, K, G, tq, H), f32),
+        )
+        m, l, acc = jax.lax.fori_loop(0, _key_tile_end(plan, offsets, kv_len, i), key_tile, init)
+        seen = l > 0.0
+        out = acc / jnp.where(seen, l, 1.0)[..., None]  # a row that saw nothing stays 0
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
+        return out.astype(qt.dtype), lse
+
+    return jax.lax.map(query_tile, jnp.arange(plan.nq, dtype=jnp.int32))
+
+
+def _flash_fwd(plan, qt, kt, vt, params, offsets, kv_len):
+    out, lse = _forward(plan, qt, kt, vt, params, offsets, kv_len)
+    return out, (qt, kt, vt, params, offsets, kv_len, out, lse)
+
+
+def _flash_bwd(plan, res, d_out):
+    qt, kt, vt, params, offsets, kv_len, out, lse = res
+    d_out = d_out.astype(qt.dtype)
+    # D_i = rowsum(dO * O), the softmax-Jacobian term of every tile in row i.
+    delta = jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1)  # (nq, B, K, G, tq)
+    if plan.bias_kind == "fn":  # differentiate the floating-point leaves only
+        floats, rebuild, cotangent = _split_float_leaves(params)
+    match plan.bias_kind:
+        case "fn":
+            d_params = [jnp.zeros(x.shape, f32) for x in floats]
+        case "array":
+            d_params = jnp.zeros(params.shape, f32)  # (nq, nk, N, tq, tk)
+        case _:
+            d_params = ()
+
+    def key_tile(j, carry):
+        dq, dk, dv, d_params = carry
+        k_j, v_j = kt[j], vt[j]  # (B, K, tk, H)
+
+        def tile_grads(i, mask):
+            """Tile (i, j)'s contributions: dq_i, dk_j, dv_j and the bias cotangent."""
+            q_i, do_i = qt[i], d_out[i]  # (B, K, G, tq, H)
+            pull = None
+            match plan.bias_kind:
+                case "fn":
+                    bias_t, pull = jax.vjp(
+                        lambda fl: _tile_bias(plan, rebuild(fl), offsets, i, j), floats
+                    )
+                case _:
+                    bias_t = _tile_bias(plan, params, offsets, i, j)
+            s = _scores(plan, q_i, k_j, bias_t, mask)
+            p = jnp.exp(s - lse[i][..., None])  # hidden keys and empty rows give exactly 0
+            dv = jnp.einsum(
+                "bkgqc,bkgqh->bkch", p.astype(do_i.dtype), do_i, preferred_element_type=f32
+            )
+            dp = jnp.einsum("bkgqh,bkch->bkgqc", do_i, v_j, preferred_element_type=f32)
+            ds = p * (dp - delta[i][..., None])  # d loss / d logits, (B, K, G, tq, tk)
+            ds_c = ds.astype(qt.dtype)
+            dq = plan.scale * jnp.einsum("bkgqc,bkch->bkgqh", ds_c, k_j, preferred_element_type=f32)
+            dk = plan.scale * jnp.einsum("bkgqc,bkgqh->bkch", ds_c, q_i, preferred_element_type=f32)
+            d_bias = ()
+            if bias_t is not None:
+                if bias_t.shape[0] == 1:
+                    ds = jnp.sum(ds, axis=0, keepdims=True)  # bias shared by the batch
+                match plan.bias_kind:  # ds: (B|1, K, G, tq, tk), the bias tile's layout
+                    case "fn":
+                        d_bias = pull(ds)[0]
+                    case "array":
+                        d_bias = ds[0].reshape(params.shape[2:])  # (N, tq, tk)
+            return dq, dk, dv, d_bias
+
+        def query_tile(i, carry):
+            dq, dk_j, dv_j, d_params = carry
+            # Only tile-sized values cross the cond, so the [T]-sized buffers update in place.
+            dq_i, dk, dv, d_bias = _with_tile_mask(
+                plan, offsets, kv_len, i, j, lambda _, mask: tile_grads(i, mask), None
+            )
+            match plan.bias_kind:
+                case "fn":
+                    d_params = [a + b for a, b in zip(d_params, d_bias)]
+                case "array":
+                    d_params = d_params.at[i, j].set(d_bias)
+            return dq.at[i].add(dq_i), dk_j + dk, dv_j + dv, d_params
+
+        zeros = jnp.zeros(k_j.shape, f32)
+        dq, dk_j, dv_j, d_params = jax.lax.fori_loop(
+            _query_tile_start(plan, offsets, j), plan.nq, query_tile, (dq, zeros, zeros, d_params)
+        )
+        return dq, dk.at[j].set(dk_j), dv.at[j].set(dv_j), d_params
+
+    # The last query tile sees the most keys: no key tile past what it sees is needed.
+    n_key_tiles = _key_tile_end(plan, offsets, kv_len, plan.nq - 1)
+    init = (jnp.zeros(qt.shape, f32), jnp.zeros(kt.shape, f32), jnp.zeros(vt.shape, f32), d_params)
+    dq, dk, dv, d_params = jax.lax.fori_loop(0, n_key_tiles, key_tile, init)
+    if plan.bias_kind == "fn":
+        d_params = cotangent(d_params)
+    return (dq.astype(qt.dtype), dk.astype(kt.dtype), dv.astype(vt.dtype), d_params, None, None)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# Bias parameters: only floating-point leaves are differentiated; integer leaves ride along.
+
+
+def _split_float_leaves(params):
+    """(float leaves, rebuild, cotangent): rebuild(float leaves) gives back the params pytree,
+    cotangent(float leaf gradients) the params-shaped cotangent (float0 for integer leaves)."""
+    leaves, treedef = jax.tree.flatten(params)
+    is_float = [jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in leaves]
+
+    def rebuild(floats):
+        it = iter(floats)
+        return jax.tree.unflatten(treedef, [next(it) if f else x for x, f in zip(leaves, is_float)])
+
+    def cotangent(d_floats):
+        it = iter(d_floats)
+        return jax.tree.unflatten(
+            treedef,
+            [
+                next(it).astype(jnp.result_type(x))
+                if f
+                else np.zeros(jnp.shape(x), jax.dtypes.float0)
+                for x, f in zip(leaves, is_float)
+            ],
+        )
+
+    return [x for x, f in zip(leaves, is_float) if f], rebuild, cotangent

@@ -1,0 +1,298 @@
+"""Chunked attention: each batch row's logits materialised, a few rows at a time, hand-written backward.
+
+Shape legend: B batch, T query length, S key length, N query heads, K key/value heads, G = N // K
+query heads per key/value head, H head dim, R batch rows per chunk.
+
+The fast path at training lengths (T, S up to ~1k) on XLA:CPU. `posattn.attention` builds the
+additive logit bias (the position bias with -inf at hidden keys) and calls `chunked_attention`;
+this module only sees arrays.
+
+Forward: a `lax.scan` over chunks of R batch rows. Per chunk, in head-major layout,
+`s = scale q k^T + bias` ([R, K, G, T, S]), its row max and sum, `out = softmax(s) v`; the row max
+and 1 / row sum are the only extra residuals (no logits are kept).
+
+Backward (FlashAttention-2's equations, Dao 2023, Alg. 2, with the whole row as one tile): the
+probabilities are recomputed from the saved row max and 1 / row sum, `dV = P^T dO`, `dP = dO V^T`,
+`dS = P * (dP - D)` with `D = rowsum(P * dP)`, `dQ = scale dS K`, `dK = scale dS^T Q`, and the bias
+gradient is the sum of `dS` over the rows that share the bias.
+
+Why it is fast on XLA:CPU (measured at B 16, T = S 256, 4 heads of 32, ALiBi, causal, with
+development scripts that are not in the repository; docs/attention.md gives the numbers, and
+`benchmarks/train_throughput.py --crossover` reproduces the end result):
+  * head-major operands make every matmul a batched GEMM on contiguous [T, H] / [S, H] blocks
+    (`jax.nn.dot_product_attention`'s [B, T, N, H] contractions ran 3-4x slower);
+  * a chunk of R rows keeps the [R, N, T, S] logits (4 MiB) in cache for the elementwise passes,
+    instead of streaming the whole batch's logits through memory once per pass;
+  * the backward works on transposed logits [S, G*T]: XLA:CPU runs `A B` and `A B^T` on its fast
+    library path but copies the operand of `A^T B` through a slow strided transpose, and in this
+    layout dV, dK and dP are `A B` / `A B^T` while dQ is computed as (K^T dS^T)^T;
+  * sums over the rows of a chunk are unrolled adds and D uses `einsum`: XLA:CPU's reductions over
+    a short axis (the R rows, the 32 of a head) ran about 10x slower than these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Logits per chunk: R batch rows with R * N * T * S <= CHUNK_LOGITS (4 MiB of float32, half the
+# 2 MiB-per-core L2 of both cores). 256Ki to 1Mi were within noise at B 16, T 256, 4 heads; 4Mi
+# (the whole batch at once) ran the forward+backward ~2x slower.
+CHUNK_LOGITS = 1 << 20
+# At most this many rows per chunk: the backward sums the bias gradient over the rows of a chunk
+# with unrolled adds.
+MAX_CHUNK_ROWS = 16
+# Causal query tiles: tile [a, a + TILE_Q) only multiplies the keys it can see. 128 at T = 256
+# skips a quarter of the work (the upper-right [128, 128] block of each head).
+TILE_Q = 128
+
+f32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    scale: float
+    rows: int  # batch rows per chunk (R), a divisor of B
+    per_row_bias: bool  # the bias has one slice per batch row (per-row offsets or lengths)
+    bias_grad: bool  # compute the bias gradient (False: the bias is a constant mask)
+    tiles: tuple[tuple[int, int, int], ...]  # (first query, end query, end key) of each query tile
+
+
+def chunked_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    logit_bias: jax.Array | None,
+    *,
+    scale,
+    bias_grad: bool,
+    causal_offset: int | None = None,
+    chunk_logits: int | None = None,
+    tile_q: int | None = None,
+) -> jax.Array:
+    """softmax(scale q k^T + logit_bias) v, chunked over the batch.
+
+    Args:
+      q: float[B, T, N, H] queries.
+      k: float[B, S, K, H] keys, N % K == 0.
+      v: float[B, S, K, H] values.
+      logit_bias: None or float[B or 1, N or 1, T, S] added to the logits; -inf hides a key. A row
+        with no visible key returns zeros.
+      scale: the logit scale, a Python float or a traced scalar (folded into q, so its gradient
+        flows through autodiff outside the kernel).
+      bias_grad: whether `logit_bias` needs its gradient (False for a mask-only bias; its
+        cotangent is then zero).
+      causal_offset: a static int when the attention is causal with that (scalar) position of the
+        first query: `logit_bias` must then hide every key j > q_offset + t, and query tiles skip
+        the keys none of their queries can see. None: every query sees every key (up to the bias).
+      chunk_logits: logits per chunk, default CHUNK_LOGITS; R, the rows per chunk, is the largest
+        divisor of B with R * N * T * S <= chunk_logits (at least 1, at most MAX_CHUNK_ROWS).
+      tile_q: query tile of the causal skipping, default TILE_Q.
+
+    Returns:
+      float[B, T, N, H] in q's dtype.
+    """
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    G = N // K
+    if not isinstance(scale, (int, float, np.number)):
+        q = (q.astype(f32) * scale).astype(q.dtype)
+        scale = 1.0
+    chunk_logits = CHUNK_LOGITS if chunk_logits is None else chunk_logits
+    rows = max(1, min(B, MAX_CHUNK_ROWS, chunk_logits // max(N * T * S, 1)))
+    while B % rows:
+        rows -= 1
+    bias = None
+    if logit_bias is not None:
+        Bb, Nb = logit_bias.shape[:2]
+        heads = (K, G) if Nb == N else (1, 1)
+        bias = logit_bias.astype(f32).reshape(Bb, *heads, T, S)  # (B|1, K|1, G|1, T, S)
+    plan = _Plan(
+        scale=float(scale),
+        rows=rows,
+        per_row_bias=bias is not None and bias.shape[0] != 1,
+        bias_grad=bool(bias_grad) and bias is not None,
+        tiles=_query_tiles(T, S, causal_offset, TILE_Q if tile_q is None else tile_q),
+    )
+    out = _attend(plan, q.reshape(B, T, K, G, H), k, v, bias)  # (B, T, K, G, H)
+    return out.reshape(B, T, N, H)
+
+
+def _query_tiles(T, S, causal_offset, tile_q):
+    """(first query, end query, end key) per query tile: with a static causal offset, tile
+    [a, b) needs keys [0, offset + b) only; otherwise one tile sees every key."""
+    if causal_offset is None or T <= tile_q:
+        return ((0, T, S),)
+    tiles = []
+    for a in range(0, T, tile_q):
+        b = min(a + tile_q, T)
+        end = min(S, max(causal_offset + b, 0))
+        if end > 0:
+            tiles.append((a, b, end))
+        else:  # no query of the tile sees a key: one key keeps the shapes non-empty (masked)
+            tiles.append((a, b, 1))
+    return tuple(tiles)
+
+
+def _head_major(q, k, v):
+    """A chunk's q (R, T, K, G, H) and k, v (R, S, K, H) as (R, K, G, T, H) and (R, K, S, H)."""
+    return q.transpose(0, 2, 3, 1, 4), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+
+def _split(plan, x):
+    """[B, ...] -> [B / R, R, ...] (the scanned axis first); None stays None."""
+    return None if x is None else x.reshape(x.shape[0] // plan.rows, plan.rows, *x.shape[1:])
+
+
+def _merge(x):
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attend(plan, q, k, v, bias):
+    return _forward(plan, q, k, v, bias)[0]
+
+
+def _forward(plan, q, k, v, bias):
+    """out (B, T, K, G, H) in q's dtype, and the row max m and 1 / row sum, float32 (B, K, G, T).
+
+    The backward recomputes P = exp(s - m) / l from these rather than exp(s - lse): it then
+    matches the forward's probabilities to rounding, which keeps the gradient of a per-row
+    constant bias shift (zero in exact arithmetic) at the reference's float32 noise level.
+    """
+
+    def tile(q_c, k_c, v_c, b):
+        s = jnp.einsum("rkgth,rksh->rkgts", q_c, k_c, preferred_element_type=f32) * plan.scale
+        if b is not None:
+            s = s + b
+        m = jnp.max(s, axis=-1)  # (R, K, G, t)
+        m = jnp.where(m == -jnp.inf, 0.0, m)  # a row that sees no key keeps p = 0
+        p = jnp.exp(s - m[..., None])
+        l = jnp.sum(p, axis=-1)
+        o = jnp.einsum("rkgts,rksh->rkgth", p.astype(v_c.dtype), v_c, preferred_element_type=f32)
+        inv_l = 1.0 / jnp.where(l > 0.0, l, 1.0)  # a row that sees no key: o = 0, P = 0
+        return (o * inv_l[..., None]).astype(q_c.dtype), m, inv_l
+
+    def chunk(_, xs):
+        q_c, k_c, v_c, bias_c = xs  # (R, T, K, G, H), (R, S, K, H) x2, (R, K|1, G|1, T, S) or None
+        q_c, k_c, v_c = _head_major(q_c, k_c, v_c)
+        b = bias_c if plan.per_row_bias else bias
+        outs = [
+            tile(
+                q_c[:, :, :, a:e],
+                k_c[:, :, :end],
+                v_c[:, :, :end],
+                None if b is None else b[..., a:e, :end],
+            )
+            for a, e, end in plan.tiles
+        ]
+        o, m, inv_l = (jnp.concatenate(x, axis=3) for x in zip(*outs))  # along T
+        return None, (o.transpose(0, 3, 1, 2, 4), m, inv_l)
+
+    xs = (
+        _split(plan, q),
+        _split(plan, k),
+        _split(plan, v),
+        _split(plan, bias) if plan.per_row_bias else None,
+    )
+    _, (out, m, inv_l) = jax.lax.scan(chunk, None, xs)
+    return _merge(out), _merge(m), _merge(inv_l)
+
+
+def _attend_fwd(plan, q, k, v, bias):
+    out, m, inv_l = _forward(plan, q, k, v, bias)
+    return out, (q, k, v, bias, m, inv_l)
+
+
+def _attend_bwd(plan, res, d_out):
+    q, k, v, bias, m, inv_l = res
+    d_out = d_out.astype(q.dtype)
+    # Transposed logits [S, G*T] per (row, key head); see the module docstring.
+    bias_t = None if bias is None else jnp.moveaxis(bias, -1, 2)  # (B|1, K|1, S, G|1, T)
+
+    def tile(q_c, k_c, v_c, do_c, m_c, inv_l_c, b):
+        """One query tile's dq (R, K, H, G, t), dk, dv (R, K, s, H) and dS^T (R, K, s, G, t)."""
+        s_t = jnp.einsum("rksh,rkgth->rksgt", k_c, q_c, preferred_element_type=f32) * plan.scale
+        if b is not None:
+            s_t = s_t + b
+        p_t = jnp.exp(s_t - m_c[:, :, None]) * inv_l_c[:, :, None]  # (R, K, s, G, t); hidden: 0
+        dv = jnp.einsum(
+            "rksgt,rkgth->rksh", p_t.astype(do_c.dtype), do_c, preferred_element_type=f32
+        )
+        dp_t = jnp.einsum("rksh,rkgth->rksgt", v_c, do_c, preferred_element_type=f32)
+        # D = rowsum(P * dP) (= rowsum(dO * O) in exact arithmetic) from this P, so that the
+        # rows of dS sum to zero to rounding; an einsum, where XLA:CPU's reduction was ~10x slower.
+        delta = jnp.einsum("rksgt,rksgt->rkgt", p_t, dp_t)  # (R, K, G, t)
+        ds_t = p_t * (dp_t - delta[:, :, None])  # d loss / d logits (transposed)
+        ds_c = ds_t.astype(q_c.dtype)
+        dk = plan.scale * jnp.einsum("rksgt,rkgth->rksh", ds_c, q_c, preferred_element_type=f32)
+        dq_t = plan.scale * jnp.einsum("rksh,rksgt->rkhgt", k_c, ds_c, preferred_element_type=f32)
+        return dq_t, dk, dv, ds_t
+
+    def chunk(d_bias, xs):
+        q_c, k_c, v_c, do_c, m_c, inv_l_c, bias_c = xs
+        q_c, k_c, v_c = _head_major(q_c, k_c, v_c)
+        do_c = do_c.transpose(0, 2, 3, 1, 4)  # (R, K, G, T, H)
+        b = bias_c if plan.per_row_bias else bias_t
+        R, K, S, H = k_c.shape
+        dk = dv = jnp.zeros((R, K, S, H), f32)
+        dq, ds_rows = [], None
+        if plan.bias_grad and plan.per_row_bias:
+            ds_rows = jnp.zeros(bias_c.shape, f32)
+        for a, e, end in plan.tiles:
+            dq_t, dk_i, dv_i, ds_t = tile(
+                q_c[:, :, :, a:e],
+                k_c[:, :, :end],
+                v_c[:, :, :end],
+                do_c[:, :, :, a:e],
+                m_c[..., a:e],
+                inv_l_c[..., a:e],
+                None if b is None else b[:, :, :end, :, a:e],
+            )
+            dq.append(dq_t)
+            dk, dv = dk.at[:, :, :end].add(dk_i), dv.at[:, :, :end].add(dv_i)
+            if ds_rows is not None:
+                ds_rows = ds_rows.at[:, :, :end, :, a:e].set(_sum_to(ds_t, bias_c.shape))
+            elif plan.bias_grad:
+                for r in range(plan.rows):  # unrolled: see the module docstring
+                    d_bias = d_bias.at[:, :end, :, a:e].add(_sum_to(ds_t[r], d_bias.shape))
+        dq = jnp.concatenate(dq, axis=-1).transpose(0, 4, 1, 3, 2)  # (R, T, K, G, H)
+        dk, dv = dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3)  # (R, S, K, H)
+        return d_bias, (dq, dk, dv, ds_rows)
+
+    per_row = plan.per_row_bias
+    xs = tuple(_split(plan, x) for x in (q, k, v, d_out, m, inv_l)) + (
+        _split(plan, bias_t) if per_row else None,
+    )
+    init = jnp.zeros(bias_t.shape[1:], f32) if plan.bias_grad and not per_row else None
+    d_bias, (dq, dk, dv, ds_rows) = jax.lax.scan(chunk, init, xs)
+    if bias is None:
+        d_bias = None
+    elif not plan.bias_grad:
+        d_bias = jnp.zeros(bias.shape, bias.dtype)
+    else:
+        d_bias_t = _merge(ds_rows) if per_row else d_bias[None]  # (B|1, K|1, S, G|1, T)
+        d_bias = jnp.moveaxis(d_bias_t, 2, -1).astype(bias.dtype)
+    return (
+        _merge(dq).astype(q.dtype),
+        _merge(dk).astype(k.dtype),
+        _merge(dv).astype(v.dtype),
+        d_bias,
+    )
+
+
+def _sum_to(x, shape):
+    """Sums x over the axes where `shape` (same rank) has 1 (a bias shared by the heads)."""
+    axes = tuple(
+        i
+        for i, (a, b) in enumerate(zip(x.shape[-4:], shape[-4:]), start=x.ndim - 4)
+        if b == 1 and a != 1
+    )
+    return jnp.sum(x, axis=axes, keepdims=True) if axes else x
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)

@@ -1,0 +1,346 @@
+"""Flax NNX layers: they own parameters and call the pure functions, nothing more.
+
+Shape legend: B batch, T query length, S key length, D d_model, N query heads, K key/value heads,
+H head dim, F feed-forward width, V vocabulary.
+
+The attention layer asks the family registry what to do: rotate q/k (RoPE), hand a `(BiasFn,
+params)` pair to the attention core (T5, ALiBi, Kerple, Sandwich, FIRE), or nothing (NoPE and the
+absolute families, whose embedding the model adds at the input). It never branches on a name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from posattn import attention as attention_lib
+from posattn import families, rotary
+from posattn.config import ModelConfig
+
+__all__ = [
+    "Attention",
+    "Block",
+    "Constant",
+    "Mlp",
+    "PositionBias",
+    "RMSNorm",
+    "Rotary",
+    "bias_settings",
+    "dense",
+    "token_positions",
+    "write_rows",
+]
+
+
+class Constant(nnx.Variable):
+    """A fixed array that belongs to the model but is not trained (RoPE frequencies, ALiBi slopes).
+
+    Kept as state rather than a Python constant so that a vmap sweep can stack different values
+    (RoPE bases, slope scales) on a leading axis and run them as one program.
+    """
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> jax.Array:
+    return std * jax.random.normal(rngs.params(), shape, jnp.float32)
+
+
+def dense(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x[..., D] @ w[D, ...] as one 2-D matrix product: [..., D] x [D, F...] -> [..., F...].
+
+    Why 2-D: XLA:CPU sends plain 2-D dots to its fast GEMM kernels, while the dot_generals of a
+    batched einsum (and their transposes in the backward) took a slower path: a 2-layer d_model-64
+    training step ran 3x faster (benchmarks/train_throughput.py). Accelerators are indifferent.
+    """
+    lead, out = x.shape[:-1], w.shape[1:]
+    y = x.reshape(-1, x.shape[-1]) @ w.reshape(w.shape[0], -1)  # (prod(lead), prod(out))
+    return y.reshape(*lead, *out)
+
+
+def _dtype(cfg: ModelConfig):
+    return jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square normalisation, computed in float32, output in `dtype`."""
+
+    def __init__(self, dim: int, *, dtype=jnp.float32, eps: float = 1e-6):
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
+        self.dtype, self.eps = dtype, eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x.astype(jnp.float32)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return (x * self.scale[...]).astype(self.dtype)
+
+
+def bias_settings(cfg: ModelConfig) -> families.BiasSettings:
+    # Every other field of BiasSettings has the ModelConfig field of the same name.
+    names = {f.name for f in dataclasses.fields(families.BiasSettings)} - {"bidirectional"}
+    return families.BiasSettings(
+        bidirectional=not cfg.causal, **{n: getattr(cfg, n) for n in names}
+    )
+
+
+class PositionBias(nnx.Module):
+    """Owns a bias family's values and hands the attention core its `(BiasFn, params)` pair."""
+
+    def __init__(self, spec: families.BiasSpec, settings: families.BiasSettings, *, rngs: nnx.Rngs):
+        variable = nnx.Param if spec.trainable else Constant
+        values = spec.init(rngs.params(), settings)
+        self.values = nnx.Dict(
+            {
+                name: variable(value, bounds=spec.bounds[name])
+                if name in spec.bounds
+                else variable(value)
+                for name, value in values.items()
+            }
+        )
+        self.fn = spec.bind(settings)
+
+    def __call__(self) -> tuple[families.BiasFn, dict[str, jax.Array]]:
+        return self.fn, {name: value[...] for name, value in self.values.items()}
+
+
+class Rotary(nnx.Module):
+    """RoPE frequencies for the whole model (one instance, shared by every attention layer)."""
+
+    def __init__(self, cfg: ModelConfig):
+        scaling = cfg.rope_scaling_dict
+        inv_freq, factor = rotary.rope_frequencies(
+            cfg.head_dim, base=cfg.rope_base, scaling=scaling
+        )
+        self.inv_freq = Constant(jnp.asarray(inv_freq, jnp.float32))
+        self.attention_factor = float(factor)
+        # The scaling is kept as the config's tuple of items (hashable, so graphdefs can key jit caches).
+        self.head_dim, self.base, self.scaling, self.layout = (
+            cfg.head_dim,
+            cfg.rope_base,
+            cfg.rope_scaling,
+            cfg.rope_layout,
+        )
+        kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+        self.dynamic = kind == "dynamic"
+
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, *, seq_len: jax.Array | int
+    ) -> jax.Array:
+        """Rotates x[..., T, N, H] at `positions` ([T] or [B, T]).
+
+        `seq_len` (int, or int[B] for x[B, T, N, H]: one length per sequence) feeds dynamic NTK only:
+        each sequence's base comes from its own current length, so a padded row or a row of a KV
+        cache is rotated exactly as if it were alone at that length.
+        """
+        if self.dynamic and jnp.ndim(seq_len) == 1:
+            positions = jnp.broadcast_to(positions, x.shape[:-2])  # (B, T)
+            return jax.vmap(lambda xb, pb, lb: self(xb[None], pb, seq_len=lb)[0])(
+                x, positions, seq_len
+            )
+        inv_freq = self.inv_freq[...]
+        if self.dynamic:
+            # Dynamic NTK recomputes the base from the current length (HF `_compute_dynamic_ntk_parameters`).
+            inv_freq, _ = rotary.rope_frequencies(
+                self.head_dim, base=self.base, scaling=dict(self.scaling), seq_len=seq_len
+            )
+        return rotary.apply_rope(
+            x, positions, inv_freq, layout=self.layout, attention_factor=self.attention_factor
+        )
+
+
+class Attention(nnx.Module):
+    """Multi-head / grouped-query self-attention with the model's position family.
+
+    Args:
+      cfg: the model's static configuration.
+      owns_kv: False for a layer that reads the keys/values of a lower layer (cross-layer KV
+        sharing); it then has no key/value projections.
+      rotary_module: the model's shared `Rotary` (RoPE families) or None.
+      bias_module: this layer's (or the model's shared) `PositionBias`, or None.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        owns_kv: bool,
+        rotary_module: Rotary | None,
+        bias_module: PositionBias | None,
+        rngs: nnx.Rngs,
+    ):
+        D, N, K, H = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        std = cfg.init_scale / math.sqrt(D)
+        # T5 keeps 1/sqrt(H) out of the logits and puts it into the query initialiser instead
+        # (mesh_tensorflow: query init std (d_model * d_kv) ** -0.5).
+        q_std = std / math.sqrt(H) if cfg.family.scale_free else std
+        self.wq = nnx.Param(_normal(rngs, (D, N, H), q_std))
+        if owns_kv:
+            self.wk = nnx.Param(_normal(rngs, (D, K, H), std))
+            self.wv = nnx.Param(_normal(rngs, (D, K, H), std))
+        self.wo = nnx.Param(
+            _normal(rngs, (N, H, D), cfg.init_scale / math.sqrt(N * H * 2 * cfg.num_layers))
+        )
+        self.owns_kv = owns_kv
+        self.rotary = rotary_module
+        self.bias = bias_module
+        self.causal = cfg.causal
+        self.scale = 1.0 if cfg.family.scale_free else 1.0 / math.sqrt(H)
+        self.implementation = cfg.attention_impl
+        self.dtype = _dtype(cfg)
+
+    def project_kv(
+        self, x: jax.Array, positions: jax.Array, *, seq_len, rotate: bool = True
+    ) -> tuple[jax.Array, jax.Array]:
+        """Keys and values of x[B, S, D] at `positions`; keys already rotated for RoPE unless not `rotate`."""
+        k = dense(x, self.wk[...].astype(self.dtype))  # (B, S, K, H)
+        v = dense(x, self.wv[...].astype(self.dtype))  # (B, S, K, H)
+        if self.rotary is not None and rotate:
+            k = self.rotary(k, positions, seq_len=seq_len)
+        return k, v
+
+    def project_q(self, x: jax.Array, positions: jax.Array, *, seq_len) -> jax.Array:
+        q = dense(x, self.wq[...].astype(self.dtype))  # (B, T, N, H)
+        if self.rotary is not None:
+            q = self.rotary(q, positions, seq_len=seq_len)
+        return q
+
+    def attend(
+        self, q: jax.Array, k: jax.Array, v: jax.Array, *, q_offset, kv_lengths
+    ) -> jax.Array:
+        """Attention of q[B, T, N, H] over k, v[B, S, K, H], projected back to [B, T, D]."""
+        bias = self.bias() if self.bias is not None else None
+        out = attention_lib.attention(
+            q,
+            k,
+            v,
+            bias=bias,
+            causal=self.causal,
+            q_offset=q_offset,
+            kv_lengths=kv_lengths,
+            scale=self.scale,
+            implementation=self.implementation,
+        )  # (B, T, N, H)
+        B, T, N, H = out.shape
+        return dense(
+            out.reshape(B, T, N * H), self.wo[...].astype(self.dtype).reshape(N * H, -1)
+        )  # (B, T, D)
+
+    def __call__(self, x: jax.Array, *, kv_lengths=None, kv=None):
+        """Self-attention of x[B, T, D] at positions 0..T-1 (the KV-cache path is `extend`).
+
+        Args:
+          x: the normalised residual stream.
+          kv_lengths: optional int[B] number of valid (unpadded) keys; it is also each row's length
+            for dynamic NTK, so a right-padded row gives the logits it would give alone.
+          kv: keys/values of a lower layer, for a layer that does not own its own.
+
+        Returns:
+          (output[B, T, D], (k, v)) — the keys/values this layer used, for the layers above.
+        """
+        positions = token_positions(0, x.shape[1])
+        seq_len = x.shape[1] if kv_lengths is None else kv_lengths
+        if self.owns_kv:
+            kv = self.project_kv(x, positions, seq_len=seq_len)
+        q = self.project_q(x, positions, seq_len=seq_len)
+        return self.attend(q, *kv, q_offset=0, kv_lengths=kv_lengths), kv
+
+    def extend(
+        self,
+        x: jax.Array,
+        kv: tuple[jax.Array, jax.Array],
+        *,
+        q_offset,
+        kv_lengths,
+        seq_len,
+        keys_rotated: bool = True,
+        attend_len: int | None = None,
+    ):
+        """Attention of a chunk x[B, T, D] at positions q_offset + t over a KV cache (posattn.nn.decode).
+
+        Args:
+          x: the normalised residual stream of the chunk.
+          kv: this layer group's cache (k, v), [B, S, K, H] each. A layer that owns its keys/values
+            first writes the chunk's into rows q_offset + t (rows past S are dropped, never
+            clamped: the caller checks capacity); a sharing layer reads what its owner wrote.
+          q_offset: int or int[B], the position of the chunk's first token (the cached length).
+          kv_lengths: int[B], valid cache rows once the chunk is written.
+          seq_len: int[B], each row's current length (dynamic NTK's base).
+          keys_rotated: True caches keys rotated at their own positions (exact whenever the
+            frequencies do not depend on the length); False caches them as projected and rotates
+            every cached key at each use with the current frequencies (dynamic NTK:
+            docs/decoding.md).
+          attend_len: static; attend over the first `attend_len` rows only (a prefill of an empty
+            cache passes T: no later row is visible to a causal query).
+
+        Returns:
+          (output[B, T, D], the updated (k, v)).
+        """
+        positions = token_positions(q_offset, x.shape[1])  # (T,) or (B, T)
+        if self.owns_kv:
+            k_new, v_new = self.project_kv(x, positions, seq_len=seq_len, rotate=keys_rotated)
+            kv = (write_rows(kv[0], k_new, q_offset), write_rows(kv[1], v_new, q_offset))
+        k, v = kv if attend_len is None else (kv[0][:, :attend_len], kv[1][:, :attend_len])
+        if self.rotary is not None and not keys_rotated:
+            k = self.rotary(k, token_positions(0, k.shape[1]), seq_len=seq_len)
+        q = self.project_q(x, positions, seq_len=seq_len)
+        return self.attend(q, k, v, q_offset=q_offset, kv_lengths=kv_lengths), kv
+
+
+def write_rows(cache: jax.Array, chunk: jax.Array, start) -> jax.Array:
+    """cache[B, S, ...] with chunk[B, T, ...] written at rows start + t (start int or int[B]).
+
+    A scatter with mode="drop": a row at or past S is not written. `lax.dynamic_update_slice`
+    would instead shift the whole chunk back so that it fits, silently overwriting live keys.
+    """
+    B, T = chunk.shape[:2]
+    rows = jnp.broadcast_to(token_positions(start, T), (B, T))  # (B, T)
+    batch = jnp.arange(B, dtype=jnp.int32)[:, None]  # (B, 1)
+    return cache.at[batch, rows].set(chunk.astype(cache.dtype), mode="drop")
+
+
+def token_positions(q_offset, length: int) -> jax.Array:
+    """Positions [T] (scalar offset) or [B, T] (per-row offsets) of a chunk of `length` tokens."""
+    offset = jnp.asarray(q_offset, jnp.int32)
+    return offset[..., None] + jnp.arange(length, dtype=jnp.int32)
+
+
+class Mlp(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        D, F = cfg.d_model, cfg.ff_dim
+        self.w1 = nnx.Param(_normal(rngs, (D, F), cfg.init_scale / math.sqrt(D)))
+        self.w2 = nnx.Param(
+            _normal(rngs, (F, D), cfg.init_scale / math.sqrt(F * 2 * cfg.num_layers))
+        )
+        self.dtype = _dtype(cfg)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = jax.nn.gelu(dense(x, self.w1[...].astype(self.dtype)))  # (B, T, F)
+        return dense(h, self.w2[...].astype(self.dtype))  # (B, T, D)
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(
+        self, cfg: ModelConfig, *, owns_kv: bool, rotary_module, bias_module, rngs: nnx.Rngs
+    ):
+        dtype = _dtype(cfg)
+        self.attn_norm = RMSNorm(cfg.d_model, dtype=dtype)
+        self.attn = Attention(
+            cfg, owns_kv=owns_kv, rotary_module=rotary_module, bias_module=bias_module, rngs=rngs
+        )
+        self.mlp_norm = RMSNorm(cfg.d_model, dtype=dtype)
+        self.mlp = Mlp(cfg, rngs=rngs)
+
+    def __call__(self, x: jax.Array, *, kv_lengths=None, kv=None):
+        h, kv = self.attn(self.attn_norm(x), kv_lengths=kv_lengths, kv=kv)
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x)), kv
+
+    def extend(self, x: jax.Array, kv, **cache_args):
+        """The block on a chunk over a KV cache; `cache_args` as `Attention.extend`."""
+        h, kv = self.attn.extend(self.attn_norm(x), kv, **cache_args)
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x)), kv

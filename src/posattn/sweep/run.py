@@ -1,0 +1,486 @@
+"""Many runs as one compiled program: a `jax.vmap` over stacked train states.
+
+    python -m posattn.sweep --config configs/sweep_tiny.py --workdir runs/sweep [--config.key=value ...]
+
+The config's `sweep` section (see `posattn.sweep.plan`) has a discrete part (family, depth, ...:
+looped in Python, one compiled program each) and a continuous part (seeds, optimiser
+hyperparameters, RoPE base, ALiBi slope scale, initialisation scales). A program builds each
+member's initial state exactly as `posattn.train` would (`steps.init_train_state` with that
+member's config and seed), stacks them on a leading axis, and trains them with one jitted
+`jax.vmap(steps.train_step)`; the leading axis is sharded over the mesh's `sweep` axis, so a pod
+trains its members in parallel. Member k sees exactly the batches its single run would see
+(batches are a pure function of (train.seed, step)).
+
+A member whose loss or parameters stop being finite is frozen at its last good state and recorded
+as diverged; the others carry on (a learning-rate sweep is expected to find the edge).
+
+Workdir: `config.json`, `sweep.json` (one record per member, schema in docs/sweeps.md),
+`sweep.md` and `sweep.png` (final loss against each swept value), and per program
+`programs/p<i>/{metrics.jsonl, checkpoints/, result.json}`. The sweep state of a program is
+checkpointed as one unit; rerunning the command resumes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import pathlib
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from posattn import config as config_lib
+from posattn.nn.model import TransformerLM
+from posattn.sweep import plan as sweep_config
+from posattn.sweep import report as sweep_report
+from posattn.train import data as data_lib
+from posattn.train import restore_for_resume, sharding, steps
+from posattn.train import workdir as workdir_lib
+from posattn.train.checkpoint import Checkpointer
+
+__all__ = ["main", "run_sweep", "sweep_mesh"]
+
+
+def run_sweep(
+    config: ml_collections.ConfigDict,
+    workdir: str | pathlib.Path,
+    *,
+    cli_overrides=(),
+    config_path: str | None = None,
+    stop_after: int | None = None,
+) -> list[dict[str, Any]]:
+    """Trains (or resumes) every member of the sweep in `config`; returns the sweep.json records.
+
+    Args:
+      config: a training config with a `sweep` section.
+      workdir: the sweep's directory; an existing sweep resumes.
+      cli_overrides: the `--config.key=value` strings already applied to `config` (recorded in each
+        member's reproducing overrides).
+      config_path: the config file, for the reproducing commands in sweep.json.
+      stop_after: stop each unfinished program after this step as a preemption would (saved,
+        resumable); the programs after it do not start.
+    """
+    # ---- Setup: every member is validated, and the extrapolation function found, before compute. ----
+    programs = sweep_config.plan(config, cli_overrides=cli_overrides)
+    lengths = tuple(config.sweep.get("eval_lengths", ()) or ())
+    loss_at_lengths = _loss_at_lengths() if lengths else None
+    sharding.maybe_initialize_distributed(bool(config.train.get("distributed", False)))
+    workdir = pathlib.Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    lead = jax.process_index() == 0
+    with workdir_lib.lock(workdir) if lead else contextlib.nullcontext():
+        corpus = data_lib.load_corpus(config.data.corpus)
+        for program in programs:
+            for member in program.members:
+                corpus.check_vocab(member.cfg.vocab_size)
+                data_lib.check_length(corpus, member.config.data.seq_len)
+            sweep_mesh(
+                len(program.members), program.members[0].config.train
+            )  # fails early if it cannot
+            _abstract_member(program)
+        if lead:
+            workdir_lib.write_or_check_config(workdir, config)
+        records, complete = [], True
+        for program in programs:
+            result = _run_program(
+                program,
+                corpus,
+                workdir / "programs" / f"p{program.index}",
+                lead,
+                stop_after,
+                lengths,
+                loss_at_lengths,
+                config,
+            )
+            if result is None:
+                complete = False
+                break
+            records += result
+        if lead:
+            sweep_report.write(
+                workdir, programs, records, complete=complete, config_path=config_path
+            )
+    return records
+
+
+def _loss_at_lengths():
+    try:
+        from posattn.eval.lengths import loss_at_lengths
+    except ImportError as e:
+        raise config_lib.ConfigError(
+            f"config.sweep.eval_lengths asks for extrapolation losses, but posattn.eval.lengths.loss_at_lengths "
+            f"is not available ({e}); set config.sweep.eval_lengths=()"
+        ) from None
+    return loss_at_lengths
+
+
+def sweep_mesh(members: int, train: ml_collections.ConfigDict) -> Mesh:
+    """A (sweep, data, fsdp) mesh: as many devices on `sweep` as divide the member count.
+
+    The rest of the devices split each member's batch (data) and parameters (fsdp), as in
+    `posattn.train.sharding.make_mesh`.
+    """
+    n, fsdp, B = jax.device_count(), int(train.get("fsdp", 1)), int(train.batch_size)
+    if fsdp < 1 or n % fsdp:
+        raise config_lib.ConfigError(
+            f"config.train.fsdp={fsdp} must divide the number of devices ({n})"
+        )
+    for size in sorted((d for d in range(1, n // fsdp + 1) if (n // fsdp) % d == 0), reverse=True):
+        if members % size == 0 and B % (n // size) == 0:
+            return jax.make_mesh(
+                (size, n // fsdp // size, fsdp),
+                ("sweep", "data", "fsdp"),
+                axis_types=(AxisType.Auto,) * 3,
+            )
+    raise config_lib.ConfigError(
+        f"config.train.batch_size={B} with {members} sweep members cannot be laid out on {n} devices: the "
+        f"batch must be divisible by the devices left after the sweep axis; use a multiple of {n}"
+    )
+
+
+def _sweep_step(
+    graphdef, optim: steps.OptimConfig, sweep_state: dict, batch: dict
+) -> tuple[dict, dict]:
+    """`steps.train_step` on every member at once; members that stop being finite are frozen."""
+    state, alive = sweep_state["members"], sweep_state["alive"]
+    new, metrics = jax.vmap(functools.partial(steps.train_step, graphdef, optim))(state, batch)
+    ok = alive & jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["param_norm"])  # (K,)
+    keep = lambda n, o: jnp.where(ok.reshape(ok.shape + (1,) * (jnp.ndim(n) - 1)), n, o)
+    new = jax.tree.map(keep, new, state)
+    return {"members": new, "alive": ok}, {**metrics, "alive": ok}
+
+
+def _sweep_eval(graphdef, params, constants, batch):
+    return jax.vmap(functools.partial(steps.eval_step, graphdef))(params, constants, batch)
+
+
+# Jitted (step, eval) pairs, kept by equality of what determines them, so that a sweep resumed or
+# rerun in the same process (a notebook, a test) reuses the compiled programs. A graphdef holds the
+# ModelConfig, so (graphdef, optimiser, mesh, member count) fixes the state's shapes and shardings.
+_PROGRAMS: list[tuple[tuple, tuple]] = []
+
+
+def _programs_for(graphdef, optim: steps.OptimConfig, mesh: Mesh, members: int, state_sh, batch_sh):
+    key = (graphdef, optim, mesh, members)
+    for known, fns in _PROGRAMS:
+        if known == key:
+            return fns
+    replicated = NamedSharding(mesh, P())
+    fns = (
+        jax.jit(
+            functools.partial(_sweep_step, graphdef, optim),
+            in_shardings=(state_sh, batch_sh),
+            out_shardings=(state_sh, replicated),
+            donate_argnums=0,
+        ),
+        jax.jit(functools.partial(_sweep_eval, graphdef), out_shardings=replicated),
+    )
+    _PROGRAMS.insert(0, (key, fns))
+    del _PROGRAMS[8:]
+    return fns
+
+
+def _stack(trees: list) -> Any:
+    return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *trees)
+
+
+def _put(host_tree, shardings) -> Any:
+    """Host arrays -> global arrays on `shardings` (each process supplies its addressable shards)."""
+    return jax.tree.map(
+        lambda x, s: jax.make_array_from_callback(x.shape, s, lambda idx: x[idx]),
+        host_tree,
+        shardings,
+    )
+
+
+def _initial_members(program: sweep_config.Program) -> list[dict]:
+    """Each member's initial state, as its single run builds it (`steps.init_train_state`).
+
+    Run eagerly, op by op: bitwise the same values as the jitted init of `posattn.train` (checked
+    for rope, alibi, fire and t5), without compiling a whole-model init for each member's config
+    (seconds each on a CPU; the primitives' compilations are shared by every member).
+    """
+    states = []
+    for member in program.members:
+        tx = steps.make_optimizer(steps.OptimConfig.from_config(member.config.train))
+        states.append(
+            jax.device_get(
+                steps.init_train_state(member.cfg, tx, jax.random.key(member.config.train.seed))
+            )
+        )
+    _warn_duplicates(program, states)
+    return states
+
+
+def _warn_duplicates(program: sweep_config.Program, states: list[dict]) -> None:
+    """Says so when two members start identical and see the same batches (a key with no effect here)."""
+    seen = {}
+    for member, state in zip(program.members, states):
+        digest = hashlib.sha1(str(member.config.train.seed).encode())
+        for leaf in jax.tree.leaves(state):
+            digest.update(np.ascontiguousarray(leaf).tobytes())
+        twin = seen.setdefault(digest.hexdigest(), member)
+        if twin is not member:
+            print(
+                f"posattn.sweep: warning: members {twin.index} ({twin.overrides}) and {member.index} "
+                f"({member.overrides}) are the same run: the swept value has no effect on this program "
+                f"(e.g. a RoPE base for a non-RoPE family)",
+                flush=True,
+            )
+
+
+def _run_program(
+    program, corpus, pdir: pathlib.Path, lead: bool, stop_after, lengths, loss_at_lengths, config
+) -> list[dict] | None:
+    """Trains one program's members together; returns their records, or None if it stopped early."""
+    first = program.members[0]
+    train_cfg, cfg, K = first.config.train, first.cfg, len(program.members)
+    total, B, T = train_cfg.steps, train_cfg.batch_size, first.config.data.seq_len
+    done = pdir / "result.json"
+    if done.exists():
+        saved = json.loads(done.read_text())
+        if saved.get("steps") == total:
+            return saved["records"]
+    pdir.mkdir(parents=True, exist_ok=True)
+    seeds = [int(m.config.train.seed) for m in program.members]
+
+    # The program: one graphdef and optimiser structure for all members; what differs between them
+    # (seed, injected hyperparameters, RoPE frequencies, slopes) lives in the stacked arrays.
+    optim = steps.OptimConfig.from_config(train_cfg)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(params=0))))
+    one = _abstract_member(program)
+    abstract = {
+        "members": jax.tree.map(lambda x: jax.ShapeDtypeStruct((K, *x.shape), x.dtype), one),
+        "alive": jax.ShapeDtypeStruct((K,), jnp.bool_),
+    }
+    mesh = sweep_mesh(K, train_cfg)
+    state_sh = sharding.state_shardings(mesh, abstract, leading_axis="sweep")
+    batch_sh = NamedSharding(mesh, P("sweep", ("data", "fsdp")))
+    options = data_lib.batch_options(
+        first.config.data, causal=cfg.causal, vocab_size=cfg.vocab_size
+    )
+
+    ckpt = Checkpointer(pdir / "checkpoints", max_to_keep=train_cfg.get("keep_checkpoints", 3))
+    restored = restore_for_resume(ckpt, abstract, state_sh, corpus, pdir)
+    if restored is not None:
+        state, start = restored
+        workdir_lib.say(lead, f"resuming sweep program {program.index} from step {start}")
+    else:
+        host = {"members": _stack(_initial_members(program)), "alive": np.ones((K,), bool)}
+        state, start = _put(host, state_sh), 0
+    metrics_file = (
+        workdir_lib.MetricsFile(pdir / "metrics.jsonl", keep_through=start) if lead else None
+    )
+
+    step_fn, eval_fn = _programs_for(graphdef, optim, mesh, K, state_sh, batch_sh)
+    eval_data = _stacked(
+        {
+            s: data_lib.eval_batches(
+                corpus,
+                seed=s,
+                batch_size=B,
+                seq_len=T,
+                max_batches=first.config.train.get("eval_batches", 4),
+                **options,
+            )
+            for s in set(seeds)
+        },
+        seeds,
+    )
+
+    def batch_at(step: int) -> dict:
+        per_seed = {
+            s: data_lib.train_batch(corpus, seed=s, step=step, batch_size=B, seq_len=T, **options)
+            for s in set(seeds)
+        }
+        return _put(
+            {k: np.stack([per_seed[s][k] for s in seeds]) for k in per_seed[seeds[0]]},
+            {k: batch_sh for k in per_seed[seeds[0]]},
+        )
+
+    def run_eval(step: int) -> list[float]:
+        nll, count = np.zeros(K), np.zeros(K)
+        for batch in eval_data:
+            s, c = eval_fn(
+                state["members"]["params"],
+                state["members"]["constants"],
+                _put(batch, {k: batch_sh for k in batch}),
+            )
+            nll, count = nll + np.asarray(s, np.float64), count + np.asarray(c, np.float64)
+        values = list(nll / np.maximum(count, 1.0))
+        if metrics_file:
+            for m, v in zip(program.members, values):
+                metrics_file.write(
+                    {
+                        "step": step,
+                        "member": m.index,
+                        "eval_loss": sweep_report.finite(v),
+                        "eval_tokens": int(count[0]),
+                    }
+                )
+        return values
+
+    # ---- The loop (as posattn.train's: log_every flushes, eval_every evaluates, checkpoints). ----
+    log_every, eval_every = train_cfg.get("log_every", 10), train_cfg.get("eval_every", 0)
+    ckpt_every = train_cfg.checkpoint_every
+    pending = []
+    last_loss, diverged = sweep_report.read_history(
+        pdir / "metrics.jsonl", program
+    )  # (after the trim to `start`)
+    bar = workdir_lib.progress_bar(lead, total, start, f"sweep p{program.index} ({K} members)")
+    step, last_eval = start, None
+    with jax.set_mesh(mesh), workdir_lib.preemption_flag() as preempted:
+        for step in range(start + 1, total + 1):
+            state, metrics = step_fn(state, batch_at(step))
+            pending.append((step, metrics))
+            stopping = preempted() or step == stop_after
+            checkpoint_now = step % ckpt_every == 0 or step == total or stopping
+            if step % log_every == 0 or checkpoint_now:
+                last_loss = sweep_report.flush_metrics(
+                    pending, metrics_file, program, diverged, last_loss, bar
+                )
+                pending = []
+            if (eval_every and step % eval_every == 0) or step == total:
+                last_eval = run_eval(step)
+            if checkpoint_now:
+                ckpt.save(
+                    step,
+                    state,
+                    {
+                        "step": step,
+                        "corpus": corpus.name,
+                        "corpus_sha256": corpus.sha256,
+                        "members": [m.overrides for m in program.members],
+                    },
+                )
+            if stopping:
+                workdir_lib.say(
+                    lead,
+                    f"sweep stopped at step {step} of program {program.index}: checkpoint saved; "
+                    "rerun the same command to resume",
+                )
+                break
+        if bar is not None:
+            bar.close()
+        ckpt.close()
+    if metrics_file:
+        metrics_file.close()
+    if step != total:
+        return None
+    if last_eval is None or start == total:
+        with jax.set_mesh(mesh):
+            last_eval = run_eval(total)
+    extrapolation = (
+        _extrapolate(program, state, graphdef, corpus, lengths, loss_at_lengths, config)
+        if lengths
+        else None
+    )
+    records = []
+    for k, member in enumerate(program.members):
+        records.append(
+            {
+                "member": member.index,
+                "program": program.index,
+                "overrides": member.overrides,
+                "swept": {
+                    key: member.overrides[key] for key in (*program.settings, *program.swept)
+                },
+                "final_step": total,
+                "final_train_loss": last_loss[k],
+                "diverged_at_step": diverged.get(member.index),
+                "eval_loss": sweep_report.finite(last_eval[k]),
+                **(
+                    {"eval_lengths": list(lengths), "loss_at_lengths": extrapolation[k]}
+                    if lengths
+                    else {}
+                ),
+            }
+        )
+    if lead:
+        done.write_text(json.dumps({"steps": total, "records": records}, indent=2) + "\n")
+    return records
+
+
+def _abstract_member(program: sweep_config.Program):
+    """One member's abstract train state, after checking that every member's has the same layout.
+
+    A second guard behind `sweep_config.CONTINUOUS`: a swept key that changed shapes, dtypes or
+    the state's structure would make the members unstackable.
+    """
+    layouts = []
+    for member in program.members:
+        tx = steps.make_optimizer(steps.OptimConfig.from_config(member.config.train))
+        try:
+            abstract = jax.eval_shape(
+                functools.partial(steps.init_train_state, member.cfg, tx), jax.random.key(0)
+            )
+        except ValueError as e:  # e.g. a RoPE base the frequency function refuses
+            raise config_lib.ConfigError(
+                f"sweep member {member.index} ({member.overrides}): {e}"
+            ) from None
+        leaves, structure = jax.tree.flatten(abstract)
+        layouts.append((structure, [(x.shape, x.dtype) for x in leaves]))
+        if layouts[-1] != layouts[0]:
+            raise config_lib.ConfigError(
+                f"sweep member {member.index} ({member.overrides}) has a different state layout from member "
+                f"{program.members[0].index} of its program; the swept key changes shapes and belongs in "
+                "config.sweep.discrete"
+            )
+        if member is program.members[0]:
+            first = abstract
+    return first
+
+
+def _stacked(per_seed: dict[int, list[dict]], seeds: list[int]) -> list[dict]:
+    """Per-member eval batches, stacked: [K, B, T] each."""
+    count = len(per_seed[seeds[0]])
+    return [
+        {k: np.stack([per_seed[s][i][k] for s in seeds]) for k in per_seed[seeds[0]][i]}
+        for i in range(count)
+    ]
+
+
+def _extrapolate(program, state, graphdef, corpus, lengths, loss_at_lengths, config) -> list[list]:
+    """posattn.eval.lengths.loss_at_lengths for each member, on its own (unstacked) parameters."""
+    sweep = config.sweep
+    batch_size = int(sweep.get("eval_batch_size", 0) or program.members[0].config.train.batch_size)
+    max_tokens = int(sweep.get("eval_max_tokens", 0) or 16384)
+    host = jax.device_get(
+        {"params": state["members"]["params"], "constants": state["members"]["constants"]}
+    )
+    out = []
+    for k in range(len(program.members)):
+        params, constants = jax.tree.map(lambda x: x[k], (host["params"], host["constants"]))
+        values = loss_at_lengths(
+            graphdef,
+            params,
+            constants,
+            corpus.val,
+            lengths=list(lengths),
+            max_tokens=max_tokens,
+            batch_size=batch_size,
+        )
+        out.append([None if v is None else sweep_report.finite(v) for v in values])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        path, overrides, workdir = config_lib.config_and_workdir(argv, "posattn.sweep")
+        config = config_lib.load_config(path, overrides)
+        records = run_sweep(config, workdir, cli_overrides=overrides, config_path=path)
+    except (config_lib.ConfigError, data_lib.DataError, workdir_lib.WorkdirBusyError) as e:
+        print(f"posattn.sweep: error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, (config_lib.ConfigError, data_lib.DataError)) else 1
+    print(f"posattn.sweep: {len(records)} members done; see {pathlib.Path(workdir) / 'sweep.md'}")
+    return 0

@@ -1,0 +1,117 @@
+"""Meshes and shardings: data parallel on `data`, parameters optionally sharded on `fsdp`.
+
+The same code runs on one device, on N simulated CPU devices
+(`XLA_FLAGS=--xla_force_host_platform_device_count=8`) and on a multi-host pod. The batch is split
+over every device (both mesh axes); with `fsdp > 1` each parameter is split along its largest axis
+that the fsdp axis divides (others stay replicated), ZeRO-3 style: XLA gathers them for compute.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+__all__ = [
+    "batch_sharding",
+    "global_batch",
+    "make_mesh",
+    "maybe_initialize_distributed",
+    "state_shardings",
+]
+
+_log = logging.getLogger(__name__)
+
+
+def maybe_initialize_distributed(force: bool = False) -> None:
+    """Joins a multi-process run when the environment says so (or `force`), before any JAX work.
+
+    `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID` (e.g. 127.0.0.1:1234, 2, 0)
+    start an explicit cluster (on CPU with gloo collectives); `force` calls
+    `jax.distributed.initialize()` with no arguments, which detects TPU pods and SLURM/MPI jobs.
+    """
+    address = os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if not (address or force) or jax.distributed.is_initialized():
+        return
+    if address:
+        if os.environ.get("JAX_PLATFORMS", "").startswith("cpu") or not _has_accelerator_hint():
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator_address=address,
+            num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+            process_id=int(os.environ["JAX_PROCESS_ID"]),
+        )
+    else:
+        jax.distributed.initialize()
+    _log.info(
+        "process %d of %d, %d global devices",
+        jax.process_index(),
+        jax.process_count(),
+        jax.device_count(),
+    )
+
+
+def _has_accelerator_hint() -> bool:
+    return any(os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "TPU_NAME", "TPU_WORKER_ID"))
+
+
+def make_mesh(fsdp: int = 1) -> Mesh:
+    """A (data, fsdp) mesh over every device; `fsdp` must divide the device count."""
+    n = jax.device_count()
+    if fsdp < 1 or n % fsdp:
+        raise ValueError(f"config.train.fsdp={fsdp} must divide the number of devices ({n})")
+    return jax.make_mesh(
+        (n // fsdp, fsdp), ("data", "fsdp"), axis_types=(AxisType.Auto, AxisType.Auto)
+    )
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Batch rows split over every device of the mesh."""
+    return NamedSharding(mesh, P(("data", "fsdp")))
+
+
+def _param_spec(shape: tuple[int, ...], fsdp: int) -> P:
+    if fsdp == 1 or not shape:
+        return P()
+    candidates = [(size, axis) for axis, size in enumerate(shape) if size % fsdp == 0]
+    if not candidates:
+        return P()
+    _, axis = max(candidates)
+    spec = [None] * len(shape)
+    spec[axis] = "fsdp"
+    return P(*spec)
+
+
+def state_shardings(mesh: Mesh, abstract_state, *, leading_axis: str | None = None):
+    """NamedShardings for a train state: fsdp-split parameters and optimiser moments, the rest replicated.
+
+    Args:
+      mesh: the (data, fsdp) mesh (or one with a leading `sweep` axis).
+      abstract_state: a pytree of arrays or ShapeDtypeStructs.
+      leading_axis: shard every array's first dimension on this mesh axis (a vmap sweep's members).
+    """
+    fsdp = mesh.shape.get("fsdp", 1)
+
+    def spec(x):
+        shape = tuple(x.shape)
+        if leading_axis is not None and shape:
+            inner = _param_spec(shape[1:], fsdp)
+            return NamedSharding(mesh, P(leading_axis, *inner))
+        return NamedSharding(mesh, _param_spec(shape, fsdp))
+
+    return jax.tree.map(spec, abstract_state)
+
+
+def global_batch(
+    local: dict[str, np.ndarray], sharding: NamedSharding, global_rows: int
+) -> dict[str, jax.Array]:
+    """Assembles each process's rows into global arrays split over the mesh."""
+
+    def make(x):
+        return jax.make_array_from_process_local_data(sharding, x, (global_rows, *x.shape[1:]))
+
+    return {k: make(v) for k, v in local.items()}

@@ -1,0 +1,168 @@
+"""Pure training and evaluation steps on pytrees (jit and vmap them from outside).
+
+The train state is a plain dict of pytrees:
+  params     nnx.State of `nnx.Param`s (what the optimiser updates)
+  constants  nnx.State of the model's fixed arrays (RoPE frequencies, ALiBi slopes)
+  opt_state  the optax state (its `hyperparams` hold the peak learning rate etc. as arrays, so a
+             sweep can give each member its own values)
+  step       int32, the number of updates applied
+The model's structure (`graphdef`) is static and passed separately.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from posattn.config import ModelConfig
+from posattn.nn.model import TransformerLM, cross_entropy
+
+__all__ = [
+    "OptimConfig",
+    "eval_step",
+    "init_model",
+    "init_train_state",
+    "loss_fn",
+    "make_optimizer",
+    "project_bounds",
+    "train_step",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warmup and cosine decay to `min_lr_ratio * learning_rate`, clipped grads."""
+
+    learning_rate: float = 1e-3
+    total_steps: int = 1000
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    b1: float = 0.9
+    b2: float = 0.95
+
+    @classmethod
+    def from_config(cls, train) -> OptimConfig:
+        fields = {f.name for f in dataclasses.fields(cls)} - {"total_steps"}
+        return cls(total_steps=int(train.steps), **{k: train[k] for k in fields if k in train})
+
+
+def lr_shape(o: OptimConfig):
+    """The schedule's shape in [0, 1]: linear warmup, then cosine down to `min_lr_ratio`."""
+
+    def shape(count):
+        count = jnp.asarray(count, jnp.float32)
+        warm = (count + 1.0) / max(o.warmup_steps, 1)
+        progress = jnp.clip(
+            (count - o.warmup_steps) / max(o.total_steps - o.warmup_steps, 1), 0.0, 1.0
+        )
+        cosine = o.min_lr_ratio + (1.0 - o.min_lr_ratio) * 0.5 * (1.0 + jnp.cos(math.pi * progress))
+        return jnp.where(count < o.warmup_steps, warm, cosine)
+
+    return shape
+
+
+def _decay_mask(params):
+    # Decay matrices only (not norms' scales, bias-family scalars or the T5 table's ... vectors).
+    return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def make_optimizer(o: OptimConfig) -> optax.GradientTransformation:
+    """Clip, AdamW with injected (array-valued, sweepable) hyperparameters, then the schedule."""
+    return optax.chain(
+        optax.clip_by_global_norm(o.grad_clip),
+        # `mask` must be static: inject_hyperparams would otherwise call it as a schedule and
+        # store its result (False), silently switching weight decay off.
+        optax.inject_hyperparams(optax.adamw, static_args="mask")(
+            learning_rate=o.learning_rate,
+            b1=o.b1,
+            b2=o.b2,
+            weight_decay=o.weight_decay,
+            mask=_decay_mask,
+        ),
+        optax.scale_by_schedule(lr_shape(o)),
+    )
+
+
+def project_bounds(params: nnx.State) -> nnx.State:
+    """Clamps every parameter declared with `bounds=(low, high)` into its range.
+
+    The Kerple reference clamps its parameters' data in place before each use (>= 0.01, and the
+    power exponent <= 2); applying the same projection after every optimiser step is equivalent.
+    """
+
+    def clamp(v):
+        bounds = v.get_metadata().get("bounds") if isinstance(v, nnx.Variable) else None
+        if bounds is None:
+            return v
+        return v.replace(jnp.clip(v[...], bounds[0], bounds[1]))
+
+    return jax.tree.map(clamp, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def init_model(cfg: ModelConfig, key: jax.Array) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """(graphdef, params, constants) of a freshly initialised model."""
+    model = TransformerLM(cfg, rngs=nnx.Rngs(params=key))
+    graphdef, params, constants = nnx.split(model, nnx.Param, ...)
+    return graphdef, project_bounds(params), constants
+
+
+def init_train_state(
+    cfg: ModelConfig, tx: optax.GradientTransformation, key: jax.Array
+) -> dict[str, Any]:
+    _, params, constants = init_model(cfg, key)
+    return {
+        "params": params,
+        "constants": constants,
+        "opt_state": tx.init(params),
+        "step": jnp.zeros((), jnp.int32),
+    }
+
+
+def loss_fn(params, constants, graphdef, batch) -> jax.Array:
+    model = nnx.merge(graphdef, params, constants)
+    logits = model(batch["inputs"])  # (B, T, V)
+    return cross_entropy(logits, batch["targets"], batch.get("weights"))
+
+
+def _global_norm(tree) -> jax.Array:
+    return optax.tree.norm(tree)
+
+
+def train_step(graphdef, optim: OptimConfig, state: dict, batch: dict) -> tuple[dict, dict]:
+    """One optimiser update; returns the new state and this step's metrics (`loss` is pre-update)."""
+    tx = make_optimizer(optim)
+    loss, grads = jax.value_and_grad(loss_fn)(state["params"], state["constants"], graphdef, batch)
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    params = project_bounds(optax.apply_updates(state["params"], updates))
+    peak = opt_state[1].hyperparams["learning_rate"]
+    metrics = {
+        "loss": loss,
+        "grad_norm": _global_norm(grads),
+        "param_norm": _global_norm(params),
+        "learning_rate": peak * lr_shape(optim)(state["step"]),
+    }
+    new_state = {
+        "params": params,
+        "constants": state["constants"],
+        "opt_state": opt_state,
+        "step": state["step"] + 1,
+    }
+    return new_state, metrics
+
+
+def eval_step(graphdef, params, constants, batch) -> tuple[jax.Array, jax.Array]:
+    """(sum of target NLL in nats, number of targets) of one batch, for exact averaging."""
+    model = nnx.merge(graphdef, params, constants)
+    logits = model(batch["inputs"])  # (B, T, V)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]  # (B, T)
+    weights = batch.get("weights", jnp.ones_like(nll))
+    return jnp.sum(nll * weights), jnp.sum(weights)

@@ -1,0 +1,266 @@
+"""The attention core: the reference against a loop-by-loop NumPy oracle, "xla" against the
+reference, validation errors, dtype rules and the "auto" rule. ("chunked" and "blockwise" against
+the reference, gradients included: tests/test_blockwise.py.)"""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from posattn import attention as attn_lib
+from posattn.attention import attention
+
+B, T, S, N, K, H = 2, 5, 7, 4, 2, 8
+
+
+def _inputs(seed=0, T=T, S=S, N=N, K=K, dtype=jnp.float32):
+    kq, kk, kv, kb = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(kq, (B, T, N, H), dtype)
+    k = jax.random.normal(kk, (B, S, K, H), dtype)
+    v = jax.random.normal(kv, (B, S, K, H), dtype)
+    bias = jax.random.normal(kb, (N, T, S))
+    return q, k, v, bias
+
+
+def alibi_like(slopes, q_pos, k_pos):
+    """-slope * (i - j): float32[N, t, s]."""
+    return -slopes[:, None, None] * (q_pos[:, None] - k_pos[None, :]).astype(jnp.float32)
+
+
+SLOPES = jnp.array([0.5, 0.25, 0.125, 0.0625])
+
+
+def numpy_attention(q, k, v, *, bias, causal, q_offset, kv_lengths, scale):
+    """Loop over every (batch, head, query): the textbook definition, in float64."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    b_, t_, n_, h_ = q.shape
+    s_, k_heads = k.shape[1], k.shape[2]
+    offsets = np.broadcast_to(np.asarray(q_offset), (b_,))
+    out = np.zeros_like(q)
+    for b in range(b_):
+        for n in range(n_):
+            kh = n // (n_ // k_heads)  # query head n reads key/value head n // G
+            for t in range(t_):
+                i = offsets[b] + t
+                logits = scale * k[b, :, kh] @ q[b, t, n]
+                if bias is not None:
+                    logits = logits + bias(b, n, t, i)
+                visible = np.ones(s_, bool)
+                if causal:
+                    visible &= np.arange(s_) <= i
+                if kv_lengths is not None:
+                    visible &= np.arange(s_) < kv_lengths[b]
+                if not visible.any():
+                    continue  # a row with no visible key is zero
+                w = np.exp(logits[visible] - logits[visible].max())
+                out[b, t, n] = (w / w.sum()) @ v[b, visible, kh]
+    return out
+
+
+CASES = {
+    "plain": dict(),
+    "causal": dict(causal=True),
+    "causal_offset": dict(causal=True, q_offset=2),
+    "causal_per_batch_offset": dict(causal=True, q_offset=np.array([0, 3])),
+    "padding": dict(kv_lengths=np.array([7, 4])),
+    "fully_masked_rows": dict(causal=True, q_offset=np.array([-2, 1]), kv_lengths=np.array([0, 5])),
+}
+
+
+@pytest.mark.parametrize("bias_kind", ["none", "array", "fn"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_reference_matches_numpy_loops(case, bias_kind):
+    q, k, v, bias = _inputs()
+    kw = CASES[case]
+    np_bias = None
+    if bias_kind == "array":
+        np_bias = lambda b, n, t, i: np.asarray(bias)[n, t]
+        arg = bias
+    elif bias_kind == "fn":
+        np_bias = lambda b, n, t, i: -float(SLOPES[n]) * (i - np.arange(S))
+        arg = (alibi_like, SLOPES)
+    else:
+        arg = None
+    got = attention(q, k, v, bias=arg, implementation="reference", **kw)
+    want = numpy_attention(
+        q,
+        k,
+        v,
+        bias=np_bias,
+        causal=kw.get("causal", False),
+        q_offset=kw.get("q_offset", 0),
+        kv_lengths=kw.get("kv_lengths"),
+        scale=1 / np.sqrt(H),
+    )
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bias_kind", ["none", "array", "fn"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_xla_matches_reference(case, bias_kind):
+    q, k, v, bias = _inputs(1)
+    arg = {"none": None, "array": bias, "fn": (alibi_like, SLOPES)}[bias_kind]
+    kw = CASES[case]
+    want = attention(q, k, v, bias=arg, implementation="reference", **kw)
+    got = attention(q, k, v, bias=arg, implementation="xla", **kw)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "chunked"])
+def test_fully_masked_rows_are_zero_and_gradients_finite(impl):
+    q, k, v, _ = _inputs()
+    kw = dict(causal=True, q_offset=np.array([-3, 0]), kv_lengths=np.array([7, 0]))
+    out = attention(q, k, v, bias=(alibi_like, SLOPES), implementation=impl, **kw)
+    np.testing.assert_array_equal(out[0, :3], 0.0)  # positions -3..-1 see no key
+    np.testing.assert_array_equal(out[1], 0.0)  # no valid key at all
+    grads = jax.grad(
+        lambda q, k, v, s: attention(
+            q, k, v, bias=(alibi_like, s), implementation=impl, **kw
+        ).sum(),
+        argnums=(0, 1, 2, 3),
+    )(q, k, v, SLOPES)
+    assert all(bool(jnp.isfinite(g).all()) for g in grads)
+
+
+def test_per_batch_offset_equals_rows_run_separately():
+    """A per-row q_offset evaluates the bias at each row's own positions (KV-cache decoding)."""
+    q, k, v, _ = _inputs(2)
+    offsets = np.array([0, 2])
+    both = attention(
+        q,
+        k,
+        v,
+        bias=(alibi_like, SLOPES),
+        causal=True,
+        q_offset=offsets,
+        implementation="reference",
+    )
+    for b in range(B):
+        row = attention(
+            q[b : b + 1],
+            k[b : b + 1],
+            v[b : b + 1],
+            bias=(alibi_like, SLOPES),
+            causal=True,
+            q_offset=int(offsets[b]),
+            implementation="reference",
+        )
+        np.testing.assert_allclose(both[b : b + 1], row, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "chunked"])
+def test_bfloat16_keeps_dtype_and_softmax_runs_in_float32(impl):
+    q, k, v, bias = _inputs(3, dtype=jnp.bfloat16)
+    out = attention(q, k, v, bias=bias, causal=True, implementation=impl)
+    assert out.dtype == jnp.bfloat16
+    want = attention(
+        *(x.astype(jnp.float32) for x in (q, k, v)),
+        bias=bias,
+        causal=True,
+        implementation="reference",
+    )
+    np.testing.assert_allclose(out.astype(jnp.float32), want, atol=3e-2, rtol=3e-2)
+
+
+def test_scale_default_and_t5_scale():
+    q, k, v, _ = _inputs(4)
+    default = attention(q, k, v, implementation="reference")
+    explicit = attention(q, k, v, scale=1 / np.sqrt(H), implementation="reference")
+    np.testing.assert_allclose(default, explicit, rtol=1e-6)
+    unscaled = attention(q / np.sqrt(H), k, v, scale=1.0, implementation="reference")
+    np.testing.assert_allclose(unscaled, default, rtol=1e-5, atol=1e-6)
+
+
+def test_jit_with_traced_offset_and_vmap():
+    q, k, v, _ = _inputs(5)
+    f = jax.jit(
+        lambda q, k, v, off: attention(
+            q, k, v, bias=(alibi_like, SLOPES), causal=True, q_offset=off, implementation="xla"
+        )
+    )
+    np.testing.assert_allclose(
+        f(q, k, v, jnp.int32(2)),
+        attention(
+            q, k, v, bias=(alibi_like, SLOPES), causal=True, q_offset=2, implementation="reference"
+        ),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    stacked = jax.vmap(lambda q, k, v: attention(q, k, v, causal=True, implementation="reference"))(
+        q[None].repeat(3, 0), k[None].repeat(3, 0), v[None].repeat(3, 0)
+    )
+    np.testing.assert_allclose(
+        stacked[1], attention(q, k, v, causal=True, implementation="reference"), rtol=1e-6
+    )
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(q=jnp.zeros((B, T, N))), "q must be 4-D"),
+        (dict(k=jnp.zeros((B, S, K, H + 1)), v=jnp.zeros((B, S, K, H + 1))), "head dim"),
+        (dict(k=jnp.zeros((B, S, 3, H)), v=jnp.zeros((B, S, 3, H))), "multiple of key/value heads"),
+        (dict(v=jnp.zeros((B, S + 1, K, H))), "same shape"),
+        (dict(k=jnp.zeros((B + 1, S, K, H)), v=jnp.zeros((B + 1, S, K, H))), "batch size"),
+        (dict(bias=jnp.zeros((N, T, S + 1))), r"\[N, T, S\]"),
+        (dict(bias=(jnp.zeros(3), None)), r"\(BiasFn, params\)"),
+        (dict(q_offset=jnp.zeros((B + 1,), jnp.int32)), "q_offset"),
+        (dict(kv_lengths=jnp.zeros((B, 1), jnp.int32)), "kv_lengths"),
+        (dict(implementation="flash"), "allowed: auto, reference, xla, chunked, blockwise"),
+    ],
+)
+def test_invalid_inputs_raise_clear_errors(bad, message):
+    q, k, v, _ = _inputs()
+    args = dict(q=q, k=k, v=v, implementation="reference")
+    args.update(bad)
+    with pytest.raises(ValueError, match=message):
+        attention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+
+
+def test_auto_rule_and_logged_once(caplog):
+    spec = lambda B, T: jax.ShapeDtypeStruct((B, T, 8, 64), jnp.float32)
+    small, big = spec(1, 128), spec(1, 4096)
+    assert attn_lib.choose_implementation(small, small, None) == "chunked"
+    assert attn_lib.choose_implementation(big, big, None) == "blockwise"
+    # One head's logits reach 1Mi at T = S = 1024, whatever the batch: blockwise from there.
+    assert attn_lib.choose_implementation(spec(64, 1023), spec(64, 1023), None) == "chunked"
+    assert attn_lib.choose_implementation(spec(1, 1024), spec(1, 1024), None) == "blockwise"
+    # Per-row positions or lengths: "chunked" materialises [B, N, T, S], so the batch counts too.
+    assert (
+        attn_lib.choose_implementation(spec(3, 512), spec(3, 512), None, per_row=True) == "chunked"
+    )
+    assert (
+        attn_lib.choose_implementation(spec(4, 512), spec(4, 512), None, per_row=True)
+        == "blockwise"
+    )
+    decode_q, cache = (
+        spec(64, 1),
+        spec(64, 16384),
+    )  # one token per row over a 16k cache: 8 Mi logits
+    assert attn_lib.choose_implementation(decode_q, cache, None, per_row=True) == "blockwise"
+    fn_bias = (alibi_like, SLOPES)
+    attn_lib._logged_choices.clear()
+    with caplog.at_level(logging.INFO, logger="posattn.attention"):
+        for _ in range(3):
+            attn_lib.choose_implementation(big, big, fn_bias)
+    assert sum("implementation='auto'" in r.getMessage() for r in caplog.records) == 1
+    # "auto" returns what the chosen implementation returns.
+    q, k, v, _ = _inputs(6)
+    np.testing.assert_allclose(
+        attention(q, k, v, causal=True),
+        attention(q, k, v, causal=True, implementation="reference"),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "chunked", "blockwise"])
+def test_nope_is_permutation_equivariant(impl):
+    """SPEC §1: with no position signal and no mask, permuting the tokens permutes the output."""
+    q, k, v, _ = _inputs(7, T=S)
+    perm = np.random.default_rng(0).permutation(S)
+    out = attention(q, k, v, implementation=impl)
+    permuted = attention(q[:, perm], k[:, perm], v[:, perm], implementation=impl)
+    np.testing.assert_allclose(permuted, out[:, perm], rtol=1e-5, atol=1e-6)

@@ -1,0 +1,274 @@
+"""The length-extrapolation experiment: probes, evaluation functions, passkey mixing, and one
+minute-sized end-to-end run checking the files and their schema (the science is the record's job:
+experiments/README.md)."""
+
+import importlib.util
+import json
+
+import jax
+import numpy as np
+import pytest
+from conftest import ROOT, small_config
+
+from posattn import config as config_lib
+from posattn.eval import lengths as evaluate
+from posattn.eval import probes
+from posattn.train import data, steps
+
+# ----------------------------------------------------------------------------------------------
+# Probes.
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.3, 1.0])
+def test_passkey_sample_layout(depth):
+    sample = probes.passkey_sample(np.random.default_rng(3), length=80, depth=depth, digits=5)
+    text = sample.tokens.tobytes()
+    assert len(text) == 80 and text.count(probes.NEEDLE_PREFIX) == 2
+    key = text[sample.answer]
+    assert key.isdigit() and len(key) == 5 and text.endswith(probes.NEEDLE_PREFIX + key)
+    assert text[sample.needle_at :].startswith(probes.NEEDLE_PREFIX + key + b". ")
+    assert sum(c.isdigit() for c in text.decode()) == 10  # the filler holds no digit
+    filler = 80 - 2 * (len(probes.NEEDLE_PREFIX) + 5) - 2
+    assert sample.needle_at == round(depth * filler)
+
+
+def test_passkey_scoring_is_exact_match():
+    sample = probes.passkey_sample(np.random.default_rng(0), length=64, depth=0.5)
+    perfect = sample.tokens[1:].astype(np.int32)  # predictions[t] = tokens[t + 1]
+    assert probes.score_passkey(sample, perfect)
+    wrong = perfect.copy()
+    wrong[sample.answer.stop - 2] = ord("x")  # the last digit is predicted at position n - 2
+    assert not probes.score_passkey(sample, wrong)
+    with pytest.raises(ValueError, match="length >= 28"):
+        probes.passkey_sample(np.random.default_rng(0), length=27, depth=0.5)
+
+
+def test_copy_sample_and_score():
+    background = np.frombuffer(b"x = 1\n" * 20, np.uint8)
+    sample = probes.copy_sample(np.random.default_rng(1), background, segment=10)
+    tokens = sample.tokens
+    assert tokens.size == background.size
+    assert np.array_equal(tokens[sample.source], tokens[sample.repeat])
+    assert tokens[sample.repeat].tobytes().isalpha()
+    assert probes.score_copy(sample, tokens[1:]) == (9, 9)
+    assert probes.score_copy(sample, np.zeros(tokens.size - 1, np.int32)) == (0, 9)
+
+
+# ----------------------------------------------------------------------------------------------
+# Passkey rows in training batches.
+
+
+def test_passkey_mixing_is_pure_and_split_by_process():
+    corpus = data.load_corpus("stdlib")
+    kw = dict(seed=7, step=11, batch_size=8, seq_len=48)
+    plain = data.train_batch(corpus, **kw)
+    assert all(
+        np.array_equal(plain[k], data.train_batch(corpus, **kw, passkey_fraction=0.0)[k])
+        for k in plain
+    )
+    mixed = data.train_batch(corpus, **kw, passkey_fraction=0.5)
+    again = data.train_batch(corpus, **kw, passkey_fraction=0.5)
+    assert np.array_equal(mixed["inputs"], again["inputs"])
+    halves = [
+        data.train_batch(corpus, **kw, passkey_fraction=0.5, process_index=i, process_count=2)
+        for i in (0, 1)
+    ]
+    assert np.array_equal(np.concatenate([h["inputs"] for h in halves]), mixed["inputs"])
+    changed = [not np.array_equal(a, b) for a, b in zip(mixed["inputs"], plain["inputs"])]
+    assert 0 < sum(changed) < 8
+    for row, was_changed in zip(mixed["inputs"], changed):
+        assert (probes.NEEDLE_PREFIX in row.astype(np.uint8).tobytes()) == was_changed
+    every = data.train_batch(corpus, **kw, passkey_fraction=1.0)
+    for inputs, targets in zip(every["inputs"], every["targets"]):
+        text = np.concatenate([inputs, targets[-1:]]).astype(np.uint8).tobytes()
+        key = text.rsplit(b"=", 1)[1]
+        assert (
+            text.count(probes.NEEDLE_PREFIX) == 2
+            and key.isdigit()
+            and 1 <= len(key) <= probes.TRAIN_DIGITS
+        )
+        assert probes.NEEDLE_PREFIX + key + b". " in text
+    with pytest.raises(data.DataError, match="passkey_fraction"):
+        data.train_batch(corpus, **kw, passkey_fraction=1.5)
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation functions.
+
+
+def _model(position, **overrides):
+    config = small_config(model__position=position, model__max_len=32, **overrides)
+    cfg = config_lib.validate(config)
+    return cfg, *steps.init_model(cfg, jax.random.key(0))
+
+
+def test_loss_matches_eval_step_and_learned_is_null_past_its_table():
+    tokens = data.load_corpus("stdlib").val[:5000]
+    cfg, graphdef, params, constants = _model("learned")
+    losses = evaluate.loss_at_lengths(
+        graphdef, params, constants, tokens, lengths=[16, 32, 64], max_tokens=256, batch_size=3
+    )
+    assert losses[2] is None and all(isinstance(x, float) for x in losses[:2])
+    windows = data.eval_windows(tokens, seq_len=32, max_windows=8)
+    nll, count = steps.eval_step(
+        graphdef, params, constants, {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
+    )
+    assert losses[1] == pytest.approx(float(nll / count), rel=1e-5)
+    grid = evaluate.passkey_accuracy(
+        graphdef,
+        params,
+        constants,
+        lengths=[32, 64],
+        depths=[0.0, 1.0],
+        samples=2,
+        digits=3,
+        seed=0,
+        batch_size=4,
+    )
+    assert grid.shape == (2, 2) and np.all(np.isfinite(grid[0])) and np.all(np.isnan(grid[1]))
+    assert (
+        evaluate.copy_accuracy(
+            graphdef,
+            params,
+            constants,
+            tokens,
+            lengths=[32, 64],
+            samples=2,
+            segment=4,
+            seed=0,
+            batch_size=4,
+        )[1]
+        is None
+    )
+
+
+def test_chunked_output_projection_is_exact():
+    _, graphdef, params, constants = _model("alibi")
+    tokens = np.asarray(data.load_corpus("stdlib").val[:200], np.int32)
+    inputs, targets = tokens[None, :-1], tokens[None, 1:]  # T = 199: not a multiple of the chunk
+    whole = evaluate.token_stats(graphdef, params, constants, inputs, targets, chunk=199)
+    chunked = evaluate.token_stats(graphdef, params, constants, inputs, targets, chunk=16)
+    np.testing.assert_allclose(chunked[0], whole[0], rtol=1e-5)
+    np.testing.assert_array_equal(chunked[1], whole[1])
+
+
+def test_rope_rows_change_only_the_frequencies():
+    cfg, graphdef, params, constants = _model("rope")
+    assert evaluate.rope_scaling_row("linear", train_len=32, eval_len=32) is None
+    scaling = evaluate.rope_scaling_row("linear", train_len=32, eval_len=128)
+    assert scaling == {"rope_type": "linear", "factor": 4.0, "original_max_position_embeddings": 32}
+    graphdef4, constants4 = evaluate.with_rope_scaling(cfg, scaling)
+    leaves, leaves4 = jax.tree.leaves(constants), jax.tree.leaves(constants4)
+    assert len(leaves) == len(leaves4) == 1
+    np.testing.assert_allclose(leaves4[0], leaves[0] / 4.0, rtol=1e-6)  # linear PI: theta / s
+    tokens = data.load_corpus("stdlib").val[:3000]
+    plain = evaluate.loss_at_lengths(
+        graphdef, params, constants, tokens, lengths=[128], max_tokens=256, batch_size=2
+    )
+    scaled = evaluate.loss_at_lengths(
+        graphdef4, params, constants4, tokens, lengths=[128], max_tokens=256, batch_size=2
+    )
+    assert plain[0] != scaled[0]
+    with pytest.raises(ValueError, match="RoPE"):
+        evaluate.with_rope_scaling(_model("alibi")[0], scaling)
+
+
+# ----------------------------------------------------------------------------------------------
+# End to end.
+
+
+def _experiment():
+    spec = importlib.util.spec_from_file_location(
+        "length_extrapolation", ROOT / "experiments" / "length_extrapolation.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+MINUTE = [
+    "--config.families=('learned','rope')",
+    "--config.rope_scalings=('yarn',)",
+    "--config.data.seq_len=32",
+    "--config.model.max_len=32",
+    "--config.model.d_model=32",
+    "--config.model.t5_max_distance=32",
+    "--config.train.steps=12",
+    "--config.train.warmup_steps=2",
+    "--config.train.checkpoint_every=12",
+    "--config.data.passkey_fraction=0.25",
+    "--config.eval.multiples=(1,2)",
+    "--config.eval.max_tokens=256",
+    "--config.eval.batch_size=4",
+    "--config.eval.per_position_bins=8",
+    "--config.passkey.samples=2",
+    "--config.passkey.depths=(0.0,1.0)",
+    "--config.copy.samples=2",
+    "--config.copy.segment=6",
+]
+
+
+def test_end_to_end_files_schema_and_rerun_skips(tmp_path, capsys):
+    experiment = _experiment()
+    assert experiment.main([*MINUTE, "--workdir", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["train_len"] == 32 and results["corpus"] == "stdlib"
+    assert set(results["families"]) == {"learned", "rope", "rope+yarn"}
+    for name, row in results["families"].items():
+        assert set(row) == {"eval_len", "loss", "passkey_acc"}
+        assert row["eval_len"] == [32, 64]
+        assert all(isinstance(x, float) and 0 < x < 10 for x in row["loss"] if x is not None)
+        assert len(row["passkey_acc"]) == 2
+    assert results["families"]["learned"]["loss"][1] is None  # past its table: no number
+    assert results["families"]["learned"]["passkey_acc"][1] is None
+    assert all(x is not None for x in results["families"]["rope"]["loss"])
+    assert (
+        results["families"]["rope+yarn"]["loss"][0] == results["families"]["rope"]["loss"][0]
+    )  # at L: plain
+    assert results["families"]["rope+yarn"]["loss"][1] != results["families"]["rope"]["loss"][1]
+    curve = results["per_position"]["curves"]["rope"]
+    assert 3 <= len(curve["loss"]) <= 8 and curve["position"] == sorted(curve["position"])
+    assert results["provenance"]["commit"] and results["config"]["data"]["seq_len"] == 32
+    md = (tmp_path / "results.md").read_text()
+    assert "| learned |" in md and "null" in md
+    for png in (
+        "loss_vs_length.png",
+        "per_position.png",
+        "passkey_heatmap.png",
+        "copy_vs_length.png",
+    ):
+        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+    metrics = (tmp_path / "rope" / "metrics.jsonl").read_text()
+
+    capsys.readouterr()
+    assert experiment.main([*MINUTE, "--workdir", str(tmp_path)]) == 0  # rerun: nothing retrained
+    assert (tmp_path / "rope" / "metrics.jsonl").read_text() == metrics
+    assert "resuming" not in capsys.readouterr().out
+    assert json.loads((tmp_path / "results.json").read_text())["families"] == results["families"]
+
+
+def test_bad_settings_fail_before_compute(tmp_path):
+    experiment = _experiment()
+    assert experiment.main(["--config.families=('rope','bogus')", "--workdir", str(tmp_path)]) == 2
+    assert experiment.main(["--config.passkey.digits=40", "--workdir", str(tmp_path)]) == 2
+    assert experiment.main(["--config.eval.attention_impl=flash", "--workdir", str(tmp_path)]) == 2
+    assert experiment.main(["--config.model.attention_impl=flash", "--workdir", str(tmp_path)]) == 2
+    assert not any(tmp_path.iterdir())
+
+
+def test_paper_config_builds_a_247m_class_model_for_every_family():
+    from flax import nnx
+
+    from posattn.nn.model import TransformerLM
+
+    experiment = _experiment()
+    config = config_lib.load_config(ROOT / "configs" / "extrapolation_paper.py")
+    experiment.check_experiment(config)
+    assert experiment.eval_lengths(config) == [512, 1012, 2012, 4012, 8512]
+    for family in config.families:
+        cfg = config_lib.validate(experiment.family_config(config, family))
+        model = nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(params=0)))  # no compute
+        count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        assert 245e6 < count < 260e6, (family, count)
+    long = config_lib.load_config(f"{ROOT / 'configs' / 'extrapolation_paper.py'}:1024")
+    assert long.data.seq_len == 1024 and experiment.eval_lengths(long)[-1] == 16 * 1024
