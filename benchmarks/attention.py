@@ -3,11 +3,12 @@
 Question: is `implementation="blockwise"` faster and linear in memory where it matters, and how
 close does it get to the machine's matmul throughput?
 
-Run (from the repository root; the full table takes ~15 minutes on 2 CPU cores):
-    .venv/bin/python benchmarks/attention.py --rss --repeats 5  # docs/attention.md, run 1
-    .venv/bin/python benchmarks/attention.py --lengths 1024     # one length, quick
-    .venv/bin/python benchmarks/attention.py --crossover     # measurement behind "auto"
-    .venv/bin/python benchmarks/attention.py --lengths 4096 --tiles 256x256 512x512  # tile sweep
+Run (from the repository root):
+    python benchmarks/attention.py --rss --repeats 5                 # docs/attention.md, run 1
+    python benchmarks/attention.py --lengths 4096 --repeats 7 --rss  # docs/attention.md, runs 2, 3
+    python benchmarks/attention.py --lengths 1024                    # one length, quick
+    python benchmarks/attention.py --crossover      # the rule before "chunked" (docs/attention.md)
+    python benchmarks/attention.py --lengths 4096 --repeats 5 --tiles 256x256 512x512  # tile sweep
 
 Setup: batch 1, 8 heads, head dim 64, float32, causal self-attention (T = S), ALiBi and T5
 biases from `posattn.positions` evaluated from positions. Implementations, all in one process:

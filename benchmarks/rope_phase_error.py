@@ -4,8 +4,8 @@ Question: how far are the float32 angles `rope_angles(p, theta)` (and the rotati
 applies) from p * theta mod 2 pi, with the float32 theta taken as exact, compared with the plain
 float32 product `p * theta` that Meta Llama and Hugging Face compute?
 
-Run (about a minute on 2 CPU cores):
-    .venv/bin/python benchmarks/rope_phase_error.py
+Run:
+    python benchmarks/rope_phase_error.py
 Results and their meaning: docs/rope.md, "Precision at long positions".
 """
 

@@ -1,18 +1,22 @@
 """Training throughput: step time and tokens/s of posattn's training step, per position family.
 
 Question: how fast does a model train on this CPU, where does the step's time go, and how does it
-compare with the PyTorch x-transformers library on the same shape (issue 3: at least 1.5x its
-tokens/s for a 4-layer, d_model 128 model at length 256)?
+compare with the PyTorch x-transformers library on the same shape (the goal, docs/benchmarks.md:
+at least 1.5x its tokens/s for a 4-layer, d_model 128 model at length 256)?
 
 Run (from the repository root):
-    .venv/bin/python benchmarks/train_throughput.py                  # tiny and small, every family
-    .venv/bin/python benchmarks/train_throughput.py --configs small --families rope alibi \
-        --xtransformers /work/refenv/bin/python --rounds 5           # the goal, side by side
+    python benchmarks/train_throughput.py --rounds 3                 # tiny and small, every family
+    python benchmarks/train_throughput.py --configs small --families rope alibi \
+        --xtransformers $REFENV/bin/python --rounds 3                # the goal, side by side
+    python benchmarks/train_throughput.py --crossover --rounds 3     # the rule behind "auto"
+    python benchmarks/train_throughput.py --pieces --rounds 3        # the pieces of "other"
+($REFENV: a separate virtual environment with torch and x-transformers; the numbers these print,
+with their machine: docs/benchmarks.md and docs/attention.md.)
 
 Configs (both built from configs/tiny.py through the command-line override path):
   tiny   configs/tiny.py as it is: d_model 64, 2 layers, 4 query / 2 key-value heads, T 64, batch 8.
   small  d_model 128, 4 layers, 4 / 4 heads (head dim 32), d_ff 512, T 256, batch 16 (4096
-         tokens per step): the issue's shape and benchmarks/xtransformers_baseline.py's defaults.
+         tokens per step): the goal's shape and benchmarks/xtransformers_baseline.py's defaults.
 
 The step is `posattn.train.steps.train_step` jitted with donated state, as `posattn.train` runs it
 (AdamW, clipping, bound projection, metrics), on `data.train_batch` batches of the stdlib corpus
