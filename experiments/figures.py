@@ -1,23 +1,23 @@
-"""The figures the seed texts describe, drawn from posattn's own functions.
+"""Standard figures of position encoding, drawn from posattn's own functions.
 
-Question: do the library's position functions reproduce what the seed texts show? Every number and
+Question: do the library's position functions reproduce the standard pictures
+(experiments/figures.md)? Every number and
 curve below comes from `posattn.rotary` (`apply_rope`, `rope_frequencies`, `rope_angles`,
 `rope_decay_bound`), `posattn.positions` (`t5_bucket`) or the family registry (`posattn.families`,
 which calls `positions.t5_bucket` and `positions.alibi_bias`); this script only picks inputs,
 arranges arrays and draws.
 
-  rope_2d_example   the Turkish seed's 2-D worked example (q = [1, 0.5], k = [0.8, 0.3], 0.5 rad
+  rope_2d_example   the 2-D worked example of docs/conventions.md (q = [1, 0.5], k = [0.8, 0.3], 0.5 rad
                     per position): PNG, plus the table as markdown and JSON.
-  rope_decay        RoFormer §3.4.3's relative upper bound against the offset for a few bases (the
-                    Dutch seed's "theoretical curve of the original author").
-  t5_buckets        T5 bucket of each offset, 32 buckets, max distance 1024 (Persian seed fig. 2.10).
-  t5_vs_alibi       T5 and ALiBi bias matrices as heat maps (Persian seed fig. 2.11).
-  rope_scaling      extrapolation vs interpolation for RoPE: plain, PI, NTK-aware, YaRN (fig. 2.9 in
-                    spirit).
+  rope_decay        RoFormer §3.4.3's relative upper bound against the offset for a few bases
+                    (RoFormer figure 2).
+  t5_buckets        T5 bucket of each offset, 32 buckets, max distance 1024.
+  t5_vs_alibi       T5 and ALiBi bias matrices as heat maps.
+  rope_scaling      extrapolation vs interpolation for RoPE: plain, PI, NTK-aware, YaRN.
   figure_data.json  the numbers experiments/figures.md quotes.
 
 Run (about 5 s of CPU time; the wall time is longer on a busy machine):
-    .venv/bin/python experiments/figures.py --outdir experiments/figures
+    python experiments/figures.py --outdir experiments/figures
 What each figure shows: experiments/figures.md.
 """
 
@@ -54,7 +54,7 @@ def _save(fig, path: pathlib.Path) -> pathlib.Path:
 
 
 # ----------------------------------------------------------------------------------------------
-# Turkish seed §03: one pair (H = 2), q = [1, 0.5], k = [0.8, 0.3], 0.5 rad per position. Pairs with
+# The worked example of docs/conventions.md (RoPE layouts and frequencies): one pair (H = 2), q = [1, 0.5], k = [0.8, 0.3], 0.5 rad per position. Pairs with
 # the same offset m - n give the same score, (m, n) and (n, m) do not.
 # ----------------------------------------------------------------------------------------------
 EXAMPLE_Q, EXAMPLE_K, EXAMPLE_THETA = (1.0, 0.5), (0.8, 0.3), 0.5
@@ -63,10 +63,12 @@ EXAMPLE_GRID = 16
 
 
 def rope_2d_scores(num_positions: int) -> np.ndarray:
-    """score[m, n] = <R(m) q, R(n) k> for the seed's q, k and angle, m, n in [0, num_positions)."""
+    """score[m, n] = <R(m) q, R(n) k> for the worked example's q, k and angle, m, n in [0, num_positions)."""
     # q and k as two "heads" of one (T, N=2, H=2) array, both rotated at every position.
     x = jnp.broadcast_to(jnp.array([EXAMPLE_Q, EXAMPLE_K], jnp.float32), (num_positions, 2, 2))
-    inv_freq = jnp.array([EXAMPLE_THETA], jnp.float32)  # F = 1: the seed's 0.5 rad per position
+    inv_freq = jnp.array(
+        [EXAMPLE_THETA], jnp.float32
+    )  # F = 1: the worked example's 0.5 rad per position
     rotated = np.asarray(
         jax.jit(rotary.apply_rope)(x, jnp.arange(num_positions), inv_freq), np.float64
     )
@@ -134,7 +136,7 @@ def _example(outdir: pathlib.Path) -> dict[str, pathlib.Path]:
 
 
 # ----------------------------------------------------------------------------------------------
-# RoFormer §3.4.3 long-term decay (Dutch seed), head dim 128 as in the paper's plot.
+# RoFormer §3.4.3 long-term decay, head dim 128 as in the paper's plot.
 # ----------------------------------------------------------------------------------------------
 DECAY_HEAD_DIM = 128
 DECAY_BASES = (500.0, 10000.0, 500000.0)
@@ -205,7 +207,7 @@ def _decay(outdir: pathlib.Path, data: dict) -> dict[str, pathlib.Path]:
 
 
 # ----------------------------------------------------------------------------------------------
-# T5 buckets (Persian seed fig. 2.10): 32 buckets, max distance 1024, causal (language modelling).
+# T5 buckets: 32 buckets, max distance 1024, causal (language modelling).
 # ----------------------------------------------------------------------------------------------
 T5_BUCKETS, T5_MAX_DISTANCE, T5_SPAN = 32, 1024, 4096
 _t5_bucket = jax.jit(
@@ -274,7 +276,7 @@ def _t5_buckets(outdir: pathlib.Path, data: dict) -> dict[str, pathlib.Path]:
 
 
 # ----------------------------------------------------------------------------------------------
-# T5 vs ALiBi bias (Persian seed fig. 2.11), through the registry: the biases the model adds.
+# T5 vs ALiBi bias, through the registry: the biases the model adds.
 # ----------------------------------------------------------------------------------------------
 HEATMAP_LEN, HEATMAP_HEADS = 64, 8
 

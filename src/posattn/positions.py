@@ -1,7 +1,7 @@
 """Absolute position embeddings and relative-bias families, as pure functions.
 
-Conventions (SPEC.md): `i` is the query position, `j` the key position, `offset = i - j` (positive
-when the key lies in the past). Shape letters (API.md): T query length, S key length, N heads,
+Conventions (docs/conventions.md): `i` is the query position, `j` the key position, `offset = i - j` (positive
+when the key lies in the past). Shape letters: T query length, S key length, N heads,
 D model dim, P rows of a learned table; `...` is any shape of offsets (usually `[T, S]`).
 
 Every bias function returns float32 `[N, ...]`, heads first, so that it adds onto logits
@@ -10,7 +10,7 @@ at trace time: mark them static under `jax.jit`. Array arguments (positions, off
 Kerple `r1`/`r2`, FIRE `c`/`L`) may be traced, batched with `jax.vmap` and differentiated.
 
 Each function names the reference code it reproduces; docs/families.md lists them with the tests
-that pin them (tests/test_positions.py) and every place we deviate from a paper or a seed text.
+that pin them (tests/test_positions.py) and every place we deviate from a paper.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def _heads_first(param, ndim: int) -> jax.Array:
 
 
 # --------------------------------------------------------------------------------------------
-# Absolute embeddings (SPEC §2, eq. 2.74: e_i = x_i + PE(i)).
+# Absolute embeddings (e_i = x_i + PE(i); docs/conventions.md).
 # --------------------------------------------------------------------------------------------
 
 
@@ -102,7 +102,7 @@ def learned_embedding(table, positions) -> jax.Array:
 
     JAX indexing silently clamps out-of-range indices (and `jnp.take(mode="fill")` still wraps
     negative ones), which would hand position P+5 the row of P-1. A learned table has nothing for
-    positions it was not trained on (SPEC §2), so:
+    positions it was not trained on (docs/conventions.md), so:
 
     * positions concrete (eager call, NumPy or committed array): any position outside `[0, P)`
       raises `ValueError` naming the table size, the offending position and the fix;
@@ -143,7 +143,7 @@ def learned_embedding(table, positions) -> jax.Array:
 
 
 # --------------------------------------------------------------------------------------------
-# T5 relative-position buckets (SPEC §3).
+# T5 relative-position buckets (Raffel et al. 2020; docs/conventions.md).
 # --------------------------------------------------------------------------------------------
 
 
@@ -177,8 +177,8 @@ def t5_bucket(
 ) -> jax.Array:
     """T5 relative-position bucket of each offset `i - j` (Raffel et al. 2020).
 
-    Follows mesh-tensorflow / t5x `_relative_position_bucket` (SPEC §3), not the seed's
-    `n_b + 1` wording. With `n = i - j` (the reference's `-relative_position`):
+    Follows mesh-tensorflow / t5x `_relative_position_bucket`, not the `n_b + 1` wording
+    of some textbook accounts. With `n = i - j` (the reference's `-relative_position`):
     bidirectional halves `num_buckets`, keys in the future (`n < 0`) take the upper half and
     `n = |n|`; causal uses `n = max(n, 0)` (future keys share bucket 0). Then `n < max_exact =
     buckets // 2` gets bucket `n`; larger `n` gets `max_exact + int(log(n / max_exact + eps) /
@@ -233,7 +233,7 @@ def _alibi_slopes_list(n: int) -> list[float]:
 def alibi_slopes(num_heads: int) -> jax.Array:
     """ALiBi head slopes `m_h = 2^(-8h/N)`, with the reference rule for any head count.
 
-    The Persian seed's `1/2^(8/k)` (eq. 2.84) is a misprint of `2^(-8k/n)`; we follow the
+    `1/2^(8/k)`, as some write-ups print it, is a misprint of `2^(-8k/n)`; we follow the
     reference code. For N = 6 the result is `[2^-2, 2^-4, 2^-6, 2^-8, 2^-1, 2^-3]`: not sorted.
 
     Args:
@@ -247,7 +247,7 @@ def alibi_slopes(num_heads: int) -> jax.Array:
 
 
 def alibi_bias(offset, slopes) -> jax.Array:
-    """ALiBi bias `-m_h * offset` (Press et al. 2022, eq. 2.82 of the seed).
+    """ALiBi bias `-m_h * offset` (Press et al. 2022).
 
     Causal use passes `offset = i - j`. The fairseq code adds `m_h * j` instead, which differs
     from this by `m_h * i`, a per-row constant that softmax ignores. Bidirectional use (no
@@ -269,7 +269,7 @@ def alibi_bias(offset, slopes) -> jax.Array:
 # Kerple (Chi et al. 2022).  Reference: chijames/KERPLE, megatron/mpu/layers.py,
 # `ParallelKerplePower.forward` (`-bias_a * diff**bias_p`) and `ParallelKerpleLog.forward`
 # (`-bias_p * log(1 + bias_a * diff)`); our r1 is their outer factor, r2 the inner one.
-# Keeping r1, r2 in range (clamp >= 0.01, r2 <= 2 for power) is the module's job (API.md).
+# Keeping r1, r2 in range (clamp >= 0.01, r2 <= 2 for power) is the module's job (docs/conventions.md).
 # --------------------------------------------------------------------------------------------
 
 

@@ -1,6 +1,6 @@
-"""experiments/figures.py: every file is written, and the numbers it shows are the seeds' numbers.
+"""experiments/figures.py: every file is written, and the numbers it shows are the worked example's.
 
-The worked example is the Turkish seed's (q = [1, 0.5], k = [0.8, 0.3], 0.5 rad per position):
+The worked example is docs/conventions.md's (q = [1, 0.5], k = [0.8, 0.3], 0.5 rad per position):
 pairs with the same offset m - n score alike, (0, 0) and (5, 5) give 0.95, (0, 2) and (7, 9) give
 0.597434, and +2 differs from -2.
 """
@@ -49,7 +49,7 @@ def test_every_file_is_written_small_and_inside_outdir(written):
             assert path.stat().st_size < 200_000, f"{name}: {path.stat().st_size} bytes"
 
 
-def test_worked_example_table_has_the_seed_numbers(written):
+def test_worked_example_table_has_its_published_numbers(written):
     _, paths = written
     table = json.loads(pathlib.Path(paths["rope_2d_example_json"]).read_text())
     score = {(r["m"], r["n"]): r["score"] for r in table["rows"]}
