@@ -18,7 +18,10 @@ explicit list of programs instead of `discrete`:
     )
 
 Only keys that change array values, never shapes or the traced program, may be continuous
-(`CONTINUOUS`); everything else (family, depth, heads, seq_len, rope_scaling, ...) is discrete.
+(`CONTINUOUS`: the optimiser's injected hyperparameters and the seed, plus the `model.*` keys whose
+settings field says why it may be, in `posattn.nn.config.ModelConfig` or a family's settings);
+everything else (family, depth, heads, seq_len, rope_scaling, ...) is discrete. A family may make
+one of its continuous keys static for some of its settings (a RoPE base under dynamic NTK).
 Each member's config is built from the same `key=value` strings a single run's command line
 would carry, and validated in full, before the first step of the first program.
 """
@@ -35,6 +38,7 @@ from typing import Any
 import ml_collections
 
 from posattn import config as config_lib
+from posattn.nn import config as model_lib
 
 __all__ = ["CONTINUOUS", "Member", "Program", "format_override", "plan"]
 
@@ -45,10 +49,7 @@ CONTINUOUS = {
     "train.weight_decay": "optax.inject_hyperparams: an array in opt_state",
     "train.b1": "optax.inject_hyperparams: an array in opt_state",
     "train.b2": "optax.inject_hyperparams: an array in opt_state",
-    "model.rope_base": "the RoPE inverse frequencies, a Constant in the state",
-    "model.alibi_slope_scale": "the ALiBi slopes, a Constant in the state",
-    "model.init_scale": "the initial parameter values only",
-    "model.fire_init_c": "the initial value of FIRE's learned c",
+    **{f"model.{key}": why for key, why in model_lib.continuous_keys().items()},
 }
 
 _SWEEP_KEYS = {
@@ -176,19 +177,22 @@ def _check_continuous(
                 f"traced program (e.g. rope_scaling's type), so move it to config.sweep.discrete (one "
                 "program per value)"
             )
-    if "model.rope_base" in keys:
-        scaling = _plain(settings.get("model.rope_scaling", config.model.get("rope_scaling")))
-        if isinstance(scaling, str):
-            scaling = config_lib.parse_value(scaling)
-        kind = (
-            scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, Mapping) else None
+    model_keys = [k.removeprefix("model.") for k in keys if k.startswith("model.")]
+    if not model_keys:
+        return
+    # The program's family may make a key static for its settings (its members share them).
+    strings = [format_override(k, v) for k, v in settings.items()]
+    try:
+        cfg = config_lib.model_config(config_lib.apply_overrides(config, strings))
+    except config_lib.ConfigError:
+        return  # the members' own validation names the problem
+    static = {k: why for k, why in cfg.settings.not_continuous().items() if k in model_keys}
+    for key, why in static.items():
+        raise config_lib.ConfigError(
+            f"config.{where}.model.{key} cannot be continuous for model.position="
+            f"{cfg.position!r} with these settings: {why}; sweep it in config.sweep.discrete "
+            "instead (one program per value)"
         )
-        if kind == "dynamic":
-            raise config_lib.ConfigError(
-                f"config.{where}.model.rope_base cannot be continuous with rope_scaling type 'dynamic': dynamic "
-                "NTK recomputes the frequencies from the base inside the program; sweep the base in "
-                "config.sweep.discrete instead"
-            )
 
 
 def _programs(config: ml_collections.ConfigDict) -> list[tuple[dict[str, Any], dict[str, tuple]]]:
