@@ -26,13 +26,9 @@ positions (nothing past L), T5's log buckets end at max_distance = L (every buck
 the paper's 128 at L = 512), FIRE's threshold starts at L / 4 (the reference's 512 at 2048).
 """
 
-import os
-import sys
-
 import ml_collections
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import base  # noqa: E402
+from posattn.config import defaults
 
 FAMILIES = (
     "nope",
@@ -50,7 +46,7 @@ FAMILIES = (
 
 def get_config(arg=None):
     L = int(arg) if arg else 64
-    config = base()
+    config = defaults()
     config.model.update(
         d_model=64,
         num_layers=2,

@@ -24,19 +24,16 @@ quoted in experiments/README.md); L = 1024 uses 1024 x (1, 2, 4, 8, 16). One win
 needs a few GiB with the blockwise attention ("auto" picks it at these lengths) and chunked logits.
 """
 
-import os
-import sys
-
 import ml_collections
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import base  # noqa: E402
-from extrapolation import FAMILIES  # noqa: E402
+from posattn.config import defaults
+
+from .extrapolation import FAMILIES
 
 
 def get_config(arg=None):
     L = int(arg) if arg else 512
-    config = base()
+    config = defaults()
     config.model.update(
         d_model=1024,
         num_layers=16,

@@ -10,13 +10,9 @@ larger RoPE base (slower rotations) or a smaller ALiBi slope (a weaker recency b
 in-distribution loss for extrapolation?
 """
 
-import os
-import sys
-
 import ml_collections
 
-sys.path.insert(0, os.path.dirname(__file__))
-from tiny import get_config as tiny_config  # noqa: E402
+from .tiny import get_config as tiny_config
 
 
 def get_config():

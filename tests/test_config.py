@@ -35,7 +35,7 @@ def test_rope_scaling_dict_literal():
         "model.rope_scaling={'rope_type': 'yarn', 'factor': 4.0, 'original_max_position_embeddings': 64}"
     )
     cfg = config_lib.validate(config)
-    assert cfg.rope_scaling_dict == {
+    assert cfg.settings.scaling_dict == {
         "rope_type": "yarn",
         "factor": 4.0,
         "original_max_position_embeddings": 64,
@@ -63,7 +63,7 @@ def test_rope_scaling_dict_literal():
         ),
         (
             ["model.position=alibi", "model.rope_scaling={'rope_type': 'linear', 'factor': 2.0}"],
-            ["does not use RoPE"],
+            ["model.rope_scaling", "position='alibi' does not read it", "'rope'"],
         ),
         (["model.position=learned", "model.max_len=32"], ["max_len", "seq_len"]),
         (["model.dtype=float16"], ["dtype", "bfloat16"]),
