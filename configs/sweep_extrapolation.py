@@ -1,6 +1,7 @@
 """RoPE base and ALiBi slope scale against length extrapolation: two programs of four members.
 
-    python -m posattn.sweep --config configs/sweep_extrapolation.py --workdir runs/sweep_extrapolation
+    python -m posattn.sweep --config configs/sweep_extrapolation.py \
+        --workdir runs/sweep_extrapolation
 
 Each family sweeps its own knob (a RoPE base means nothing to ALiBi and a slope scale nothing to
 RoPE), so the programs are listed explicitly. Every member trains at `data.seq_len` = 64 and is then

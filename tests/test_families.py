@@ -1,4 +1,5 @@
-"""The family registry: every family's bias function, its gradients, and the loud unknown-name error."""
+"""The family registry: every family's bias function, its gradients, its settings, and the loud
+unknown-name error."""
 
 import dataclasses
 
@@ -61,7 +62,7 @@ def test_bias_shape_dtype_and_jit(name):
 
 @pytest.mark.parametrize("name", BIAS_FAMILIES)
 def test_bias_depends_on_positions_not_tiling(name):
-    """Evaluating the bias on a tile equals slicing the full bias (what blockwise attention relies on)."""
+    """The bias of a tile equals the full bias sliced (what blockwise attention relies on)."""
     params = _init(name, jax.random.key(1))
     full = _bias(name, params, jnp.arange(40), jnp.arange(40))
     tile = _bias(name, params, jnp.arange(16, 32), jnp.arange(8, 24))
@@ -152,9 +153,118 @@ def test_fire_gradients_match_finite_differences():
 
 
 def test_fire_uses_the_true_query_position():
-    """A decode step at query 30 sees the same bias row as the full sequence (progressive interpolation)."""
+    """A decode step at query 30 sees the bias row of the full sequence (progressive interp.)."""
     params = _init("fire", jax.random.key(4))
     full = _bias("fire", params, jnp.arange(31), jnp.arange(31))
     step = _bias("fire", params, jnp.array([30]), jnp.arange(31))
     # Values near 0.003 differ by ~1e-8 between CPUs' vector units (AVX2 vs AVX-512): an atol too.
     np.testing.assert_allclose(step[:, 0], full[:, 30], rtol=1e-6, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------------------------
+# Settings: each family's own, with defaults, config keys and a validate naming the key.
+
+
+@pytest.mark.parametrize("name", families.names())
+def test_settings_defaults_validate_round_trip_and_hash(name):
+    cls = families.get(name).settings
+    settings = cls()
+    settings.validate(CTX)
+    assert cls.from_keys(settings.to_keys()) == settings
+    assert hash(cls.from_keys(settings.to_keys())) == hash(settings)
+    for key in cls.keys():
+        assert name in families.owners(key)
+
+
+def test_settings_read_their_own_prefixed_keys_only():
+    t5 = families.T5Settings.from_keys(
+        {"t5_num_buckets": 16, "t5_max_distance": 64, "rope_base": 5.0, "alibi_slope_scale": 2.0}
+    )
+    assert t5 == families.T5Settings(num_buckets=16, max_distance=64)
+    assert t5.to_keys() == {"t5_num_buckets": 16, "t5_max_distance": 64}
+    rope = families.RopeSettings.from_keys({"rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    assert rope.scaling == (("factor", 2.0), ("rope_type", "linear"))  # hashable items
+    assert rope.scaling_dict == {"rope_type": "linear", "factor": 2.0}
+    assert rope.to_keys()["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
+
+
+@pytest.mark.parametrize(
+    "settings, ctx, words",
+    [
+        (families.T5Settings(max_distance=8), CTX, ["model.t5_max_distance=8", "exceed"]),
+        (families.T5Settings(num_buckets=0), CTX, ["model.t5_num_buckets=0", "positive"]),
+        (
+            families.T5Settings(num_buckets=31),
+            dataclasses.replace(CTX, bidirectional=True),
+            ["model.t5_num_buckets=31", "even number for the encoder"],
+        ),
+        (
+            families.AlibiSettings(slope_scale=-1.0),
+            CTX,
+            ["model.alibi_slope_scale=-1.0", "positive"],
+        ),
+        (families.FireSettings(mlp_width=0), CTX, ["model.fire_mlp_width=0", "positive integer"]),
+        (families.FireSettings(init_L=float("inf")), CTX, ["model.fire_init_L=inf", "finite"]),
+        (families.LearnedSettings(max_len=0), CTX, ["model.max_len=0", "positive integer"]),
+        (families.RopeSettings(layout="halves"), CTX, ["model.rope_layout='halves'", "'half'"]),
+        (
+            families.RopeSettings(),
+            dataclasses.replace(CTX, head_dim=15),
+            ["odd head dim 15", "RoPE"],
+        ),
+        (families.RopeSettings(scaling="yarn"), CTX, ["model.rope_scaling='yarn'", "None or"]),
+        (
+            families.RopeSettings(scaling={"rope_type": "magic", "factor": 2.0}),
+            CTX,
+            ["model.rope_scaling", "magic"],
+        ),
+        (families.SandwichSettings(), dataclasses.replace(CTX, head_dim=15), ["odd", "Sandwich"]),
+    ],
+)
+def test_settings_validate_names_the_key_the_value_and_what_is_allowed(settings, ctx, words):
+    with pytest.raises(ValueError) as e:
+        settings.validate(ctx)
+    for word in words:
+        assert word in str(e.value), (word, str(e.value))
+
+
+def test_learned_table_bounds_the_length_and_dynamic_ntk_makes_the_base_static():
+    families.LearnedSettings(max_len=32).check_length(32)
+    with pytest.raises(ValueError, match=r"33 positions exceed config.model.max_len=32"):
+        families.LearnedSettings(max_len=32).check_length(33)
+    families.RopeSettings().check_length(10**9)  # relative families read any length
+    assert families.RopeSettings().not_continuous() == {}
+    dynamic = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 16}
+    assert "dynamic" in families.RopeSettings(scaling=dynamic).not_continuous()["rope_base"]
+
+
+def test_registry_derives_keys_and_continuous_keys_from_the_settings():
+    assert set(families.keys()) == {
+        "max_len",
+        "rope_base",
+        "rope_scaling",
+        "rope_layout",
+        "t5_num_buckets",
+        "t5_max_distance",
+        "alibi_slope_scale",
+        "fire_mlp_width",
+        "fire_init_c",
+        "fire_init_L",
+    }
+    assert set(families.continuous_keys()) == {"rope_base", "alibi_slope_scale", "fire_init_c"}
+    assert families.owners("t5_max_distance") == ("t5",)
+
+
+def test_register_refuses_inconsistent_families():
+    @dataclasses.dataclass(frozen=True)
+    class OtherT5(families.Settings):
+        prefix = "t5_"
+        num_buckets: int = families.setting(64, help="a different default")
+
+    with pytest.raises(ValueError, match="model.t5_num_buckets with default 64.*t5 declare it"):
+        families.register(families.Family("t5_clash", settings=OtherT5))
+    with pytest.raises(ValueError, match="rotary: its settings must extend RopeSettings"):
+        families.register(families.Family("rot", settings=families.AlibiSettings, rotary=True))
+    with pytest.raises(ValueError, match="already registered"):
+        families.register(families.Family("rope"))
+    assert "t5_clash" not in families.names() and "rot" not in families.names()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import sys
+import textwrap
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -58,7 +59,7 @@ WORKDIR = Flag(
     "where config.json, metrics.jsonl and checkpoints/ live; an existing run resumes",
     metavar="DIR",
 )
-_HELP = Flag("help", "print this message (with every config key and its default) and exit", False)
+_HELP = Flag("help", "print this message and exit", False, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +171,8 @@ def parse(command: Command, argv: Sequence[str] | None = None) -> types.SimpleNa
 
 
 def _usage(command: Command, problem: str) -> UsageError:
-    return UsageError(f"{problem}\n{command.usage()}\n(--help lists the flags and config keys)")
+    what = "the flags and config keys" if command.takes_config else "the flags"
+    return UsageError(f"{problem}\n{command.usage()}\n(--help lists {what})")
 
 
 def _convert(command: Command, flag: Flag, text: str) -> Any:
@@ -191,7 +193,7 @@ def _convert(command: Command, flag: Flag, text: str) -> Any:
 
 def help_text(command: Command, path: str | None = None, overrides: Sequence[str] = ()) -> str:
     """The `--help` message: usage, description, flags, then every config key with its value."""
-    lines = [command.usage(), "", command.description, "", "flags:"]
+    lines = [command.usage(), "", *textwrap.wrap(command.description, _WIDTH), "", "flags:"]
     rows = []
     if command.takes_config:
         where = f"default {command.default_config}" if command.default_config else "required"
@@ -207,7 +209,8 @@ def help_text(command: Command, path: str | None = None, overrides: Sequence[str
             extra.append(f"default {flag.default!r}")
         rows.append((name, flag.help + (f" ({'; '.join(extra)})" if extra else "")))
     width = max(len(name) for name, _ in rows)
-    lines += [f"  {name:<{width}}  {text}" for name, text in rows]
+    for name, text in rows:
+        lines += _columns(name, text, width)
     if command.takes_config:
         source = path or command.default_config
         try:
@@ -220,12 +223,19 @@ def help_text(command: Command, path: str | None = None, overrides: Sequence[str
             config, shown = config_lib.defaults(), f"the library defaults ({e})"
         lines += ["", f"config keys, override with --config.<key>=<value> (values of {shown}):"]
         entries = [(f"{key} = {value!r}", text) for key, value, text in config_lib.describe(config)]
-        width = min(max(len(left) for left, _ in entries), 44)
+        width = min(max(len(left) for left, _ in entries), 40)
         for left, text in entries:
-            if not text:
-                lines.append(f"  {left}")
-            elif len(left) > width:
-                lines += [f"  {left}", f"  {'':<{width}}  {text}"]
-            else:
-                lines.append(f"  {left:<{width}}  {text}")
+            lines += _columns(left, text, width)
     return "\n".join(lines)
+
+
+_WIDTH = 100
+
+
+def _columns(left: str, text: str, width: int) -> list[str]:
+    """`left` in a column of `width`, `text` wrapped beside it (below it if `left` is wider)."""
+    wrapped = textwrap.wrap(text, _WIDTH - width - 4) or [""]
+    if len(left) > width:
+        return [f"  {left}"] + [f"  {'':<{width}}  {line}" for line in wrapped if line]
+    first = f"  {left:<{width}}  {wrapped[0]}".rstrip()
+    return [first] + [f"  {'':<{width}}  {line}" for line in wrapped[1:]]

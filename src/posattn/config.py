@@ -92,13 +92,15 @@ def defaults() -> ml_collections.ConfigDict:
 
 def describe(config: ml_collections.ConfigDict) -> list[tuple[str, Any, str]]:
     """(dotted key, value, help) for every leaf of `config`, in section order."""
-    helps = {f"model.{k}": v for k, v in model_lib.describe().items()}
+    helps = {f"model.{k}": h for k, h in model_lib.describe().items()}
     helps |= {f"data.{k}": h for k, (_, h) in DATA.items()}
     helps |= {f"train.{k}": h for k, (_, h) in TRAIN.items()}
     out = []
+    order = {key: i for i, key in enumerate(["model", "data", "train", *helps])}
 
     def walk(node, prefix):
-        for key in node.keys():
+        keys = sorted(node.keys(), key=lambda k: order.get(prefix + k, len(order)))
+        for key in keys:
             value = node[key]
             if isinstance(value, ml_collections.ConfigDict) and not (
                 prefix == "model." and key in model_lib.keys()

@@ -170,7 +170,8 @@ class RopeSettings(Settings):
         exclusive=True,
     )
     layout: str = setting(
-        "interleaved", help="pairs rotated together: 'interleaved' (x0, x1) or 'half' (x_k, x_k+H/2)"
+        "interleaved",
+        help="pairs rotated together: 'interleaved' (x0, x1) or 'half' (x_k, x_k+H/2)",
     )
 
     def __post_init__(self):
@@ -293,7 +294,7 @@ class SandwichSettings(Settings):
 
 @dataclasses.dataclass(frozen=True)
 class FireSettings(Settings):
-    """FIRE (Li et al. 2024): the MLP's width, c's initial value, the threshold L's initial value."""
+    """FIRE (Li et al. 2024): the MLP's width, the initial values of c and of the threshold L."""
 
     prefix: ClassVar[str] = "fire_"
     mlp_width: int = setting(32, help="hidden width of FIRE's MLP 1 -> width -> N")
@@ -396,7 +397,8 @@ def register(family: Family) -> Family:
         if key in taken and taken[key].default != f.default:
             raise ValueError(
                 f"family {family.name!r} declares config key model.{key} with default "
-                f"{f.default!r}, but {', '.join(owners(key))} declare it with {taken[key].default!r}"
+                f"{f.default!r}, but {', '.join(owners(key))} declare it with "
+                f"{taken[key].default!r}"
             )
     _REGISTRY[family.name] = family
     return family
@@ -529,7 +531,7 @@ def _sandwich_fn(params: Params, q_pos: Array, k_pos: Array, ctx: Context, s: Se
 def _fire_init(key: Array, ctx: Context, s: FireSettings) -> dict[str, Array]:
     k1, k2 = jax.random.split(key)
     width, scale = s.mlp_width, ctx.init_scale
-    # PyTorch nn.Linear's default init, as the reference MLP uses: U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+    # PyTorch nn.Linear's default init, as the reference MLP uses: U(-1/sqrt(fan_in), +1/sqrt(...)).
     lim1, lim2 = 1.0, 1.0 / math.sqrt(width)
     k1a, k1b = jax.random.split(k1)
     k2a, k2b = jax.random.split(k2)

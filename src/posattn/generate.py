@@ -50,7 +50,8 @@ def load_model(workdir: str | pathlib.Path):
         raise GenerateError(
             f"{workdir} has no config.json: is it a workdir written by python -m posattn.train?"
         )
-    config = ml_collections.ConfigDict(json.loads(path.read_text()))
+    # Keys added to the library since the run was written take their defaults.
+    config = config_lib.complete(ml_collections.ConfigDict(json.loads(path.read_text())))
     restored = restore_trained(config, workdir / "checkpoints")
     if restored is None:
         raise GenerateError(
@@ -73,7 +74,9 @@ COMMAND = cli.Command(
         cli.Flag("max_new_tokens", "tokens to generate", 200, int, metavar="N"),
         cli.Flag("temperature", "sampling temperature; 0 is greedy", 0.0, float, metavar="T"),
         cli.Flag("top_k", "sample among the k most likely tokens (0: all)", 0, int, metavar="K"),
-        cli.Flag("seed", "PRNG seed for sampling; step t uses fold_in(key, t)", 0, int, metavar="S"),
+        cli.Flag(
+            "seed", "PRNG seed for sampling; step t uses fold_in(key, t)", 0, int, metavar="S"
+        ),
         cli.Flag("no_cache", "recompute the full forward for every token (oracle)", False, bool),
         cli.Flag(
             "dynamic_ntk",

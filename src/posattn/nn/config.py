@@ -167,7 +167,14 @@ class ModelConfig:
         """Checks every setting (the family's through its own `validate`); returns self."""
         if self.kind not in ("decoder", "encoder"):
             _fail("kind", self.kind, "allowed: 'decoder', 'encoder'")
-        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "kv_share"):
+        for name in (
+            "vocab_size",
+            "d_model",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "kv_share",
+        ):
             _check_int(name, getattr(self, name), allow_zero=False)
         _check_int("d_ff", self.d_ff, allow_zero=True)
         if self.d_model % self.num_heads:
@@ -229,7 +236,9 @@ def _fail(name: str, value: Any, allowed: str):
 def _check_int(name: str, value: Any, *, allow_zero: bool) -> None:
     ok = isinstance(value, int) and not isinstance(value, bool)
     if not (ok and (value >= 0 if allow_zero else value > 0)):
-        _fail(name, value, "must be an integer >= 0" if allow_zero else "must be a positive integer")
+        _fail(
+            name, value, "must be an integer >= 0" if allow_zero else "must be a positive integer"
+        )
 
 
 def keys() -> dict[str, dataclasses.Field]:

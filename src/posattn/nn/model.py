@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from posattn import positions
-from posattn.nn.config import ModelConfig
 from posattn.nn import layers
+from posattn.nn.config import ModelConfig
 
 __all__ = ["TransformerLM", "cross_entropy", "mask_token_id"]
 
@@ -44,7 +44,9 @@ class TransformerLM(nnx.Module):
         )
         if family.embedding == "learned":
             self.pos_embed = nnx.Param(
-                cfg.init_scale / math.sqrt(D) * jax.random.normal(rngs.params(), (cfg.settings.max_len, D))
+                cfg.init_scale
+                / math.sqrt(D)
+                * jax.random.normal(rngs.params(), (cfg.settings.max_len, D))
             )
         # The family's modules get the family's own settings; the blocks get plain sizes.
         rotary_module = layers.Rotary(cfg.head_dim, cfg.settings) if family.rotary else None

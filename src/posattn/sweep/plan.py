@@ -40,17 +40,26 @@ import ml_collections
 from posattn import config as config_lib
 from posattn.nn import config as model_lib
 
-__all__ = ["CONTINUOUS", "Member", "Program", "format_override", "plan"]
+__all__ = ["CONTINUOUS", "Member", "Program", "continuous", "format_override", "plan"]
 
-# Keys a vmap sweep may stack, and where each one lives (why it leaves the compiled program alone).
-CONTINUOUS = {
+# Training keys a vmap sweep may stack, and where each one lives (why it leaves the compiled
+# program alone); the model's come from their settings fields (`continuous`).
+_TRAIN_CONTINUOUS = {
     "train.seed": "the initial parameters' PRNG key and the batches (each member gets its own)",
     "train.learning_rate": "optax.inject_hyperparams: an array in opt_state",
     "train.weight_decay": "optax.inject_hyperparams: an array in opt_state",
     "train.b1": "optax.inject_hyperparams: an array in opt_state",
     "train.b2": "optax.inject_hyperparams: an array in opt_state",
-    **{f"model.{key}": why for key, why in model_lib.continuous_keys().items()},
 }
+
+
+def continuous() -> dict[str, str]:
+    """Every key a vmap sweep may stack -> why it leaves the compiled program alone."""
+    model = {f"model.{key}": why for key, why in model_lib.continuous_keys().items()}
+    return {**_TRAIN_CONTINUOUS, **model}
+
+
+CONTINUOUS = continuous()  # as registered at import; `continuous()` sees later families too
 
 _SWEEP_KEYS = {
     "discrete",
@@ -169,13 +178,14 @@ def _combine(axes: dict[str, tuple], how: str, where: str) -> list[dict[str, Any
 def _check_continuous(
     keys: Sequence[str], settings: Mapping[str, Any], config: ml_collections.ConfigDict, where: str
 ) -> None:
+    allowed = continuous()
     for key in keys:
-        if key not in CONTINUOUS:
+        if key not in allowed:
             raise config_lib.ConfigError(
-                f"config.{where}.{key} cannot be swept inside one compiled program: it is not one of the keys "
-                f"that only change array values ({', '.join(CONTINUOUS)}); {key} may change shapes or the "
-                f"traced program (e.g. rope_scaling's type), so move it to config.sweep.discrete (one "
-                "program per value)"
+                f"config.{where}.{key} cannot be swept inside one compiled program: it is not one "
+                f"of the keys that only change array values ({', '.join(allowed)}); {key} may "
+                "change shapes or the traced program (e.g. rope_scaling's type), so move it to "
+                "config.sweep.discrete (one program per value)"
             )
     model_keys = [k.removeprefix("model.") for k in keys if k.startswith("model.")]
     if not model_keys:
