@@ -38,11 +38,13 @@ __all__ = [
     "ConfigError",
     "ModelConfig",
     "apply_overrides",
+    "complete",
     "defaults",
     "describe",
     "load_config",
     "model_config",
     "parse_value",
+    "read_config",
     "to_json",
     "validate",
 ]
