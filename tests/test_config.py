@@ -224,7 +224,7 @@ def test_adding_a_family_is_its_function_its_settings_and_one_registry_entry():
         assert slopes.shape == (4,) and float(slopes[0]) == 2.0
         logits = model(jnp.zeros((1, 8), jnp.int32))
         assert logits.shape == (1, 8, 256) and bool(jnp.all(jnp.isfinite(logits)))
-        assert "model.shift_slope" in plan.continuous()
+        assert "model.shift_slope" in plan.continuous_keys()
         assert "model.shift_slope = 0.5" in cli.help_text(cli.TRAIN)
     finally:
         del families._REGISTRY["shift"]

@@ -7,14 +7,16 @@ config's own keys:
     config.sweep.discrete.model.position = ("rope", "alibi")  # one compiled program per combination
     config.sweep.continuous.train.seed = (0, 1, 2, 3)         # stacked on the vmap axis
     config.sweep.continuous.train.learning_rate = (1e-3, 3e-3)
-    config.sweep.combine = "grid"   # continuous axes: "grid" (every combination) or "zip" (k-th of each)
+    config.sweep.combine = "grid"   # continuous axes: "grid" (every combination) or "zip"
 
 or, when each program sweeps its own keys (RoPE bases for RoPE, slope scales for ALiBi), an
 explicit list of programs instead of `discrete`:
 
     config.sweep.programs = (
-        {"set": {"model.position": "rope"}, "continuous": {"model.rope_base": (1e3, 1e4, 1e5)}},
-        {"set": {"model.position": "alibi"}, "continuous": {"model.alibi_slope_scale": (0.5, 1.0, 2.0)}},
+        {"set": {"model.position": "rope"},
+         "continuous": {"model.rope_base": (1e3, 1e4, 1e5)}},
+        {"set": {"model.position": "alibi"},
+         "continuous": {"model.alibi_slope_scale": (0.5, 1.0, 2.0)}},
     )
 
 Only keys that change array values, never shapes or the traced program, may be continuous
@@ -40,10 +42,10 @@ import ml_collections
 from posattn import config as config_lib
 from posattn.nn import config as model_lib
 
-__all__ = ["CONTINUOUS", "Member", "Program", "continuous", "format_override", "plan"]
+__all__ = ["CONTINUOUS", "Member", "Program", "continuous_keys", "format_override", "plan"]
 
 # Training keys a vmap sweep may stack, and where each one lives (why it leaves the compiled
-# program alone); the model's come from their settings fields (`continuous`).
+# program alone); the model's come from their settings fields (`continuous_keys`).
 _TRAIN_CONTINUOUS = {
     "train.seed": "the initial parameters' PRNG key and the batches (each member gets its own)",
     "train.learning_rate": "optax.inject_hyperparams: an array in opt_state",
@@ -53,13 +55,13 @@ _TRAIN_CONTINUOUS = {
 }
 
 
-def continuous() -> dict[str, str]:
+def continuous_keys() -> dict[str, str]:
     """Every key a vmap sweep may stack -> why it leaves the compiled program alone."""
     model = {f"model.{key}": why for key, why in model_lib.continuous_keys().items()}
     return {**_TRAIN_CONTINUOUS, **model}
 
 
-CONTINUOUS = continuous()  # as registered at import; `continuous()` sees later families too
+CONTINUOUS = continuous_keys()  # as registered at import; the function sees later families too
 
 _SWEEP_KEYS = {
     "discrete",
@@ -138,7 +140,7 @@ def _plain(value: Any) -> Any:
 
 
 def _axes(node: Any, where: str, prefix: str = "") -> dict[str, tuple]:
-    """Flattens a nested section (`model.position = (...)`) or a dotted-key mapping into key -> values."""
+    """Flattens a section (`model.position = (...)`) or a dotted-key mapping to key -> values."""
     if node is None:
         return {}
     if not isinstance(node, (ml_collections.ConfigDict, Mapping)):
@@ -168,17 +170,17 @@ def _combine(axes: dict[str, tuple], how: str, where: str) -> list[dict[str, Any
         sizes = {k: len(v) for k, v in axes.items()}
         if len(set(sizes.values())) != 1:
             raise config_lib.ConfigError(
-                f"config.sweep.combine='zip' needs every {where} axis to have the same length, got {sizes}; "
-                "use combine='grid' for every combination"
+                f"config.sweep.combine='zip' needs every {where} axis to have the same length, "
+                f"got {sizes}; use combine='grid' for every combination"
             )
-        return [dict(zip(keys, values)) for values in zip(*axes.values())]
-    return [dict(zip(keys, values)) for values in itertools.product(*axes.values())]
+        return [dict(zip(keys, values, strict=True)) for values in zip(*axes.values(), strict=True)]
+    return [dict(zip(keys, values, strict=True)) for values in itertools.product(*axes.values())]
 
 
 def _check_continuous(
     keys: Sequence[str], settings: Mapping[str, Any], config: ml_collections.ConfigDict, where: str
 ) -> None:
-    allowed = continuous()
+    allowed = continuous_keys()
     for key in keys:
         if key not in allowed:
             raise config_lib.ConfigError(
@@ -196,8 +198,9 @@ def _check_continuous(
         cfg = config_lib.model_config(config_lib.apply_overrides(config, strings))
     except config_lib.ConfigError:
         return  # the members' own validation names the problem
-    static = {k: why for k, why in cfg.settings.not_continuous().items() if k in model_keys}
-    for key, why in static.items():
+    static = [(k, why) for k, why in cfg.settings.not_continuous().items() if k in model_keys]
+    if static:
+        key, why = static[0]
         raise config_lib.ConfigError(
             f"config.{where}.model.{key} cannot be continuous for model.position="
             f"{cfg.position!r} with these settings: {why}; sweep it in config.sweep.discrete "
@@ -212,8 +215,8 @@ def _programs(config: ml_collections.ConfigDict) -> list[tuple[dict[str, Any], d
     continuous = _axes(sweep.get("continuous"), "sweep.continuous")
     if explicit and discrete:
         raise config_lib.ConfigError(
-            "config.sweep.programs and config.sweep.discrete are both set; list the programs explicitly "
-            "or give the discrete grid, not both"
+            "config.sweep.programs and config.sweep.discrete are both set; list the programs "
+            "explicitly or give the discrete grid, not both"
         )
     if not explicit:
         return [(settings, continuous) for settings in _combine(discrete, "grid", "sweep.discrete")]
@@ -221,8 +224,9 @@ def _programs(config: ml_collections.ConfigDict) -> list[tuple[dict[str, Any], d
     for i, entry in enumerate(explicit):
         if not isinstance(entry, Mapping) or set(entry) - {"set", "continuous"}:
             raise config_lib.ConfigError(
-                f"config.sweep.programs[{i}]={entry!r} is invalid: each program is a dict with keys 'set' "
-                "({dotted key: value}) and optionally 'continuous' ({dotted key: (values...)})"
+                f"config.sweep.programs[{i}]={entry!r} is invalid: each program is a dict with "
+                "keys 'set' ({dotted key: value}) and optionally 'continuous' "
+                "({dotted key: (values...)})"
             )
         settings = dict(entry.get("set") or {})
         own = (
@@ -255,7 +259,8 @@ def plan(config: ml_collections.ConfigDict, *, cli_overrides: Sequence[str] = ()
     unknown = set(config.sweep.keys()) - _SWEEP_KEYS
     if unknown:
         raise config_lib.ConfigError(
-            f"unknown config key config.sweep.{sorted(unknown)[0]}; known: {', '.join(sorted(_SWEEP_KEYS))}"
+            f"unknown config key config.sweep.{sorted(unknown)[0]}; known: "
+            f"{', '.join(sorted(_SWEEP_KEYS))}"
         )
     combine = config.sweep.get("combine", "grid")
     if combine not in ("grid", "zip"):
