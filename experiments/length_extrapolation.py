@@ -45,9 +45,8 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from posattn import cli
+from posattn import cli, families
 from posattn import config as config_lib
-from posattn import families
 from posattn.attention import IMPLEMENTATIONS
 from posattn.eval import lengths as evaluate
 from posattn.eval import probes

@@ -38,8 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from posattn.nn.config import ModelConfig
 from posattn.nn import layers
+from posattn.nn.config import ModelConfig
 
 __all__ = [
     "DYNAMIC_NTK_MODES",
