@@ -265,6 +265,8 @@ def test_register_refuses_inconsistent_families():
         families.register(families.Family("t5_clash", settings=OtherT5))
     with pytest.raises(ValueError, match="rotary: its settings must extend RopeSettings"):
         families.register(families.Family("rot", settings=families.AlibiSettings, rotary=True))
+    with pytest.raises(ValueError, match="settings must extend LearnedSettings"):
+        families.register(families.Family("table", embedding="learned"))
     with pytest.raises(ValueError, match="already registered"):
         families.register(families.Family("rope"))
-    assert "t5_clash" not in families.names() and "rot" not in families.names()
+    assert not {"t5_clash", "rot", "table"} & set(families.names())

@@ -362,7 +362,8 @@ class Family:
     Attributes:
       name: its registry name (`model.position`).
       settings: its `Settings` class (the config keys it reads, their defaults, their checks).
-      embedding: `"none"`, `"sinusoidal"` or `"learned"`: what is added to the token embeddings.
+      embedding: `"none"`, `"sinusoidal"` or `"learned"`: what is added to the token embeddings
+        (`"learned"`: its settings extend LearnedSettings, the table's size).
       rotary: whether queries and keys are rotated (RoPE); its settings then extend RopeSettings.
       bias: the relative-bias spec, or None.
       scale_free: logits without the `1/sqrt(H)` factor (T5: its query initialiser carries it).
@@ -392,6 +393,11 @@ def register(family: Family) -> Family:
         raise ValueError(f"family {family.name!r}: settings must be a Settings subclass")
     if family.rotary and not issubclass(family.settings, RopeSettings):
         raise ValueError(f"family {family.name!r} is rotary: its settings must extend RopeSettings")
+    if family.embedding == "learned" and not issubclass(family.settings, LearnedSettings):
+        raise ValueError(
+            f"family {family.name!r} learns an embedding table: its settings must extend "
+            "LearnedSettings (the table's size)"
+        )
     taken = keys()
     for key, f in family.settings.keys().items():
         if key in taken and taken[key].default != f.default:
