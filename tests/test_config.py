@@ -128,7 +128,7 @@ def test_every_default_is_written_once_in_the_settings_dataclasses():
         cfg = ModelConfig.from_keys({**defaults.model.to_dict(), "position": name})
         assert cfg.settings == families.get(name).settings()
     assert defaults.model.t5_max_distance == families.T5Settings().max_distance
-    assert set(defaults.model.keys()) == set(model_lib.keys())
+    assert set(defaults.model.keys()) == set(model_lib.config_keys())
 
 
 def test_model_config_reads_its_familys_keys_only():
@@ -184,7 +184,9 @@ def test_adding_a_family_is_its_function_its_settings_and_one_registry_entry():
     the sweep's continuous keys and the command-line help, with nothing else edited."""
     import dataclasses
 
+    import jax
     import jax.numpy as jnp
+    import numpy as np
     from flax import nnx
 
     from posattn import cli
@@ -214,16 +216,30 @@ def test_adding_a_family_is_its_function_its_settings_and_one_registry_entry():
     )
     try:
         assert config_lib.defaults().model.shift_slope == 0.5
-        config = load("model.position=shift", "model.shift_slope=2.0", "model.d_model=16")
+        config = load(
+            "model.position=shift",
+            "model.shift_slope=2.0",
+            "model.d_model=16",
+            "model.num_layers=1",
+        )
         cfg = config_lib.validate(config)
         assert cfg.settings == ShiftSettings(slope=2.0)
         with pytest.raises(ConfigError, match=r"shift_slope=20.0 must lie in \(0, 10\)"):
             load("model.position=shift", "model.shift_slope=20")
-        model = TransformerLM(cfg, rngs=nnx.Rngs(params=0))
-        slopes = model.blocks[0].attn.bias.values["slope"][...]
-        assert slopes.shape == (4,) and float(slopes[0]) == 2.0
-        logits = model(jnp.zeros((1, 8), jnp.int32))
-        assert logits.shape == (1, 8, 256) and bool(jnp.all(jnp.isfinite(logits)))
+        # The model wires it in (abstractly: no compute), with the family's own settings.
+        model = nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(params=0)))
+        bias = model.blocks[0].attn.bias
+        assert bias.fn.settings == ShiftSettings(slope=2.0) and bias.values["slope"].shape == (4,)
+        logits = jax.eval_shape(lambda m, t: m(t), model, jnp.zeros((1, 8), jnp.int32))
+        assert logits.shape == (1, 8, 256)
+        spec = families.get("shift").bias
+        bound, params = (
+            spec.bind(cfg.context, cfg.settings),
+            spec.init(None, cfg.context, cfg.settings),
+        )
+        np.testing.assert_array_equal(
+            bound(params, jnp.arange(3), jnp.arange(3))[0, 2], [-4, -2, 0]
+        )
         assert "model.shift_slope" in plan.continuous_keys()
         assert "model.shift_slope = 0.5" in cli.help_text(cli.TRAIN)
     finally:

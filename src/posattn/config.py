@@ -105,7 +105,7 @@ def describe(config: ml_collections.ConfigDict) -> list[tuple[str, Any, str]]:
         for key in keys:
             value = node[key]
             if isinstance(value, ml_collections.ConfigDict) and not (
-                prefix == "model." and key in model_lib.keys()
+                prefix == "model." and key in model_lib.config_keys()
             ):
                 walk(value, f"{prefix}{key}.")
             else:

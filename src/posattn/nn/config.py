@@ -21,7 +21,7 @@ from typing import Any
 from posattn import families
 from posattn.attention import IMPLEMENTATIONS
 
-__all__ = ["ConfigError", "ModelConfig", "continuous_keys", "defaults", "describe", "keys"]
+__all__ = ["ConfigError", "ModelConfig", "config_keys", "continuous_keys", "defaults", "describe"]
 
 
 class ConfigError(ValueError):
@@ -120,7 +120,7 @@ class ModelConfig:
         ConfigError with the closest known ones.
         """
         values = {**dict(values or {}), **more}
-        known = keys()
+        known = config_keys()
         for name in values:
             if name not in known:
                 close = difflib.get_close_matches(name, list(known), n=3)
@@ -143,8 +143,8 @@ class ModelConfig:
                 readers = families.owners(name)
                 raise ConfigError(
                     f"config.model.{name}={values[name]!r} is set but config.model.position="
-                    f"{position!r} does not read it (only {', '.join(map(repr, readers))} "
-                    f"do); set model.position to one of those or model.{name} to {f.default!r}"
+                    f"{position!r} does not read it (read by {', '.join(map(repr, readers))}); "
+                    f"set model.position to one of those or model.{name} to {f.default!r}"
                 )
         common = {k: v for k, v in values.items() if k in _COMMON}
         try:
@@ -241,7 +241,7 @@ def _check_int(name: str, value: Any, *, allow_zero: bool) -> None:
         )
 
 
-def keys() -> dict[str, dataclasses.Field]:
+def config_keys() -> dict[str, dataclasses.Field]:
     """Every `model.*` config key -> its field: the common ones, then each family's."""
     common = {f.name: f for f in dataclasses.fields(ModelConfig) if f.name in _COMMON}
     clash = set(common) & set(families.keys())
@@ -252,13 +252,13 @@ def keys() -> dict[str, dataclasses.Field]:
 
 def defaults() -> dict[str, Any]:
     """The `model` section's defaults: every key, each default written once, in its dataclass."""
-    return {name: f.default for name, f in keys().items()}
+    return {name: f.default for name, f in config_keys().items()}
 
 
 def describe() -> dict[str, str]:
     """`model.*` key -> a help line (a family key names the families that read it)."""
     out = {}
-    for name, f in keys().items():
+    for name, f in config_keys().items():
         readers = families.owners(name)
         help = f.metadata.get("help", "")
         if name == "position":
@@ -271,7 +271,7 @@ def continuous_keys() -> dict[str, str]:
     """`model.*` keys a vmap sweep may stack -> why they leave the compiled program alone."""
     common = {
         name: f.metadata["continuous"]
-        for name, f in keys().items()
+        for name, f in config_keys().items()
         if name in _COMMON and f.metadata.get("continuous")
     }
     return {**common, **families.continuous_keys()}
