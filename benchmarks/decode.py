@@ -134,9 +134,7 @@ def staleness(workdir: str, *, text_len: int, batch: int, factor: float) -> list
     ):
         # The trained parameters under eval-time scaling (its frequencies live in graph and constants).
         graphdef, constants = evaluate.with_rope_scaling(cfg, scaling)
-        c = dataclasses.replace(
-            cfg, rope_scaling=None if scaling is None else tuple(sorted(scaling.items()))
-        )
+        c = cfg.replace(rope_scaling=scaling)
 
         @jax.jit
         def oracle_fn(params, constants):
@@ -240,7 +238,7 @@ def main(argv=None) -> int:
         return 0
 
     N = args.num_heads
-    base = ModelConfig(
+    base = ModelConfig.from_keys(
         position=args.position,
         d_model=args.d_model,
         num_layers=args.num_layers,
@@ -271,7 +269,7 @@ def main(argv=None) -> int:
             ]
         prepared = [
             prepare(
-                dataclasses.replace(base, **change),
+                base.replace(**change),
                 batch=args.batch,
                 context=context,
                 num_steps=args.steps,

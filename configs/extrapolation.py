@@ -1,7 +1,8 @@
 """Length extrapolation on a 2-core CPU: every family trained at L = 64 bytes, evaluated to 16L.
 
     python experiments/length_extrapolation.py --workdir runs/extrapolation
-    python experiments/length_extrapolation.py --config configs/extrapolation.py:128 --workdir runs/extrapolation_128
+    python experiments/length_extrapolation.py --config configs/extrapolation.py:128 \
+        --workdir runs/extrapolation_128
 
 (`:128` trains at L = 128 and scales the lengths that depend on it.)
 
@@ -11,7 +12,8 @@ What the numbers are and why (experiments/README.md has the measured times and t
     need; at this size a CPU step is mostly fixed overhead, so width buys little.
   * data: bytes of the Python standard library (real text; held-out files are the evaluation
     split), L = 64, batch 32 x 64 = 2048 bytes per step; 20% of the rows are passkey sequences
-    (keys of 1-5 digits at random depths) so that retrieval is learnable at L (`posattn.eval.probes`).
+    (keys of 1-5 digits at random depths) so that retrieval is learnable at L
+    (`posattn.eval.probes`).
   * 2000 steps (4.1M bytes per family, 14% of the 30.2M training bytes) at peak learning
     rate 6e-3 (60 warmup steps, cosine to 10%): the budget that keeps ten families plus evaluation
     under 15 minutes on two CPU cores (~60 s of training per family); 6e-3 gave every family tried
@@ -26,13 +28,9 @@ positions (nothing past L), T5's log buckets end at max_distance = L (every buck
 the paper's 128 at L = 512), FIRE's threshold starts at L / 4 (the reference's 512 at 2048).
 """
 
-import os
-import sys
-
 import ml_collections
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import base  # noqa: E402
+from posattn.config import defaults
 
 FAMILIES = (
     "nope",
@@ -50,7 +48,7 @@ FAMILIES = (
 
 def get_config(arg=None):
     L = int(arg) if arg else 64
-    config = base()
+    config = defaults()
     config.model.update(
         d_model=64,
         num_layers=2,

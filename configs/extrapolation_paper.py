@@ -20,23 +20,21 @@ at the raw WikiText-103 text and add `--config.model.vocab_size=256 --config.pas
 --config.copy.enabled=True --config.data.passkey_fraction=0.01` (bytes: L then spans ~100 words).
 
 Eval lengths: L = 512 uses 512, 1012, 2012, 4012, 8512 (including the paper's 512, 1012 and 8512
-quoted in experiments/README.md); L = 1024 uses 1024 x (1, 2, 4, 8, 16). One window of 8512 tokens at batch 4
+quoted in experiments/README.md); L = 1024 uses 1024 x (1, 2, 4, 8, 16). One window of 8512 tokens
+at batch 4
 needs a few GiB with the blockwise attention ("auto" picks it at these lengths) and chunked logits.
 """
 
-import os
-import sys
-
 import ml_collections
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import base  # noqa: E402
-from extrapolation import FAMILIES  # noqa: E402
+from posattn.config import defaults
+
+from .extrapolation import FAMILIES
 
 
 def get_config(arg=None):
     L = int(arg) if arg else 512
-    config = base()
+    config = defaults()
     config.model.update(
         d_model=1024,
         num_layers=16,

@@ -5,15 +5,11 @@ context 1024. For accelerators; `jax.eval_shape` builds it at no cost in the tes
         --config.model.position=alibi --config.data.corpus=/data/openwebtext
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))
-from common import base  # noqa: E402
+from posattn.config import defaults
 
 
 def get_config():
-    config = base()
+    config = defaults()
     config.model.update(
         d_model=768, num_layers=12, num_heads=12, num_kv_heads=12, max_len=1024, dtype="bfloat16"
     )

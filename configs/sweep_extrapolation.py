@@ -1,6 +1,7 @@
 """RoPE base and ALiBi slope scale against length extrapolation: two programs of four members.
 
-    python -m posattn.sweep --config configs/sweep_extrapolation.py --workdir runs/sweep_extrapolation
+    python -m posattn.sweep --config configs/sweep_extrapolation.py \
+        --workdir runs/sweep_extrapolation
 
 Each family sweeps its own knob (a RoPE base means nothing to ALiBi and a slope scale nothing to
 RoPE), so the programs are listed explicitly. Every member trains at `data.seq_len` = 64 and is then
@@ -10,13 +11,9 @@ larger RoPE base (slower rotations) or a smaller ALiBi slope (a weaker recency b
 in-distribution loss for extrapolation?
 """
 
-import os
-import sys
-
 import ml_collections
 
-sys.path.insert(0, os.path.dirname(__file__))
-from tiny import get_config as tiny_config  # noqa: E402
+from .tiny import get_config as tiny_config
 
 
 def get_config():

@@ -8,13 +8,9 @@ alone with `python -m posattn.train --config configs/sweep_tiny.py --config.<key
 (the exact command is in its sweep.json record); the `sweep` section is ignored there.
 """
 
-import os
-import sys
-
 import ml_collections
 
-sys.path.insert(0, os.path.dirname(__file__))
-from tiny import get_config as tiny_config  # noqa: E402
+from .tiny import get_config as tiny_config
 
 
 def get_config():

@@ -3,15 +3,11 @@
 python -m posattn.train --config configs/tiny.py --workdir runs/tiny --config.model.position=alibi
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))
-from common import base  # noqa: E402
+from posattn.config import defaults
 
 
 def get_config():
-    config = base()
+    config = defaults()
     config.model.update(d_model=64, num_layers=2, num_heads=4, num_kv_heads=2)
     config.data.seq_len = 64
     config.train.update(

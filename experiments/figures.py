@@ -282,21 +282,23 @@ HEATMAP_LEN, HEATMAP_HEADS = 64, 8
 
 
 def _t5_vs_alibi(outdir: pathlib.Path) -> dict[str, pathlib.Path]:
-    settings = families.BiasSettings(num_heads=HEATMAP_HEADS, head_dim=64)  # T5 32 buckets / 128
+    ctx = families.Context(num_heads=HEATMAP_HEADS, head_dim=64)
+    settings = families.T5Settings()  # the defaults: 32 buckets, max distance 128
     pos = jnp.arange(HEATMAP_LEN)
     future = np.triu(np.ones((HEATMAP_LEN, HEATMAP_LEN), bool), k=1)  # causal mask: j > i
 
     def bias_of(name):
-        spec = families.get(name).bias
-        params = spec.init(jax.random.key(0), settings)
-        return params, np.asarray(jax.jit(spec.bind(settings))(params, pos, pos))  # (N, T, S)
+        family = families.get(name)
+        spec, own = family.bias, family.settings()  # each family's default settings
+        params = spec.init(jax.random.key(0), ctx, own)
+        return params, np.asarray(jax.jit(spec.bind(ctx, own))(params, pos, pos))  # (N, T, S)
 
     bucket = np.asarray(
         _t5_bucket(
             pos[:, None] - pos[None, :],
             bidirectional=False,
-            num_buckets=settings.t5_num_buckets,
-            max_distance=settings.t5_max_distance,
+            num_buckets=settings.num_buckets,
+            max_distance=settings.max_distance,
         )
     )
     _, t5 = bias_of("t5")
@@ -307,8 +309,8 @@ def _t5_vs_alibi(outdir: pathlib.Path) -> dict[str, pathlib.Path]:
             bucket,
             "Blues",
             None,
-            f"T5 bucket b(i-j) ({settings.t5_num_buckets} buckets, max distance "
-            f"{settings.t5_max_distance})",
+            f"T5 bucket b(i-j) ({settings.num_buckets} buckets, max distance "
+            f"{settings.max_distance})",
             "bucket",
         ),
         (

@@ -45,8 +45,8 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from posattn import cli, families
 from posattn import config as config_lib
-from posattn import families
 from posattn.attention import IMPLEMENTATIONS
 from posattn.eval import lengths as evaluate
 from posattn.eval import probes
@@ -59,6 +59,12 @@ __all__ = ["eval_lengths", "family_config", "main", "run"]
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "configs" / "extrapolation.py"
 ROPE_KINDS = ("linear", "ntk", "dynamic", "yarn")
+COMMAND = cli.Command(
+    "python experiments/length_extrapolation.py",
+    "Trains every family at length L and evaluates it at multiples of L: results.json, "
+    "results.md and plots in the workdir (a rerun reuses the trained families).",
+    default_config=DEFAULT_CONFIG,
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -584,16 +590,8 @@ def _say(message: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        path, overrides, flags = config_lib.parse_args(argv)
-        unknown = set(flags) - {"workdir"}
-        if "workdir" not in flags or unknown:
-            raise config_lib.ConfigError(
-                "usage: python experiments/length_extrapolation.py [--config configs/extrapolation.py] "
-                "[--config.key=value ...] --workdir DIR"
-                + (f" (unknown flag --{sorted(unknown)[0]})" if unknown else "")
-            )
-        config = config_lib.load_config(path or DEFAULT_CONFIG, overrides)
-        run(config, flags["workdir"])
+        args = cli.parse(COMMAND, argv)
+        run(args.config, args.workdir)
     except (config_lib.ConfigError, data_lib.DataError) as e:
         print(f"length_extrapolation: error: {e}", file=sys.stderr)
         return 2

@@ -1,4 +1,5 @@
-"""Configuration: overrides, and every invalid setting refused before any compute with a clear message."""
+"""Configuration: defaults written once, config files, overrides, and every invalid setting
+refused before any compute with a clear message."""
 
 import pathlib
 import subprocess
@@ -8,7 +9,9 @@ import time
 import pytest
 
 from posattn import config as config_lib
-from posattn.config import ConfigError
+from posattn import families
+from posattn.config import ConfigError, ModelConfig
+from posattn.nn import config as model_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.py")
@@ -32,10 +35,11 @@ def test_overrides_are_typed():
 
 def test_rope_scaling_dict_literal():
     config = load(
-        "model.rope_scaling={'rope_type': 'yarn', 'factor': 4.0, 'original_max_position_embeddings': 64}"
+        "model.rope_scaling={'rope_type': 'yarn', 'factor': 4.0, "
+        "'original_max_position_embeddings': 64}"
     )
     cfg = config_lib.validate(config)
-    assert cfg.rope_scaling_dict == {
+    assert cfg.settings.scaling_dict == {
         "rope_type": "yarn",
         "factor": 4.0,
         "original_max_position_embeddings": 64,
@@ -63,7 +67,7 @@ def test_rope_scaling_dict_literal():
         ),
         (
             ["model.position=alibi", "model.rope_scaling={'rope_type': 'linear', 'factor': 2.0}"],
-            ["does not use RoPE"],
+            ["model.rope_scaling", "position='alibi' does not read it", "'rope'"],
         ),
         (["model.position=learned", "model.max_len=32"], ["max_len", "seq_len"]),
         (["model.dtype=float16"], ["dtype", "bfloat16"]),
@@ -114,3 +118,130 @@ def test_command_line_fails_fast_before_compute(tmp_path):
     assert "num_kv_heads" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "w").exists(), "nothing may be written for an invalid config"
     assert time.monotonic() - start < 60
+
+
+def test_every_default_is_written_once_in_the_settings_dataclasses():
+    """The config defaults are the dataclass defaults: ModelConfig's and each family's."""
+    defaults = config_lib.defaults()
+    assert ModelConfig.from_keys(defaults.model.to_dict()) == ModelConfig()
+    for name in families.names():
+        cfg = ModelConfig.from_keys({**defaults.model.to_dict(), "position": name})
+        assert cfg.settings == families.get(name).settings()
+    assert defaults.model.t5_max_distance == families.T5Settings().max_distance
+    assert set(defaults.model.keys()) == set(model_lib.config_keys())
+
+
+def test_model_config_reads_its_familys_keys_only():
+    cfg = config_lib.validate(load("model.position=t5", "model.t5_max_distance=64"))
+    assert cfg.settings == families.T5Settings(num_buckets=32, max_distance=64)
+    assert cfg.t5_max_distance == 64 and cfg.keys()["t5_max_distance"] == 64
+    assert "rope_base" not in cfg.keys()
+    with pytest.raises(AttributeError, match="position='t5' reads .*t5_num_buckets"):
+        cfg.rope_base  # noqa: B018
+    moved = cfg.replace(position="alibi", alibi_slope_scale=0.5, d_model=32)
+    assert moved.settings == families.AlibiSettings(slope_scale=0.5) and moved.d_model == 32
+    assert hash(moved) == hash(cfg.replace(position="alibi", alibi_slope_scale=0.5, d_model=32))
+    with pytest.raises(ConfigError, match=r"config.model.rope_bse.*did you mean rope_base"):
+        ModelConfig.from_keys(rope_bse=1.0)
+
+
+def test_a_config_file_may_leave_keys_out_and_import_its_siblings(tmp_path):
+    (tmp_path / "base.py").write_text(
+        "import ml_collections\n"
+        "def get_config(arg=None):\n"
+        "    return ml_collections.ConfigDict({'model': {'position': 'alibi'},\n"
+        "        'data': {'seq_len': int(arg or 16)}, 'train': {'steps': 300}})\n"
+    )
+    (tmp_path / "child.py").write_text(
+        "from .base import get_config as base\n"
+        "def get_config():\n"
+        "    config = base('24')\n"
+        "    config.model.d_model = 32\n"
+        "    return config\n"
+    )
+    config = config_lib.load_config(tmp_path / "child.py", ["--config.train.seed=5"])
+    assert (config.model.position, config.model.d_model, config.data.seq_len) == ("alibi", 32, 24)
+    defaults = config_lib.defaults()
+    assert config.train.seed == 5 and config.train.warmup_steps == defaults.train.warmup_steps
+    assert config.data.corpus == defaults.data.corpus
+    assert config.model.num_heads == defaults.model.num_heads
+
+
+def test_the_repository_configs_are_plain_modules(monkeypatch):
+    import importlib
+
+    monkeypatch.syspath_prepend(str(ROOT))
+    sweep_tiny = importlib.import_module("configs.sweep_tiny")
+    tiny = importlib.import_module("configs.tiny")
+    assert sweep_tiny.get_config().model.to_dict() == tiny.get_config().model.to_dict()
+    for path in sorted((ROOT / "configs").glob("*.py")):
+        if path.name != "__init__.py":
+            config_lib.validate(config_lib.load_config(path))
+
+
+def test_adding_a_family_is_its_function_its_settings_and_one_registry_entry():
+    """A family registered here appears in the defaults, the overrides, validation, the model,
+    the sweep's continuous keys and the command-line help, with nothing else edited."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from posattn import cli
+    from posattn.nn.model import TransformerLM
+    from posattn.sweep import plan
+
+    @dataclasses.dataclass(frozen=True)
+    class ShiftSettings(families.Settings):
+        prefix = "shift_"
+        slope: float = families.setting(
+            0.5, help="bias per unit of distance", continuous="a Constant in the state"
+        )
+
+        def validate(self, ctx):
+            if not 0 < self.slope < 10:
+                raise ValueError(f"config.model.shift_slope={self.slope!r} must lie in (0, 10)")
+
+    def init(key, ctx, s):
+        return {"slope": jnp.full((ctx.num_heads,), s.slope, jnp.float32)}
+
+    def fn(params, q_pos, k_pos, ctx, s):
+        d = jnp.abs(q_pos[:, None] - k_pos[None, :]).astype(jnp.float32)
+        return -params["slope"][:, None, None] * d
+
+    families.register(
+        families.Family("shift", settings=ShiftSettings, bias=families.BiasSpec(init, fn))
+    )
+    try:
+        assert config_lib.defaults().model.shift_slope == 0.5
+        config = load(
+            "model.position=shift",
+            "model.shift_slope=2.0",
+            "model.d_model=16",
+            "model.num_layers=1",
+        )
+        cfg = config_lib.validate(config)
+        assert cfg.settings == ShiftSettings(slope=2.0)
+        with pytest.raises(ConfigError, match=r"shift_slope=20.0 must lie in \(0, 10\)"):
+            load("model.position=shift", "model.shift_slope=20")
+        # The model wires it in (abstractly: no compute), with the family's own settings.
+        model = nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(params=0)))
+        bias = model.blocks[0].attn.bias
+        assert bias.fn.settings == ShiftSettings(slope=2.0) and bias.values["slope"].shape == (4,)
+        logits = jax.eval_shape(lambda m, t: m(t), model, jnp.zeros((1, 8), jnp.int32))
+        assert logits.shape == (1, 8, 256)
+        spec = families.get("shift").bias
+        bound, params = (
+            spec.bind(cfg.context, cfg.settings),
+            spec.init(None, cfg.context, cfg.settings),
+        )
+        np.testing.assert_array_equal(
+            bound(params, jnp.arange(3), jnp.arange(3))[0, 2], [-4, -2, 0]
+        )
+        assert "model.shift_slope" in plan.continuous_keys()
+        assert "model.shift_slope = 0.5" in cli.help_text(cli.TRAIN)
+    finally:
+        del families._REGISTRY["shift"]
+    assert "shift" not in families.names()

@@ -1,110 +1,123 @@
-"""Configuration: Python config files, command-line overrides, validation before any compute.
+"""Config files and overrides: the defaults, loading `configs/*.py`, `--config.key=value`.
 
-A config file under `configs/` defines `get_config()` returning an `ml_collections.ConfigDict`
-with the sections `model`, `data` and `train` (experiments add their own). Any key can be
-overridden on the command line as `--config.a.b=value`; values are parsed as Python literals
-(`--config.model.rope_scaling="{'rope_type': 'yarn', 'factor': 4.0, ...}"`), and an override of
-a key the config does not define is an error (a typo must never be silently ignored).
+A config file under `configs/` is a plain Python module defining `get_config()` (or
+`get_config(arg)`, called for `file.py:arg`) that returns an `ml_collections.ConfigDict` with the
+sections `model`, `data` and `train` (experiments add their own). It starts from `defaults()`,
+where every default is written once: the `model` keys come from `posattn.nn.config.ModelConfig`
+and the family registry (each family's settings), the `data` and `train` keys from the tables
+below. A config file may import its sibling files relatively (`from .tiny import get_config`):
+`load_config` loads it as a member of a package whose path is the file's directory.
 
-`validate(config)` checks every setting and raises `ConfigError` naming the key, the value and
-what is allowed. Library code never sees the ConfigDict: `model_config(config)` turns the `model`
-section into the frozen `ModelConfig` dataclass the modules take.
+Any key can be overridden as `--config.a.b=value`; values are parsed as Python literals
+(`--config.model.rope_scaling="{'rope_type': 'yarn', 'factor': 4.0, ...}"`), converted to the
+type of the value they replace, and an override of a key the config does not define is an error
+(a typo must never be silently ignored). Checking the result is `posattn.validation`'s job;
+reading a command line is `posattn.cli`'s.
 """
 
 from __future__ import annotations
 
 import ast
-import dataclasses
 import difflib
+import hashlib
 import importlib.util
 import json
-import math
 import pathlib
-from collections.abc import Mapping, Sequence
+import sys
+import types
+from collections.abc import Sequence
 from typing import Any
 
 import ml_collections
 
-from posattn import families, rotary
-from posattn.attention import IMPLEMENTATIONS
+from posattn.nn import config as model_lib
+from posattn.nn.config import ConfigError, ModelConfig
+from posattn.validation import model_config, validate
 
 __all__ = [
     "ConfigError",
     "ModelConfig",
     "apply_overrides",
-    "config_and_workdir",
+    "complete",
+    "defaults",
+    "describe",
     "load_config",
     "model_config",
-    "parse_args",
     "parse_value",
+    "read_config",
     "to_json",
     "validate",
 ]
 
+# key -> (default, help). The `model` section's defaults live with ModelConfig and the families.
+DATA: dict[str, tuple[Any, str]] = {
+    "corpus": (
+        "stdlib",
+        "'stdlib', a text file or directory, or a directory of nanoGPT train.bin/val.bin",
+    ),
+    "seq_len": (128, "L, the training sequence length"),
+    "mask_rate": (0.15, "encoder only: the share of input bytes masked"),
+    "passkey_fraction": (
+        0.0,
+        "share of training rows replaced by passkey sequences (posattn.eval.probes)",
+    ),
+}
+TRAIN: dict[str, tuple[Any, str]] = {
+    "steps": (1000, "optimiser steps"),
+    "batch_size": (16, "sequences per step, over all devices and hosts"),
+    "learning_rate": (1e-3, "peak learning rate (AdamW)"),
+    "warmup_steps": (100, "linear warmup, then cosine decay"),
+    "min_lr_ratio": (0.1, "the cosine ends at min_lr_ratio * learning_rate"),
+    "weight_decay": (0.1, "AdamW decay of the matrices"),
+    "grad_clip": (1.0, "global gradient-norm clip"),
+    "b1": (0.9, "AdamW beta1"),
+    "b2": (0.95, "AdamW beta2"),
+    "seed": (0, "PRNG seed of the initial parameters and the batches"),
+    "checkpoint_every": (500, "steps between checkpoints"),
+    "keep_checkpoints": (3, "checkpoints kept"),
+    "log_every": (10, "steps between metrics lines"),
+    "eval_every": (0, "steps between evaluations (0: at the end only)"),
+    "eval_batches": (4, "batches per evaluation"),
+    "fsdp": (1, "size of the fsdp mesh axis (1: pure data parallel)"),
+    "distributed": (False, "call jax.distributed.initialize() (pods, SLURM); env vars also work"),
+}
 
-class ConfigError(ValueError):
-    """An invalid configuration; the message names the key, the value and what is allowed."""
+
+def defaults() -> ml_collections.ConfigDict:
+    """Every `model`, `data` and `train` key with its default: what config files start from."""
+    config = ml_collections.ConfigDict()
+    config.model = ml_collections.ConfigDict(model_lib.defaults())
+    config.data = ml_collections.ConfigDict({k: v for k, (v, _) in DATA.items()})
+    config.train = ml_collections.ConfigDict({k: v for k, (v, _) in TRAIN.items()})
+    return config
+
+
+def describe(config: ml_collections.ConfigDict) -> list[tuple[str, Any, str]]:
+    """(dotted key, value, help) for every leaf of `config`, in section order."""
+    helps = {f"model.{k}": h for k, h in model_lib.describe().items()}
+    helps |= {f"data.{k}": h for k, (_, h) in DATA.items()}
+    helps |= {f"train.{k}": h for k, (_, h) in TRAIN.items()}
+    out = []
+    order = {key: i for i, key in enumerate(["model", "data", "train", *helps])}
+
+    def walk(node, prefix):
+        keys = sorted(node.keys(), key=lambda k: order.get(prefix + k, len(order)))
+        for key in keys:
+            value = node[key]
+            if isinstance(value, ml_collections.ConfigDict) and not (
+                prefix == "model." and key in model_lib.config_keys()
+            ):
+                walk(value, f"{prefix}{key}.")
+            else:
+                plain = value.to_dict() if isinstance(value, ml_collections.ConfigDict) else value
+                out.append((prefix + key, plain, helps.get(prefix + key, "")))
+
+    walk(config, "")
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
-# The model's static description.
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """Static hyperparameters of a language model (hashable: safe as a jit static argument).
-
-    Shape letters: V vocab, D d_model, N query heads, K key/value heads, H head dim, F d_ff.
-    """
-
-    position: str = "rope"
-    kind: str = "decoder"  # "decoder" (causal LM) or "encoder" (bidirectional, masked bytes)
-    vocab_size: int = 256
-    d_model: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 4
-    d_ff: int = 0  # 0 means 4 * d_model
-    max_len: int = 1024  # learned absolute table size
-    kv_share: int = 1  # cross-layer KV sharing: groups of `kv_share` layers read one K/V
-    dtype: str = "float32"  # compute dtype; parameters stay float32
-    attention_impl: str = "auto"
-    # RoPE
-    rope_base: float = 10000.0
-    rope_scaling: tuple[tuple[str, Any], ...] | None = None  # a HF rope_scaling dict, as items
-    rope_layout: str = "interleaved"
-    # Relative biases
-    t5_num_buckets: int = 32
-    t5_max_distance: int = 128
-    alibi_slope_scale: float = 1.0
-    fire_mlp_width: int = 32
-    fire_init_c: float = 0.1
-    fire_init_L: float = 512.0
-    init_scale: float = 1.0  # multiplies the std of every weight initialiser (a sweepable knob)
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.num_heads
-
-    @property
-    def ff_dim(self) -> int:
-        return self.d_ff or 4 * self.d_model
-
-    @property
-    def causal(self) -> bool:
-        return self.kind == "decoder"
-
-    @property
-    def rope_scaling_dict(self) -> dict[str, Any] | None:
-        return None if self.rope_scaling is None else dict(self.rope_scaling)
-
-    @property
-    def family(self) -> families.Family:
-        return families.get(self.position)
-
-
-# ----------------------------------------------------------------------------------------------
-# Loading and overriding.
+# Loading.
 
 
 def load_config(
@@ -117,8 +130,17 @@ def load_config(
       overrides: strings `key=value` or `--config.key=value`.
 
     Returns:
-      The locked ConfigDict (validated: see `validate`).
+      The config (validated: see `posattn.validation.validate`); keys the file leaves out of its
+      `model`, `data` and `train` sections take their defaults.
     """
+    config = read_config(path)
+    config = apply_overrides(config, overrides)
+    validate(config)
+    return config
+
+
+def read_config(path: str | pathlib.Path) -> ml_collections.ConfigDict:
+    """The file's `get_config()` with the defaults filled in; no overrides, no validation."""
     path = str(path)
     arg = None
     if ":" in path and not pathlib.Path(path).exists():
@@ -126,15 +148,41 @@ def load_config(
     file = pathlib.Path(path)
     if not file.is_file():
         raise ConfigError(f"config file {path!r} does not exist (expected e.g. configs/tiny.py)")
-    spec = importlib.util.spec_from_file_location(f"posattn_config_{file.stem}", file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _import_file(file)
     if not hasattr(module, "get_config"):
         raise ConfigError(f"config file {path!r} defines no get_config()")
     config = module.get_config(arg) if arg is not None else module.get_config()
-    config = apply_overrides(config, overrides)
-    validate(config)
-    return config
+    return complete(config)
+
+
+def _import_file(file: pathlib.Path) -> types.ModuleType:
+    """Executes `file` as a member of a package whose path is its directory (so that relative
+    imports of sibling config files work); the package is named after the directory."""
+    directory = file.resolve().parent
+    package = "posattn_configs_" + hashlib.sha1(str(directory).encode()).hexdigest()[:12]
+    if package not in sys.modules:
+        module = types.ModuleType(package, f"config files in {directory}")
+        module.__path__ = [str(directory)]
+        sys.modules[package] = module
+    name = f"{package}.{file.stem}"
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # a fresh execution each load; siblings import this one
+    spec.loader.exec_module(module)
+    return module
+
+
+def complete(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """A copy of `config` whose `model`, `data` and `train` sections hold every key: those the
+    config leaves out take their defaults."""
+    out = ml_collections.ConfigDict(config.to_dict())
+    base = defaults()
+    for section in ("model", "data", "train"):
+        if section in out and isinstance(out[section], ml_collections.ConfigDict):
+            for key, value in base[section].items():
+                if key not in out[section]:
+                    out[section][key] = value.to_dict() if hasattr(value, "to_dict") else value
+    return out
 
 
 def parse_value(text: str) -> Any:
@@ -164,7 +212,8 @@ def apply_overrides(
                 close = difflib.get_close_matches(part, known, n=3)
                 hint = f"; did you mean {', '.join(close)}?" if close else ""
                 raise ConfigError(
-                    f"unknown config key {key!r}: {where} has no {part!r} (known: {', '.join(sorted(known))}){hint}"
+                    f"unknown config key {key!r}: {where} has no {part!r} "
+                    f"(known: {', '.join(sorted(known))}){hint}"
                 )
             if depth < len(parts) - 1:
                 node = node[part]
@@ -207,292 +256,5 @@ def _coerce(key: str, old: Any, value: Any) -> Any:
     )
 
 
-def parse_args(argv: Sequence[str]) -> tuple[str | None, list[str], dict[str, str]]:
-    """Splits a command line into (config path, config overrides, other --flag=value pairs)."""
-    path, overrides, flags = None, [], {}
-    args = list(argv)
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if arg.startswith("--config."):
-            if "=" not in arg and i + 1 < len(args):
-                arg, i = f"{arg}={args[i + 1]}", i + 1
-            overrides.append(arg)
-        elif arg.startswith("--"):
-            name, has_value, value = arg[2:].partition("=")
-            if not has_value:
-                if i + 1 < len(args) and not args[i + 1].startswith("--"):
-                    value, i = args[i + 1], i + 1
-                else:
-                    value = "true"
-            if name == "config":
-                path = value
-            else:
-                flags[name.replace("-", "_")] = value
-        else:
-            raise ConfigError(
-                f"unexpected argument {arg!r}; flags look like --workdir DIR or --config.key=value"
-            )
-        i += 1
-    return path, overrides, flags
-
-
-def config_and_workdir(argv: Sequence[str], command: str) -> tuple[str, list[str], str]:
-    """(config path, overrides, workdir) of `python -m <command> --config F --workdir DIR [--config.k=v ...]`;
-    a missing or unknown flag is a ConfigError that shows the usage."""
-    path, overrides, flags = parse_args(argv)
-    unknown = set(flags) - {"workdir"}
-    if path is None or "workdir" not in flags or unknown:
-        raise ConfigError(
-            f"usage: python -m {command} --config configs/<name>.py --workdir DIR [--config.key=value ...]"
-            + (f" (unknown flag --{sorted(unknown)[0]})" if unknown else "")
-        )
-    return path, overrides, flags["workdir"]
-
-
 def to_json(config: ml_collections.ConfigDict) -> str:
     return json.dumps(config.to_dict(), indent=2, sort_keys=True, default=str)
-
-
-# ----------------------------------------------------------------------------------------------
-# Validation.
-
-
-def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(f"config.{key}={value!r} is invalid: {allowed}")
-
-
-def _positive_int(
-    section: Mapping[str, Any], prefix: str, name: str, allow_zero: bool = False
-) -> None:
-    value = section[name]
-    ok = (
-        isinstance(value, int)
-        and not isinstance(value, bool)
-        and (value >= 0 if allow_zero else value > 0)
-    )
-    _require(
-        ok,
-        f"{prefix}.{name}",
-        value,
-        "must be a positive integer" if not allow_zero else "must be an integer >= 0",
-    )
-
-
-def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
-    """Validates `config.model` and returns it as a frozen `ModelConfig`."""
-    section = config.model
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    unknown = set(section.keys()) - known
-    if unknown:
-        raise ConfigError(
-            f"unknown config key(s) config.model.{sorted(unknown)[0]}: known keys are {sorted(known)}"
-        )
-    values = dict(section.to_dict())
-    scaling = values.get("rope_scaling")
-    if isinstance(scaling, str):
-        scaling = parse_value(scaling)
-    if scaling is not None and not isinstance(scaling, Mapping):
-        raise ConfigError(
-            f"config.model.rope_scaling={scaling!r} is invalid: must be None or a Hugging Face rope_scaling "
-            "dict such as {'rope_type': 'linear', 'factor': 4.0, 'original_max_position_embeddings': 512}"
-        )
-    values["rope_scaling"] = None if scaling is None else tuple(sorted(dict(scaling).items()))
-    cfg = ModelConfig(**values)
-    _validate_model(cfg)
-    return cfg
-
-
-def _validate_model(cfg: ModelConfig) -> None:
-    p = "model"
-    if cfg.position not in families.names():
-        raise ConfigError(
-            f"config.model.position={cfg.position!r} is not a known position family; known: {', '.join(families.names())}"
-        )
-    _require(
-        cfg.kind in ("decoder", "encoder"), f"{p}.kind", cfg.kind, "allowed: 'decoder', 'encoder'"
-    )
-    fields = cfg.__dict__
-    for name in (
-        "vocab_size",
-        "d_model",
-        "num_layers",
-        "num_heads",
-        "num_kv_heads",
-        "max_len",
-        "kv_share",
-        "t5_num_buckets",
-        "t5_max_distance",
-        "fire_mlp_width",
-    ):
-        _positive_int(fields, p, name)
-    _positive_int(fields, p, "d_ff", allow_zero=True)
-    _require(
-        cfg.d_model % cfg.num_heads == 0,
-        f"{p}.d_model",
-        cfg.d_model,
-        f"must be divisible by model.num_heads={cfg.num_heads} (head dim = d_model / num_heads)",
-    )
-    _require(
-        cfg.num_heads % cfg.num_kv_heads == 0,
-        f"{p}.num_kv_heads",
-        cfg.num_kv_heads,
-        f"must divide model.num_heads={cfg.num_heads} (grouped-query attention; 1 is multi-query)",
-    )
-    _require(
-        cfg.num_layers % cfg.kv_share == 0,
-        f"{p}.kv_share",
-        cfg.kv_share,
-        f"must divide model.num_layers={cfg.num_layers} (layers share K/V in groups of kv_share)",
-    )
-    _require(
-        cfg.dtype in ("float32", "bfloat16"),
-        f"{p}.dtype",
-        cfg.dtype,
-        "allowed: 'float32', 'bfloat16'",
-    )
-    _require(
-        cfg.attention_impl in IMPLEMENTATIONS,
-        f"{p}.attention_impl",
-        cfg.attention_impl,
-        "allowed: " + ", ".join(repr(name) for name in IMPLEMENTATIONS),
-    )
-    _require(
-        cfg.rope_layout in ("interleaved", "half"),
-        f"{p}.rope_layout",
-        cfg.rope_layout,
-        "allowed: 'interleaved', 'half'",
-    )
-    for name in ("rope_base", "alibi_slope_scale", "fire_init_c", "fire_init_L", "init_scale"):
-        value = fields[name]
-        _require(
-            isinstance(value, (int, float)) and math.isfinite(value) and value > 0,
-            f"{p}.{name}",
-            value,
-            "must be a positive finite number",
-        )
-    family = cfg.family
-    if family.rotary:
-        _require(
-            cfg.head_dim % 2 == 0,
-            f"{p}.d_model",
-            cfg.d_model,
-            f"gives an odd head dim {cfg.head_dim} (d_model / num_heads); RoPE rotates pairs and needs an even head dim",
-        )
-        if cfg.rope_scaling is not None:
-            try:
-                rotary.validate_rope_scaling(cfg.rope_scaling_dict, cfg.head_dim)
-            except ValueError as e:
-                raise ConfigError(f"config.model.rope_scaling: {e}") from None
-    elif cfg.rope_scaling is not None:
-        raise ConfigError(
-            f"config.model.rope_scaling is set but config.model.position={cfg.position!r} does not use RoPE; "
-            "set the position to 'rope' or the scaling to None"
-        )
-    if cfg.position == "t5":
-        buckets = cfg.t5_num_buckets // (1 if cfg.causal else 2)
-        _require(
-            buckets >= 2 and (cfg.causal or cfg.t5_num_buckets % 2 == 0),
-            f"{p}.t5_num_buckets",
-            cfg.t5_num_buckets,
-            "needs at least 2 buckets per direction (an even number for the encoder)",
-        )
-        _require(
-            cfg.t5_max_distance > buckets // 2,
-            f"{p}.t5_max_distance",
-            cfg.t5_max_distance,
-            f"must exceed the exact-bucket range num_buckets//2={buckets // 2} "
-            "(the log-spaced buckets cover max_exact..max_distance)",
-        )
-    if cfg.position == "sandwich":
-        _require(
-            cfg.head_dim % 2 == 0,
-            f"{p}.d_model",
-            cfg.d_model,
-            f"gives an odd head dim {cfg.head_dim}; Sandwich sums d'/2 cosines and needs an even head dim",
-        )
-
-
-_DATA_KEYS = {"corpus", "seq_len"}
-_TRAIN_KEYS = {"steps", "batch_size", "learning_rate", "seed", "checkpoint_every"}
-
-
-def validate(config: ml_collections.ConfigDict) -> ModelConfig:
-    """Checks every setting of a training config; returns the ModelConfig. Raises ConfigError."""
-    for section, keys in (("model", {"position"}), ("data", _DATA_KEYS), ("train", _TRAIN_KEYS)):
-        if section not in config:
-            raise ConfigError(
-                f"config has no {section!r} section (see configs/tiny.py for the layout)"
-            )
-        missing = keys - set(config[section].keys())
-        if missing:
-            raise ConfigError(f"config.{section} lacks required key(s) {sorted(missing)}")
-    cfg = model_config(config)
-    data, train = config.data, config.train
-    _positive_int(data, "data", "seq_len")
-    if cfg.position == "learned" and data.seq_len > cfg.max_len:
-        raise ConfigError(
-            f"config.data.seq_len={data.seq_len} exceeds config.model.max_len={cfg.max_len}, the learned "
-            "position table's size; raise model.max_len or shorten data.seq_len"
-        )
-    _require(
-        isinstance(data.corpus, str) and data.corpus != "",
-        "data.corpus",
-        data.corpus,
-        "must be 'stdlib', a text file or directory, or a directory holding nanoGPT train.bin/val.bin",
-    )
-    for name in ("passkey_fraction", "mask_rate"):
-        value = data.get(name, 0.0)
-        _require(
-            isinstance(value, (int, float)) and 0.0 <= value <= 1.0,
-            f"data.{name}",
-            value,
-            "must be a fraction in [0, 1]",
-        )
-    if data.get("passkey_fraction", 0.0) > 0 and not cfg.causal:
-        raise ConfigError(
-            f"config.data.passkey_fraction={data.passkey_fraction} mixes passkey sequences into a causal LM's "
-            "batches, but config.model.kind='encoder'; set the fraction to 0 or use the decoder"
-        )
-    for name in ("steps", "batch_size", "checkpoint_every"):
-        _positive_int(train, "train", name)
-    _positive_int(train, "train", "seed", allow_zero=True)
-    for name in (
-        "warmup_steps",
-        "eval_every",
-        "eval_batches",
-        "log_every",
-        "keep_checkpoints",
-        "fsdp",
-    ):
-        if name in train:
-            _positive_int(train, "train", name, allow_zero=name in ("warmup_steps", "eval_every"))
-    lr = train.learning_rate
-    _require(
-        isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0,
-        "train.learning_rate",
-        lr,
-        "must be a positive finite number",
-    )
-    for name, lo, hi in (
-        ("weight_decay", 0.0, math.inf),
-        ("grad_clip", 0.0, math.inf),
-        ("b1", 0.0, 1.0),
-        ("b2", 0.0, 1.0),
-        ("min_lr_ratio", 0.0, 1.0),
-    ):
-        if name in train:
-            value = train[name]
-            _require(
-                isinstance(value, (int, float)) and lo <= value <= hi,
-                f"train.{name}",
-                value,
-                f"must be a number in [{lo}, {hi}]",
-            )
-    if "warmup_steps" in train and train.warmup_steps > train.steps:
-        raise ConfigError(
-            f"config.train.warmup_steps={train.warmup_steps} exceeds config.train.steps={train.steps}; "
-            "shorten the warmup"
-        )
-    return cfg

@@ -1,4 +1,4 @@
-"""The registry: where a position family's name becomes its functions.
+"""The registry: where a position family's name becomes its functions and its settings.
 
 A family is some combination of three things, and the attention core never knows which:
   * an input embedding added to the token embeddings (`"sinusoidal"`, `"learned"`);
@@ -7,8 +7,12 @@ A family is some combination of three things, and the attention core never knows
     float32[N, t, s]`, passed to `posattn.attention.attention` as `(fn, params)` so the core can
     evaluate it tile by tile and gradients reach `params`.
 
-Adding a family means adding one `register(...)` call here; nothing else in the code branches on
-a family's name.
+Each family owns its settings: a frozen `Settings` dataclass whose fields are config keys under
+`model.` (`T5Settings.num_buckets` is `model.t5_num_buckets`), with their defaults, help texts, and
+a `validate` that names the key, the value and what is allowed. Adding a family means writing its
+pure functions, its settings class and one `register(...)` call here; the config defaults, the
+command-line help and the keys a sweep may stack are derived from the registry, and nothing else
+in the code branches on a family's name.
 """
 
 from __future__ import annotations
@@ -16,33 +20,299 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 
-from posattn import positions
+from posattn import positions, rotary
 
-__all__ = ["BiasSettings", "BiasSpec", "Family", "get", "names", "register"]
+__all__ = [
+    "AlibiSettings",
+    "BiasSpec",
+    "BoundBias",
+    "Context",
+    "Family",
+    "FireSettings",
+    "LearnedSettings",
+    "RopeSettings",
+    "SandwichSettings",
+    "Settings",
+    "T5Settings",
+    "continuous_keys",
+    "get",
+    "keys",
+    "names",
+    "owners",
+    "register",
+    "setting",
+]
 
 Array = jax.Array
 Params = Mapping[str, Array]
 BiasFn = Callable[[Params, Array, Array], Array]
 
 
+# ----------------------------------------------------------------------------------------------
+# Settings.
+
+
 @dataclasses.dataclass(frozen=True)
-class BiasSettings:
-    """Static settings a bias family needs (hashable). N = num_heads, H = head_dim."""
+class Context:
+    """What a family may read of the model around it (hashable). N = num_heads, H = head_dim.
+
+    Attributes:
+      num_heads: N, query heads (one bias row per head).
+      head_dim: H.
+      bidirectional: an encoder (T5's buckets then distinguish past and future).
+      init_scale: multiplies the std of every weight initialiser (`model.init_scale`).
+    """
 
     num_heads: int
     head_dim: int
     bidirectional: bool = False
-    t5_num_buckets: int = 32
-    t5_max_distance: int = 128
-    alibi_slope_scale: float = 1.0
-    fire_mlp_width: int = 32
-    fire_init_c: float = 0.1
-    fire_init_L: float = 512.0
     init_scale: float = 1.0
+
+
+def setting(default: Any, *, help: str, continuous: str | None = None, exclusive: bool = False):
+    """A field of a `Settings` class: its default and what the command-line help says about it.
+
+    Args:
+      default: the value a config takes unless it sets the key.
+      help: one line for `--help`.
+      continuous: why a vmap sweep may stack different values of it in one compiled program (it
+        only changes array values: a constant in the state, an initial value), or None when it
+        changes shapes or the traced program.
+      exclusive: a value other than the default is refused while another family is in use (it
+        would be silently ignored, and a user who sets it means this family).
+    """
+    return dataclasses.field(
+        default=default,
+        metadata={"help": help, "continuous": continuous, "exclusive": exclusive},
+    )
+
+
+def _invalid(key: str, value: Any, allowed: str) -> ValueError:
+    return ValueError(f"config.model.{key}={value!r} is invalid: {allowed}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """A family's static settings (hashable: they reach the model's graph, which keys jit caches).
+
+    Field `f` of a subclass is the config key `model.<prefix><f>`. The base class has no fields:
+    the settings of a family that has nothing to set.
+    """
+
+    prefix: ClassVar[str] = ""
+
+    @classmethod
+    def keys(cls) -> dict[str, dataclasses.Field]:
+        """Config key (under `model.`) -> its dataclass field."""
+        return {cls.prefix + f.name: f for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_keys(cls, values: Mapping[str, Any]) -> Settings:
+        """The settings read from flat `model.*` values; keys it does not declare are ignored."""
+        return cls(**{f.name: values[key] for key, f in cls.keys().items() if key in values})
+
+    def to_keys(self) -> dict[str, Any]:
+        """Config key (under `model.`) -> value, as a config file would write it."""
+        return {key: getattr(self, f.name) for key, f in self.keys().items()}
+
+    def validate(self, ctx: Context) -> None:
+        """Raises ValueError naming the config key, the value and what is allowed."""
+        del ctx
+
+    def check_length(self, length: int) -> None:
+        """Raises ValueError if this family cannot give positions 0..length-1 a signal."""
+        del length
+
+    def not_continuous(self) -> dict[str, str]:
+        """Keys marked continuous that these particular settings make static, with the reason."""
+        return {}
+
+    # Checks for subclasses' validate.
+    def _key(self, name: str) -> str:
+        return self.prefix + name
+
+    def _positive_int(self, name: str) -> None:
+        value = getattr(self, name)
+        if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            raise _invalid(self._key(name), value, "must be a positive integer")
+
+    def _positive_number(self, name: str) -> None:
+        value = getattr(self, name)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (ok and math.isfinite(value) and value > 0):
+            raise _invalid(self._key(name), value, "must be a positive finite number")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeSettings(Settings):
+    """RoPE (Su et al. 2021): the frequency base, a Hugging Face `rope_scaling`, the pair layout.
+
+    `scaling` is kept as a sorted tuple of (key, value) items (hashable); `scaling_dict` is the
+    dictionary. Every rotary family's settings are (or extend) these: the attention layer's
+    `Rotary` reads them.
+    """
+
+    prefix: ClassVar[str] = "rope_"
+    base: float = setting(
+        10000.0,
+        help="RoPE frequency base: theta_k = base^(-2k/H)",
+        continuous="the RoPE inverse frequencies, a Constant in the state",
+    )
+    scaling: Any = setting(
+        None,
+        help="None or a Hugging Face rope_scaling dict, e.g. "
+        "{'rope_type': 'yarn', 'factor': 4.0, 'original_max_position_embeddings': 512}",
+        exclusive=True,
+    )
+    layout: str = setting(
+        "interleaved",
+        help="pairs rotated together: 'interleaved' (x0, x1) or 'half' (x_k, x_k+H/2)",
+    )
+
+    def __post_init__(self):
+        if self.scaling is not None and hasattr(self.scaling, "keys"):
+            items = tuple(sorted((k, self.scaling[k]) for k in self.scaling.keys()))
+            object.__setattr__(self, "scaling", items)
+
+    @property
+    def scaling_dict(self) -> dict[str, Any] | None:
+        return None if self.scaling is None else dict(self.scaling)
+
+    def to_keys(self) -> dict[str, Any]:
+        return {**super().to_keys(), self._key("scaling"): self.scaling_dict}
+
+    def validate(self, ctx: Context) -> None:
+        self._positive_number("base")
+        if self.layout not in rotary.LAYOUTS:
+            raise _invalid(
+                self._key("layout"), self.layout, "allowed: " + ", ".join(map(repr, rotary.LAYOUTS))
+            )
+        if ctx.head_dim % 2:
+            raise ValueError(
+                f"config.model.d_model gives an odd head dim {ctx.head_dim} (d_model / num_heads); "
+                "RoPE rotates pairs and needs an even head dim"
+            )
+        if self.scaling is not None and not isinstance(self.scaling, tuple):
+            raise _invalid(
+                self._key("scaling"),
+                self.scaling,
+                "must be None or a Hugging Face rope_scaling dict such as "
+                "{'rope_type': 'linear', 'factor': 4.0, 'original_max_position_embeddings': 512}",
+            )
+        if self.scaling is not None:
+            try:
+                rotary.validate_rope_scaling(self.scaling_dict, ctx.head_dim)
+            except ValueError as e:
+                raise ValueError(f"config.model.{self._key('scaling')}: {e}") from None
+
+    def not_continuous(self) -> dict[str, str]:
+        kind = (self.scaling_dict or {}).get("rope_type", (self.scaling_dict or {}).get("type"))
+        if kind == "dynamic":
+            return {
+                self._key("base"): "with rope_scaling type 'dynamic', dynamic NTK recomputes the "
+                "frequencies from the base inside the program"
+            }
+        return {}
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnedSettings(Settings):
+    """Learned absolute embeddings: a table of `max_len` rows, and nothing past it."""
+
+    max_len: int = setting(1024, help="the learned position table's size (longest sequence)")
+
+    def validate(self, ctx: Context) -> None:
+        self._positive_int("max_len")
+
+    def check_length(self, length: int) -> None:
+        if length > self.max_len:
+            raise ValueError(
+                f"{length} positions exceed config.model.max_len={self.max_len}, the learned "
+                "position table's size (it has no row past it); raise model.max_len or use "
+                "fewer positions"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class T5Settings(Settings):
+    """T5's log-spaced relative buckets (Raffel et al. 2020)."""
+
+    prefix: ClassVar[str] = "t5_"
+    num_buckets: int = setting(32, help="relative-position buckets (split by direction if encoder)")
+    max_distance: int = setting(128, help="distance where the last log-spaced bucket starts")
+
+    def validate(self, ctx: Context) -> None:
+        self._positive_int("num_buckets")
+        self._positive_int("max_distance")
+        buckets = self.num_buckets // (2 if ctx.bidirectional else 1)
+        if buckets < 2 or (ctx.bidirectional and self.num_buckets % 2):
+            raise _invalid(
+                self._key("num_buckets"),
+                self.num_buckets,
+                "needs at least 2 buckets per direction (an even number for the encoder)",
+            )
+        if self.max_distance <= buckets // 2:
+            raise _invalid(
+                self._key("max_distance"),
+                self.max_distance,
+                f"must exceed the exact-bucket range num_buckets//2={buckets // 2} "
+                "(the log-spaced buckets cover max_exact..max_distance)",
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class AlibiSettings(Settings):
+    """ALiBi (Press et al. 2022): `slope_scale` multiplies the paper's geometric slopes."""
+
+    prefix: ClassVar[str] = "alibi_"
+    slope_scale: float = setting(
+        1.0,
+        help="multiplies ALiBi's geometric slopes (1.0 is the paper)",
+        continuous="the ALiBi slopes, a Constant in the state",
+    )
+
+    def validate(self, ctx: Context) -> None:
+        self._positive_number("slope_scale")
+
+
+@dataclasses.dataclass(frozen=True)
+class SandwichSettings(Settings):
+    """Sandwich has no settings of its own, but needs an even head dim."""
+
+    def validate(self, ctx: Context) -> None:
+        if ctx.head_dim % 2:
+            raise ValueError(
+                f"config.model.d_model gives an odd head dim {ctx.head_dim}; Sandwich sums d'/2 "
+                "cosines and needs an even head dim"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class FireSettings(Settings):
+    """FIRE (Li et al. 2024): the MLP's width, the initial values of c and of the threshold L."""
+
+    prefix: ClassVar[str] = "fire_"
+    mlp_width: int = setting(32, help="hidden width of FIRE's MLP 1 -> width -> N")
+    init_c: float = setting(
+        0.1,
+        help="initial value of FIRE's learned c in psi(x) = log(c x + 1)",
+        continuous="the initial value of FIRE's learned c",
+    )
+    init_L: float = setting(512.0, help="initial threshold L (learned as a multiplier of it)")
+
+    def validate(self, ctx: Context) -> None:
+        self._positive_int("mlp_width")
+        self._positive_number("init_c")
+        self._positive_number("init_L")
+
+
+# ----------------------------------------------------------------------------------------------
+# Families and the registry.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,23 +320,23 @@ class BiasSpec:
     """How a relative-bias family makes, constrains and evaluates its parameters.
 
     Attributes:
-      init: `(key, settings) -> {name: array}`, the initial values.
-      fn: `(params, q_pos, k_pos, settings) -> float32[N, t, s]`, a pure bias function.
+      init: `(key, ctx, settings) -> {name: array}`, the initial values.
+      fn: `(params, q_pos, k_pos, ctx, settings) -> float32[N, t, s]`, a pure bias function.
       trainable: whether the values are learned (`nnx.Param`) or fixed constants (ALiBi slopes).
       bounds: `{name: (low, high)}` a value is projected into after every optimiser step and at
         initialisation, as the reference code clamps its parameters' data in place.
       shared_across_layers: one bias for the whole stack (T5) or one per layer.
     """
 
-    init: Callable[[Array, BiasSettings], dict[str, Array]]
+    init: Callable[[Array, Context, Settings], dict[str, Array]]
     fn: Callable[..., Array]
     trainable: bool = True
     bounds: Mapping[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
     shared_across_layers: bool = False
 
-    def bind(self, settings: BiasSettings) -> BiasFn:
+    def bind(self, ctx: Context, settings: Settings) -> BiasFn:
         """The `BiasFn` for these static settings, as the attention core takes it."""
-        return BoundBias(self.fn, settings)
+        return BoundBias(self.fn, ctx, settings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,10 +348,11 @@ class BoundBias:
     """
 
     fn: Callable[..., Array]
-    settings: BiasSettings
+    ctx: Context
+    settings: Settings
 
     def __call__(self, params: Params, q_pos: Array, k_pos: Array) -> Array:
-        return self.fn(params, q_pos, k_pos, self.settings)
+        return self.fn(params, q_pos, k_pos, self.ctx, self.settings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,13 +361,16 @@ class Family:
 
     Attributes:
       name: its registry name (`model.position`).
-      embedding: `"none"`, `"sinusoidal"` or `"learned"`: what is added to the token embeddings.
-      rotary: whether queries and keys are rotated (RoPE).
+      settings: its `Settings` class (the config keys it reads, their defaults, their checks).
+      embedding: `"none"`, `"sinusoidal"` or `"learned"`: what is added to the token embeddings
+        (`"learned"`: its settings extend LearnedSettings, the table's size).
+      rotary: whether queries and keys are rotated (RoPE); its settings then extend RopeSettings.
       bias: the relative-bias spec, or None.
       scale_free: logits without the `1/sqrt(H)` factor (T5: its query initialiser carries it).
     """
 
     name: str
+    settings: type[Settings] = Settings
     embedding: str = "none"
     rotary: bool = False
     bias: BiasSpec | None = None
@@ -108,12 +382,30 @@ _REGISTRY: dict[str, Family] = {}
 
 
 def register(family: Family) -> Family:
+    """Adds a family; refuses a taken name and a config key another family declares differently."""
     if family.name in _REGISTRY:
         raise ValueError(f"position family {family.name!r} is already registered")
     if family.embedding not in ("none", "sinusoidal", "learned"):
         raise ValueError(
             f"family {family.name!r}: embedding must be 'none', 'sinusoidal' or 'learned'"
         )
+    if not (isinstance(family.settings, type) and issubclass(family.settings, Settings)):
+        raise ValueError(f"family {family.name!r}: settings must be a Settings subclass")
+    if family.rotary and not issubclass(family.settings, RopeSettings):
+        raise ValueError(f"family {family.name!r} is rotary: its settings must extend RopeSettings")
+    if family.embedding == "learned" and not issubclass(family.settings, LearnedSettings):
+        raise ValueError(
+            f"family {family.name!r} learns an embedding table: its settings must extend "
+            "LearnedSettings (the table's size)"
+        )
+    taken = keys()
+    for key, f in family.settings.keys().items():
+        if key in taken and taken[key].default != f.default:
+            raise ValueError(
+                f"family {family.name!r} declares config key model.{key} with default "
+                f"{f.default!r}, but {', '.join(owners(key))} declare it with "
+                f"{taken[key].default!r}"
+            )
     _REGISTRY[family.name] = family
     return family
 
@@ -132,6 +424,25 @@ def get(name: str) -> Family:
         ) from None
 
 
+def keys() -> dict[str, dataclasses.Field]:
+    """Every config key (under `model.`) some family declares -> its field, in registry order."""
+    out: dict[str, dataclasses.Field] = {}
+    for family in _REGISTRY.values():
+        for key, f in family.settings.keys().items():
+            out.setdefault(key, f)
+    return out
+
+
+def owners(key: str) -> tuple[str, ...]:
+    """The families that read config key `model.<key>`."""
+    return tuple(n for n, f in _REGISTRY.items() if key in f.settings.keys())
+
+
+def continuous_keys() -> dict[str, str]:
+    """Family keys (under `model.`) a vmap sweep may stack -> why they leave the program alone."""
+    return {k: f.metadata["continuous"] for k, f in keys().items() if f.metadata["continuous"]}
+
+
 # ----------------------------------------------------------------------------------------------
 # Bias functions. `offset = i - j` (positive when the key is in the past); a bidirectional model
 # sees |offset| in the families that have no direction of their own (ALiBi, Kerple, Sandwich).
@@ -141,43 +452,42 @@ def _offsets(q_pos: Array, k_pos: Array) -> Array:
     return q_pos[:, None] - k_pos[None, :]  # (t, s)
 
 
-def _distance(q_pos: Array, k_pos: Array, settings: BiasSettings) -> Array:
-    offset = _offsets(q_pos, k_pos)
+def _distance(q_pos: Array, k_pos: Array) -> Array:
     # Causal models never attend to negative offsets (they are masked), so |offset| is the same
     # bias on every visible key and keeps the masked entries finite.
-    return jnp.abs(offset)
+    return jnp.abs(_offsets(q_pos, k_pos))
 
 
 # T5 (Raffel et al. 2020; mesh_tensorflow / t5x `_relative_position_bucket`): a learned scalar per
 # (head, bucket), one table for the whole stack, no 1/sqrt(d) in the logits.
-def _t5_init(key: Array, s: BiasSettings) -> dict[str, Array]:
+def _t5_init(key: Array, ctx: Context, s: T5Settings) -> dict[str, Array]:
     # t5x's T5.1.1 network builds RelativePositionBiases with
     # `embedding_init=variance_scaling(1.0, 'fan_avg', 'uniform')` over the (heads, buckets) table.
     init = jax.nn.initializers.variance_scaling(
-        s.init_scale**2, "fan_avg", "uniform", in_axis=1, out_axis=0
+        ctx.init_scale**2, "fan_avg", "uniform", in_axis=1, out_axis=0
     )
-    return {"table": init(key, (s.num_heads, s.t5_num_buckets), jnp.float32)}
+    return {"table": init(key, (ctx.num_heads, s.num_buckets), jnp.float32)}
 
 
-def _t5_fn(params: Params, q_pos: Array, k_pos: Array, s: BiasSettings) -> Array:
+def _t5_fn(params: Params, q_pos: Array, k_pos: Array, ctx: Context, s: T5Settings) -> Array:
     bucket = positions.t5_bucket(
         _offsets(q_pos, k_pos),
-        bidirectional=s.bidirectional,
-        num_buckets=s.t5_num_buckets,
-        max_distance=s.t5_max_distance,
+        bidirectional=ctx.bidirectional,
+        num_buckets=s.num_buckets,
+        max_distance=s.max_distance,
     )  # (t, s)
     return jnp.take(params["table"], bucket, axis=1).astype(jnp.float32)  # (N, t, s)
 
 
-# ALiBi (Press et al. 2022): fixed geometric slopes; `alibi_slope_scale` multiplies them (a sweep
-# knob; 1.0 is the paper).
-def _alibi_init(key: Array, s: BiasSettings) -> dict[str, Array]:
+# ALiBi (Press et al. 2022): fixed geometric slopes; `slope_scale` multiplies them (a sweep knob;
+# 1.0 is the paper).
+def _alibi_init(key: Array, ctx: Context, s: AlibiSettings) -> dict[str, Array]:
     del key
-    return {"slopes": positions.alibi_slopes(s.num_heads) * s.alibi_slope_scale}
+    return {"slopes": positions.alibi_slopes(ctx.num_heads) * s.slope_scale}
 
 
-def _alibi_fn(params: Params, q_pos: Array, k_pos: Array, s: BiasSettings) -> Array:
-    return positions.alibi_bias(_distance(q_pos, k_pos, s), params["slopes"])
+def _alibi_fn(params: Params, q_pos: Array, k_pos: Array, ctx: Context, s: Settings) -> Array:
+    return positions.alibi_bias(_distance(q_pos, k_pos), params["slopes"])
 
 
 # Kerple (Chi et al. 2022, github.com/chijames/KERPLE, ParallelKerplePower / ParallelKerpleLog):
@@ -187,59 +497,62 @@ def _alibi_fn(params: Params, q_pos: Array, k_pos: Array, s: BiasSettings) -> Ar
 _KERPLE_EPS = 1e-2
 
 
-def _kerple_power_init(key: Array, s: BiasSettings) -> dict[str, Array]:
+def _kerple_power_init(key: Array, ctx: Context, s: Settings) -> dict[str, Array]:
     k1, k2 = jax.random.split(key)
-    r1 = jax.random.uniform(k1, (s.num_heads,), jnp.float32, 0.0, 1.0)
-    r2 = jax.random.uniform(k2, (s.num_heads,), jnp.float32, 0.0, 2.0)
+    r1 = jax.random.uniform(k1, (ctx.num_heads,), jnp.float32, 0.0, 1.0)
+    r2 = jax.random.uniform(k2, (ctx.num_heads,), jnp.float32, 0.0, 2.0)
     return {"r1": jnp.clip(r1, _KERPLE_EPS), "r2": jnp.clip(r2, _KERPLE_EPS, 2.0)}
 
 
-def _kerple_log_init(key: Array, s: BiasSettings) -> dict[str, Array]:
+def _kerple_log_init(key: Array, ctx: Context, s: Settings) -> dict[str, Array]:
     k1, k2 = jax.random.split(key)
-    r1 = jax.random.uniform(k1, (s.num_heads,), jnp.float32, 0.0, 2.0)
-    r2 = jax.random.uniform(k2, (s.num_heads,), jnp.float32, 0.0, 1.0)
+    r1 = jax.random.uniform(k1, (ctx.num_heads,), jnp.float32, 0.0, 2.0)
+    r2 = jax.random.uniform(k2, (ctx.num_heads,), jnp.float32, 0.0, 1.0)
     return {"r1": jnp.clip(r1, _KERPLE_EPS), "r2": jnp.clip(r2, _KERPLE_EPS)}
 
 
-def _kerple_power_fn(params: Params, q_pos: Array, k_pos: Array, s: BiasSettings) -> Array:
-    return positions.kerple_power_bias(_distance(q_pos, k_pos, s), params["r1"], params["r2"])
+def _kerple_power_fn(params: Params, q_pos: Array, k_pos: Array, ctx, s) -> Array:
+    return positions.kerple_power_bias(_distance(q_pos, k_pos), params["r1"], params["r2"])
 
 
-def _kerple_log_fn(params: Params, q_pos: Array, k_pos: Array, s: BiasSettings) -> Array:
-    return positions.kerple_log_bias(_distance(q_pos, k_pos, s), params["r1"], params["r2"])
+def _kerple_log_fn(params: Params, q_pos: Array, k_pos: Array, ctx, s) -> Array:
+    return positions.kerple_log_bias(_distance(q_pos, k_pos), params["r1"], params["r2"])
 
 
 # Sandwich (Chi et al. 2023; the NeMo form): parameter-free.
-def _sandwich_fn(params: Params, q_pos: Array, k_pos: Array, s: BiasSettings) -> Array:
+def _sandwich_init(key: Array, ctx: Context, s: Settings) -> dict[str, Array]:
+    return {}
+
+
+def _sandwich_fn(params: Params, q_pos: Array, k_pos: Array, ctx: Context, s: Settings) -> Array:
     del params
     return positions.sandwich_bias(
-        _distance(q_pos, k_pos, s), head_dim=s.head_dim, num_heads=s.num_heads
+        _distance(q_pos, k_pos), head_dim=ctx.head_dim, num_heads=ctx.num_heads
     )
 
 
 # FIRE (Li et al. 2024): bias = f(psi(i - j) / psi(max(L, i))), psi(x) = log(c|x| + 1), f an MLP
 # 1 -> width -> N with ReLU. As in the paper's reference code, L is learned as a multiplier of its
 # initial value (threshold = |L_multiplier * init_L|) and c starts at 0.1.
-def _fire_init(key: Array, s: BiasSettings) -> dict[str, Array]:
+def _fire_init(key: Array, ctx: Context, s: FireSettings) -> dict[str, Array]:
     k1, k2 = jax.random.split(key)
-    width = s.fire_mlp_width
-    # PyTorch nn.Linear's default init, as the reference MLP uses: U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+    width, scale = s.mlp_width, ctx.init_scale
+    # PyTorch nn.Linear's default init, as the reference MLP uses: U(-1/sqrt(fan_in), +1/sqrt(...)).
     lim1, lim2 = 1.0, 1.0 / math.sqrt(width)
     k1a, k1b = jax.random.split(k1)
     k2a, k2b = jax.random.split(k2)
     return {
-        "c": jnp.asarray(s.fire_init_c, jnp.float32),
+        "c": jnp.asarray(s.init_c, jnp.float32),
         "L_multiplier": jnp.asarray(1.0, jnp.float32),
-        "w1": s.init_scale * jax.random.uniform(k1a, (width,), jnp.float32, -lim1, lim1),
-        "b1": s.init_scale * jax.random.uniform(k1b, (width,), jnp.float32, -lim1, lim1),
-        "w2": s.init_scale
-        * jax.random.uniform(k2a, (width, s.num_heads), jnp.float32, -lim2, lim2),
-        "b2": s.init_scale * jax.random.uniform(k2b, (s.num_heads,), jnp.float32, -lim2, lim2),
+        "w1": scale * jax.random.uniform(k1a, (width,), jnp.float32, -lim1, lim1),
+        "b1": scale * jax.random.uniform(k1b, (width,), jnp.float32, -lim1, lim1),
+        "w2": scale * jax.random.uniform(k2a, (width, ctx.num_heads), jnp.float32, -lim2, lim2),
+        "b2": scale * jax.random.uniform(k2b, (ctx.num_heads,), jnp.float32, -lim2, lim2),
     }
 
 
-def _fire_fn(params: Params, q_pos: Array, k_pos: Array, s: BiasSettings) -> Array:
-    threshold = jnp.abs(params["L_multiplier"] * s.fire_init_L)
+def _fire_fn(params: Params, q_pos: Array, k_pos: Array, ctx: Context, s: FireSettings) -> Array:
+    threshold = jnp.abs(params["L_multiplier"] * s.init_L)
     d = positions.fire_normalized_distance(q_pos, k_pos, c=params["c"], L=threshold)  # (t, s)
     h = jax.nn.relu(d[..., None] * params["w1"] + params["b1"])  # (t, s, width)
     out = h @ params["w2"] + params["b2"]  # (t, s, N)
@@ -258,14 +571,25 @@ register(
     )
 )
 register(
-    Family("learned", embedding="learned", description="GPT-style learned absolute embeddings")
+    Family(
+        "learned",
+        settings=LearnedSettings,
+        embedding="learned",
+        description="GPT-style learned absolute embeddings",
+    )
 )
 register(
-    Family("rope", rotary=True, description="RoPE (Su et al. 2021), with optional HF rope_scaling")
+    Family(
+        "rope",
+        settings=RopeSettings,
+        rotary=True,
+        description="RoPE (Su et al. 2021), with optional HF rope_scaling",
+    )
 )
 register(
     Family(
         "t5",
+        settings=T5Settings,
         bias=BiasSpec(_t5_init, _t5_fn, shared_across_layers=True),
         scale_free=True,
         description="T5 log-bucketed learned relative bias",
@@ -274,6 +598,7 @@ register(
 register(
     Family(
         "alibi",
+        settings=AlibiSettings,
         bias=BiasSpec(_alibi_init, _alibi_fn, trainable=False),
         description="ALiBi linear biases with geometric slopes",
     )
@@ -303,13 +628,15 @@ register(
 register(
     Family(
         "sandwich",
-        bias=BiasSpec(lambda key, s: {}, _sandwich_fn, trainable=False),
+        settings=SandwichSettings,
+        bias=BiasSpec(_sandwich_init, _sandwich_fn, trainable=False),
         description="Sandwich: sinusoidal inner product, ALiBi-compressed per head",
     )
 )
 register(
     Family(
         "fire",
+        settings=FireSettings,
         bias=BiasSpec(_fire_init, _fire_fn, bounds={"c": (1e-6, math.inf)}),
         description="FIRE: MLP of a progressively interpolated log distance",
     )

@@ -12,7 +12,6 @@ How the cache works: docs/decoding.md.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import pathlib
@@ -24,6 +23,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from posattn import cli
 from posattn import config as config_lib
 from posattn.nn import decode
 from posattn.nn.model import TransformerLM
@@ -50,7 +50,8 @@ def load_model(workdir: str | pathlib.Path):
         raise GenerateError(
             f"{workdir} has no config.json: is it a workdir written by python -m posattn.train?"
         )
-    config = ml_collections.ConfigDict(json.loads(path.read_text()))
+    # Keys added to the library since the run was written take their defaults.
+    config = config_lib.complete(ml_collections.ConfigDict(json.loads(path.read_text())))
     restored = restore_trained(config, workdir / "checkpoints")
     if restored is None:
         raise GenerateError(
@@ -62,38 +63,37 @@ def load_model(workdir: str | pathlib.Path):
     return cfg, graphdef, state["params"], state["constants"], step
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m posattn.generate", description=__doc__.split("\n\n")[0]
-    )
-    p.add_argument("--workdir", required=True, help="a workdir trained by python -m posattn.train")
-    p.add_argument("--prompt", required=True, help="text to continue (encoded as UTF-8 bytes)")
-    p.add_argument("--max_new_tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument(
-        "--top_k", type=int, default=0, help="sample among the k most likely tokens (0: all)"
-    )
-    p.add_argument(
-        "--seed", type=int, default=0, help="PRNG seed for sampling; step t uses fold_in(key, t)"
-    )
-    p.add_argument(
-        "--no_cache",
-        action="store_true",
-        help="recompute the full forward for every token (oracle)",
-    )
-    p.add_argument(
-        "--dynamic_ntk",
-        choices=decode.DYNAMIC_NTK_MODES,
-        default="exact",
-        help="dynamic-NTK RoPE only: 'exact' recomputes the prefix past m_l (default), 'rerotate' "
-        "re-rotates cached keys, 'hf' keeps them as written (stale); docs/decoding.md",
-    )
-    return p
+COMMAND = cli.Command(
+    "python -m posattn.generate",
+    "Samples from a model trained by posattn.train: loads DIR/config.json and the newest "
+    "checkpoint that restores, encodes the prompt as UTF-8 bytes and prints it with its "
+    "continuation (the KV cache: docs/decoding.md).",
+    flags=(
+        cli.Flag("workdir", "a workdir trained by python -m posattn.train", metavar="DIR"),
+        cli.Flag("prompt", "text to continue (encoded as UTF-8 bytes)", metavar="TEXT"),
+        cli.Flag("max_new_tokens", "tokens to generate", 200, int, metavar="N"),
+        cli.Flag("temperature", "sampling temperature; 0 is greedy", 0.0, float, metavar="T"),
+        cli.Flag("top_k", "sample among the k most likely tokens (0: all)", 0, int, metavar="K"),
+        cli.Flag(
+            "seed", "PRNG seed for sampling; step t uses fold_in(key, t)", 0, int, metavar="S"
+        ),
+        cli.Flag("no_cache", "recompute the full forward for every token (oracle)", False, bool),
+        cli.Flag(
+            "dynamic_ntk",
+            "dynamic-NTK RoPE only: 'exact' recomputes the prefix past m_l, 'rerotate' "
+            "re-rotates cached keys, 'hf' keeps them as written (stale); docs/decoding.md",
+            "exact",
+            choices=decode.DYNAMIC_NTK_MODES,
+            metavar="MODE",
+        ),
+    ),
+    takes_config=False,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        args = cli.parse(COMMAND, argv)
         cfg, graphdef, params, constants, step = load_model(args.workdir)
         if cfg.vocab_size != BYTE_VOCAB:
             raise GenerateError(

@@ -21,7 +21,6 @@ length T the first positions of each window have little context; the mean is ove
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -368,9 +367,7 @@ def with_rope_scaling(
         raise ValueError(f"rope scaling needs a RoPE model; model.position={cfg.position!r}")
     if scaling is not None:
         rotary.validate_rope_scaling(dict(scaling), cfg.head_dim)
-    new = dataclasses.replace(
-        cfg, rope_scaling=None if scaling is None else tuple(sorted(dict(scaling).items()))
-    )
+    new = cfg.replace(rope_scaling=None if scaling is None else dict(scaling))
     abstract = nnx.eval_shape(lambda: TransformerLM(new, rngs=nnx.Rngs(params=0)))
     graphdef, _, _ = nnx.split(abstract, nnx.Param, ...)
     # The constants (RoPE frequencies) computed for real; XLA drops the unused parameter init.

@@ -38,8 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from posattn.config import ModelConfig
 from posattn.nn import layers
+from posattn.nn.config import ModelConfig
 
 __all__ = [
     "DYNAMIC_NTK_MODES",
@@ -108,8 +108,8 @@ def _dynamic_layout(cfg: ModelConfig, dynamic_ntk: str) -> tuple[bool, int | Non
             "('exact' recomputes the prefix past m_l, 'rerotate' rotates cached keys with the "
             "current frequencies, 'hf' keeps them as written)"
         )
-    scaling = cfg.rope_scaling_dict or {}
-    if not (cfg.family.rotary and scaling.get("rope_type", scaling.get("type")) == "dynamic"):
+    scaling = (cfg.settings.scaling_dict if cfg.family.rotary else None) or {}
+    if scaling.get("rope_type", scaling.get("type")) != "dynamic":
         return True, None  # frequencies independent of the length: caching is exact
     m_l = int(scaling["original_max_position_embeddings"])
     return dynamic_ntk != "rerotate", (m_l if dynamic_ntk == "exact" else None)

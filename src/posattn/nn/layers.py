@@ -3,14 +3,16 @@
 Shape legend: B batch, T query length, S key length, D d_model, N query heads, K key/value heads,
 H head dim, F feed-forward width, V vocabulary.
 
-The attention layer asks the family registry what to do: rotate q/k (RoPE), hand a `(BiasFn,
-params)` pair to the attention core (T5, ALiBi, Kerple, Sandwich, FIRE), or nothing (NoPE and the
-absolute families, whose embedding the model adds at the input). It never branches on a name.
+The attention layer is handed what the family registry says to do: rotate q/k (a `Rotary`),
+hand a `(BiasFn, params)` pair to the attention core (a `PositionBias`: T5, ALiBi, Kerple, Sandwich,
+FIRE), or nothing (NoPE and the absolute families, whose embedding the model adds at the input). It
+never branches on a name. Layers take plain arguments (sizes, dtypes) or their own small settings
+object (`Rotary` a `families.RopeSettings`, `PositionBias` a family's settings), never the model's
+whole config: `TransformerLM` is what reads a `ModelConfig`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
@@ -19,7 +21,6 @@ from flax import nnx
 
 from posattn import attention as attention_lib
 from posattn import families, rotary
-from posattn.config import ModelConfig
 
 __all__ = [
     "Attention",
@@ -29,7 +30,7 @@ __all__ = [
     "PositionBias",
     "RMSNorm",
     "Rotary",
-    "bias_settings",
+    "compute_dtype",
     "dense",
     "token_positions",
     "write_rows",
@@ -60,8 +61,9 @@ def dense(x: jax.Array, w: jax.Array) -> jax.Array:
     return y.reshape(*lead, *out)
 
 
-def _dtype(cfg: ModelConfig):
-    return jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
+def compute_dtype(name: str):
+    """The jnp dtype of `model.dtype` ("float32" or "bfloat16")."""
+    return jnp.bfloat16 if name == "bfloat16" else jnp.float32
 
 
 class RMSNorm(nnx.Module):
@@ -77,20 +79,25 @@ class RMSNorm(nnx.Module):
         return (x * self.scale[...]).astype(self.dtype)
 
 
-def bias_settings(cfg: ModelConfig) -> families.BiasSettings:
-    # Every other field of BiasSettings has the ModelConfig field of the same name.
-    names = {f.name for f in dataclasses.fields(families.BiasSettings)} - {"bidirectional"}
-    return families.BiasSettings(
-        bidirectional=not cfg.causal, **{n: getattr(cfg, n) for n in names}
-    )
-
-
 class PositionBias(nnx.Module):
-    """Owns a bias family's values and hands the attention core its `(BiasFn, params)` pair."""
+    """Owns a bias family's values and hands the attention core its `(BiasFn, params)` pair.
 
-    def __init__(self, spec: families.BiasSpec, settings: families.BiasSettings, *, rngs: nnx.Rngs):
+    Args:
+      spec: the family's `BiasSpec`.
+      ctx: what the family reads of the model (heads, head dim, direction, init scale).
+      settings: the family's own settings (`families.T5Settings`, ...).
+    """
+
+    def __init__(
+        self,
+        spec: families.BiasSpec,
+        ctx: families.Context,
+        settings: families.Settings,
+        *,
+        rngs: nnx.Rngs,
+    ):
         variable = nnx.Param if spec.trainable else Constant
-        values = spec.init(rngs.params(), settings)
+        values = spec.init(rngs.params(), ctx, settings)
         self.values = nnx.Dict(
             {
                 name: variable(value, bounds=spec.bounds[name])
@@ -99,28 +106,31 @@ class PositionBias(nnx.Module):
                 for name, value in values.items()
             }
         )
-        self.fn = spec.bind(settings)
+        self.fn = spec.bind(ctx, settings)
 
     def __call__(self) -> tuple[families.BiasFn, dict[str, jax.Array]]:
         return self.fn, {name: value[...] for name, value in self.values.items()}
 
 
 class Rotary(nnx.Module):
-    """RoPE frequencies for the whole model (one instance, shared by every attention layer)."""
+    """RoPE frequencies for the whole model (one instance, shared by every attention layer).
 
-    def __init__(self, cfg: ModelConfig):
-        scaling = cfg.rope_scaling_dict
-        inv_freq, factor = rotary.rope_frequencies(
-            cfg.head_dim, base=cfg.rope_base, scaling=scaling
-        )
+    Args:
+      head_dim: H, the size of one attention head (even).
+      settings: the base, Hugging Face scaling and pair layout (`families.RopeSettings`).
+    """
+
+    def __init__(self, head_dim: int, settings: families.RopeSettings):
+        scaling = settings.scaling_dict
+        inv_freq, factor = rotary.rope_frequencies(head_dim, base=settings.base, scaling=scaling)
         self.inv_freq = Constant(jnp.asarray(inv_freq, jnp.float32))
         self.attention_factor = float(factor)
-        # The scaling is kept as the config's tuple of items (hashable, so graphdefs can key jit caches).
+        # The scaling is kept as a tuple of items (hashable, so graphdefs can key jit caches).
         self.head_dim, self.base, self.scaling, self.layout = (
-            cfg.head_dim,
-            cfg.rope_base,
-            cfg.rope_scaling,
-            cfg.rope_layout,
+            head_dim,
+            settings.base,
+            settings.scaling,
+            settings.layout,
         )
         kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
         self.dynamic = kind == "dynamic"
@@ -154,7 +164,13 @@ class Attention(nnx.Module):
     """Multi-head / grouped-query self-attention with the model's position family.
 
     Args:
-      cfg: the model's static configuration.
+      d_model, num_heads, num_kv_heads: D, N and K (head dim H = D / N; K divides N).
+      num_layers: the depth of the stack (the output projection's init std shrinks with it).
+      causal: decoder (True) or bidirectional encoder (False).
+      scale_free: logits without 1/sqrt(H), carried by the query initialiser instead (T5).
+      init_scale: multiplies the std of every weight initialiser.
+      implementation: the `posattn.attention` implementation.
+      dtype: the compute dtype (parameters stay float32).
       owns_kv: False for a layer that reads the keys/values of a lower layer (cross-layer KV
         sharing); it then has no key/value projections.
       rotary_module: the model's shared `Rotary` (RoPE families) or None.
@@ -163,32 +179,40 @@ class Attention(nnx.Module):
 
     def __init__(
         self,
-        cfg: ModelConfig,
+        d_model: int,
+        num_heads: int,
+        num_kv_heads: int,
         *,
+        num_layers: int,
+        causal: bool,
+        scale_free: bool,
+        init_scale: float,
+        implementation: str,
+        dtype,
         owns_kv: bool,
         rotary_module: Rotary | None,
         bias_module: PositionBias | None,
         rngs: nnx.Rngs,
     ):
-        D, N, K, H = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        std = cfg.init_scale / math.sqrt(D)
+        D, N, K, H = d_model, num_heads, num_kv_heads, d_model // num_heads
+        std = init_scale / math.sqrt(D)
         # T5 keeps 1/sqrt(H) out of the logits and puts it into the query initialiser instead
         # (mesh_tensorflow: query init std (d_model * d_kv) ** -0.5).
-        q_std = std / math.sqrt(H) if cfg.family.scale_free else std
+        q_std = std / math.sqrt(H) if scale_free else std
         self.wq = nnx.Param(_normal(rngs, (D, N, H), q_std))
         if owns_kv:
             self.wk = nnx.Param(_normal(rngs, (D, K, H), std))
             self.wv = nnx.Param(_normal(rngs, (D, K, H), std))
         self.wo = nnx.Param(
-            _normal(rngs, (N, H, D), cfg.init_scale / math.sqrt(N * H * 2 * cfg.num_layers))
+            _normal(rngs, (N, H, D), init_scale / math.sqrt(N * H * 2 * num_layers))
         )
         self.owns_kv = owns_kv
         self.rotary = rotary_module
         self.bias = bias_module
-        self.causal = cfg.causal
-        self.scale = 1.0 if cfg.family.scale_free else 1.0 / math.sqrt(H)
-        self.implementation = cfg.attention_impl
-        self.dtype = _dtype(cfg)
+        self.causal = causal
+        self.scale = 1.0 if scale_free else 1.0 / math.sqrt(H)
+        self.implementation = implementation
+        self.dtype = dtype
 
     def project_kv(
         self, x: jax.Array, positions: jax.Array, *, seq_len, rotate: bool = True
@@ -307,13 +331,22 @@ def token_positions(q_offset, length: int) -> jax.Array:
 
 
 class Mlp(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        D, F = cfg.d_model, cfg.ff_dim
-        self.w1 = nnx.Param(_normal(rngs, (D, F), cfg.init_scale / math.sqrt(D)))
-        self.w2 = nnx.Param(
-            _normal(rngs, (F, D), cfg.init_scale / math.sqrt(F * 2 * cfg.num_layers))
-        )
-        self.dtype = _dtype(cfg)
+    """GELU feed-forward D -> F -> D; `num_layers` (the stack's depth) shrinks the output init."""
+
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        *,
+        num_layers: int,
+        init_scale: float,
+        dtype,
+        rngs: nnx.Rngs,
+    ):
+        D, F = d_model, d_ff
+        self.w1 = nnx.Param(_normal(rngs, (D, F), init_scale / math.sqrt(D)))
+        self.w2 = nnx.Param(_normal(rngs, (F, D), init_scale / math.sqrt(F * 2 * num_layers)))
+        self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
         h = jax.nn.gelu(dense(x, self.w1[...].astype(self.dtype)))  # (B, T, F)
@@ -321,18 +354,49 @@ class Mlp(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    Args: as `Attention`, plus d_ff, F, the MLP's width.
+    """
 
     def __init__(
-        self, cfg: ModelConfig, *, owns_kv: bool, rotary_module, bias_module, rngs: nnx.Rngs
+        self,
+        d_model: int,
+        num_heads: int,
+        num_kv_heads: int,
+        d_ff: int,
+        *,
+        num_layers: int,
+        causal: bool,
+        scale_free: bool,
+        init_scale: float,
+        implementation: str,
+        dtype,
+        owns_kv: bool,
+        rotary_module: Rotary | None,
+        bias_module: PositionBias | None,
+        rngs: nnx.Rngs,
     ):
-        dtype = _dtype(cfg)
-        self.attn_norm = RMSNorm(cfg.d_model, dtype=dtype)
+        self.attn_norm = RMSNorm(d_model, dtype=dtype)
         self.attn = Attention(
-            cfg, owns_kv=owns_kv, rotary_module=rotary_module, bias_module=bias_module, rngs=rngs
+            d_model,
+            num_heads,
+            num_kv_heads,
+            num_layers=num_layers,
+            causal=causal,
+            scale_free=scale_free,
+            init_scale=init_scale,
+            implementation=implementation,
+            dtype=dtype,
+            owns_kv=owns_kv,
+            rotary_module=rotary_module,
+            bias_module=bias_module,
+            rngs=rngs,
         )
-        self.mlp_norm = RMSNorm(cfg.d_model, dtype=dtype)
-        self.mlp = Mlp(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(d_model, dtype=dtype)
+        self.mlp = Mlp(
+            d_model, d_ff, num_layers=num_layers, init_scale=init_scale, dtype=dtype, rngs=rngs
+        )
 
     def __call__(self, x: jax.Array, *, kv_lengths=None, kv=None):
         h, kv = self.attn(self.attn_norm(x), kv_lengths=kv_lengths, kv=kv)

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from posattn import positions
-from posattn.config import ModelConfig
 from posattn.nn import layers
+from posattn.nn.config import ModelConfig
 
 __all__ = ["TransformerLM", "cross_entropy", "mask_token_id"]
 
@@ -44,23 +44,36 @@ class TransformerLM(nnx.Module):
         )
         if family.embedding == "learned":
             self.pos_embed = nnx.Param(
-                cfg.init_scale / math.sqrt(D) * jax.random.normal(rngs.params(), (cfg.max_len, D))
+                cfg.init_scale
+                / math.sqrt(D)
+                * jax.random.normal(rngs.params(), (cfg.settings.max_len, D))
             )
-        rotary_module = layers.Rotary(cfg) if family.rotary else None
-        settings = layers.bias_settings(cfg)
+        # The family's modules get the family's own settings; the blocks get plain sizes.
+        rotary_module = layers.Rotary(cfg.head_dim, cfg.settings) if family.rotary else None
         shared_bias = None
         if family.bias is not None and family.bias.shared_across_layers:
-            shared_bias = layers.PositionBias(family.bias, settings, rngs=rngs)
+            shared_bias = layers.PositionBias(family.bias, cfg.context, cfg.settings, rngs=rngs)
 
         def bias_for_layer():
             if family.bias is None:
                 return None
-            return shared_bias or layers.PositionBias(family.bias, settings, rngs=rngs)
+            return shared_bias or layers.PositionBias(
+                family.bias, cfg.context, cfg.settings, rngs=rngs
+            )
 
         self.blocks = nnx.List(
             [
                 layers.Block(
-                    cfg,
+                    D,
+                    cfg.num_heads,
+                    cfg.num_kv_heads,
+                    cfg.ff_dim,
+                    num_layers=cfg.num_layers,
+                    causal=cfg.causal,
+                    scale_free=family.scale_free,
+                    init_scale=cfg.init_scale,
+                    implementation=cfg.attention_impl,
+                    dtype=layers.compute_dtype(cfg.dtype),
                     owns_kv=i % cfg.kv_share == 0,
                     rotary_module=rotary_module,
                     bias_module=bias_for_layer(),
@@ -80,7 +93,7 @@ class TransformerLM(nnx.Module):
             x = x + _sinusoidal(pos, cfg.d_model)
         elif family.embedding == "learned":
             x = x + positions.learned_embedding(self.pos_embed[...], pos)
-        return x.astype(layers._dtype(cfg))
+        return x.astype(layers.compute_dtype(cfg.dtype))
 
     def hidden(self, tokens: jax.Array, *, kv_lengths=None) -> jax.Array:
         """Final normalised hidden states [B, T, D] (float32) of tokens at positions 0..T-1."""

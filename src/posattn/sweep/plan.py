@@ -7,18 +7,23 @@ config's own keys:
     config.sweep.discrete.model.position = ("rope", "alibi")  # one compiled program per combination
     config.sweep.continuous.train.seed = (0, 1, 2, 3)         # stacked on the vmap axis
     config.sweep.continuous.train.learning_rate = (1e-3, 3e-3)
-    config.sweep.combine = "grid"   # continuous axes: "grid" (every combination) or "zip" (k-th of each)
+    config.sweep.combine = "grid"   # continuous axes: "grid" (every combination) or "zip"
 
 or, when each program sweeps its own keys (RoPE bases for RoPE, slope scales for ALiBi), an
 explicit list of programs instead of `discrete`:
 
     config.sweep.programs = (
-        {"set": {"model.position": "rope"}, "continuous": {"model.rope_base": (1e3, 1e4, 1e5)}},
-        {"set": {"model.position": "alibi"}, "continuous": {"model.alibi_slope_scale": (0.5, 1.0, 2.0)}},
+        {"set": {"model.position": "rope"},
+         "continuous": {"model.rope_base": (1e3, 1e4, 1e5)}},
+        {"set": {"model.position": "alibi"},
+         "continuous": {"model.alibi_slope_scale": (0.5, 1.0, 2.0)}},
     )
 
 Only keys that change array values, never shapes or the traced program, may be continuous
-(`CONTINUOUS`); everything else (family, depth, heads, seq_len, rope_scaling, ...) is discrete.
+(`CONTINUOUS`: the optimiser's injected hyperparameters and the seed, plus the `model.*` keys whose
+settings field says why it may be, in `posattn.nn.config.ModelConfig` or a family's settings);
+everything else (family, depth, heads, seq_len, rope_scaling, ...) is discrete. A family may make
+one of its continuous keys static for some of its settings (a RoPE base under dynamic NTK).
 Each member's config is built from the same `key=value` strings a single run's command line
 would carry, and validated in full, before the first step of the first program.
 """
@@ -35,21 +40,28 @@ from typing import Any
 import ml_collections
 
 from posattn import config as config_lib
+from posattn.nn import config as model_lib
 
-__all__ = ["CONTINUOUS", "Member", "Program", "format_override", "plan"]
+__all__ = ["CONTINUOUS", "Member", "Program", "continuous_keys", "format_override", "plan"]
 
-# Keys a vmap sweep may stack, and where each one lives (why it leaves the compiled program alone).
-CONTINUOUS = {
+# Training keys a vmap sweep may stack, and where each one lives (why it leaves the compiled
+# program alone); the model's come from their settings fields (`continuous_keys`).
+_TRAIN_CONTINUOUS = {
     "train.seed": "the initial parameters' PRNG key and the batches (each member gets its own)",
     "train.learning_rate": "optax.inject_hyperparams: an array in opt_state",
     "train.weight_decay": "optax.inject_hyperparams: an array in opt_state",
     "train.b1": "optax.inject_hyperparams: an array in opt_state",
     "train.b2": "optax.inject_hyperparams: an array in opt_state",
-    "model.rope_base": "the RoPE inverse frequencies, a Constant in the state",
-    "model.alibi_slope_scale": "the ALiBi slopes, a Constant in the state",
-    "model.init_scale": "the initial parameter values only",
-    "model.fire_init_c": "the initial value of FIRE's learned c",
 }
+
+
+def continuous_keys() -> dict[str, str]:
+    """Every key a vmap sweep may stack -> why it leaves the compiled program alone."""
+    model = {f"model.{key}": why for key, why in model_lib.continuous_keys().items()}
+    return {**_TRAIN_CONTINUOUS, **model}
+
+
+CONTINUOUS = continuous_keys()  # as registered at import; the function sees later families too
 
 _SWEEP_KEYS = {
     "discrete",
@@ -128,7 +140,7 @@ def _plain(value: Any) -> Any:
 
 
 def _axes(node: Any, where: str, prefix: str = "") -> dict[str, tuple]:
-    """Flattens a nested section (`model.position = (...)`) or a dotted-key mapping into key -> values."""
+    """Flattens a section (`model.position = (...)`) or a dotted-key mapping to key -> values."""
     if node is None:
         return {}
     if not isinstance(node, (ml_collections.ConfigDict, Mapping)):
@@ -158,37 +170,42 @@ def _combine(axes: dict[str, tuple], how: str, where: str) -> list[dict[str, Any
         sizes = {k: len(v) for k, v in axes.items()}
         if len(set(sizes.values())) != 1:
             raise config_lib.ConfigError(
-                f"config.sweep.combine='zip' needs every {where} axis to have the same length, got {sizes}; "
-                "use combine='grid' for every combination"
+                f"config.sweep.combine='zip' needs every {where} axis to have the same length, "
+                f"got {sizes}; use combine='grid' for every combination"
             )
-        return [dict(zip(keys, values)) for values in zip(*axes.values())]
-    return [dict(zip(keys, values)) for values in itertools.product(*axes.values())]
+        return [dict(zip(keys, values, strict=True)) for values in zip(*axes.values(), strict=True)]
+    return [dict(zip(keys, values, strict=True)) for values in itertools.product(*axes.values())]
 
 
 def _check_continuous(
     keys: Sequence[str], settings: Mapping[str, Any], config: ml_collections.ConfigDict, where: str
 ) -> None:
+    allowed = continuous_keys()
     for key in keys:
-        if key not in CONTINUOUS:
+        if key not in allowed:
             raise config_lib.ConfigError(
-                f"config.{where}.{key} cannot be swept inside one compiled program: it is not one of the keys "
-                f"that only change array values ({', '.join(CONTINUOUS)}); {key} may change shapes or the "
-                f"traced program (e.g. rope_scaling's type), so move it to config.sweep.discrete (one "
-                "program per value)"
+                f"config.{where}.{key} cannot be swept inside one compiled program: it is not one "
+                f"of the keys that only change array values ({', '.join(allowed)}); {key} may "
+                "change shapes or the traced program (e.g. rope_scaling's type), so move it to "
+                "config.sweep.discrete (one program per value)"
             )
-    if "model.rope_base" in keys:
-        scaling = _plain(settings.get("model.rope_scaling", config.model.get("rope_scaling")))
-        if isinstance(scaling, str):
-            scaling = config_lib.parse_value(scaling)
-        kind = (
-            scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, Mapping) else None
+    model_keys = [k.removeprefix("model.") for k in keys if k.startswith("model.")]
+    if not model_keys:
+        return
+    # The program's family may make a key static for its settings (its members share them).
+    strings = [format_override(k, v) for k, v in settings.items()]
+    try:
+        cfg = config_lib.model_config(config_lib.apply_overrides(config, strings))
+    except config_lib.ConfigError:
+        return  # the members' own validation names the problem
+    static = [(k, why) for k, why in cfg.settings.not_continuous().items() if k in model_keys]
+    if static:
+        key, why = static[0]
+        raise config_lib.ConfigError(
+            f"config.{where}.model.{key} cannot be continuous for model.position="
+            f"{cfg.position!r} with these settings: {why}; sweep it in config.sweep.discrete "
+            "instead (one program per value)"
         )
-        if kind == "dynamic":
-            raise config_lib.ConfigError(
-                f"config.{where}.model.rope_base cannot be continuous with rope_scaling type 'dynamic': dynamic "
-                "NTK recomputes the frequencies from the base inside the program; sweep the base in "
-                "config.sweep.discrete instead"
-            )
 
 
 def _programs(config: ml_collections.ConfigDict) -> list[tuple[dict[str, Any], dict[str, tuple]]]:
@@ -198,8 +215,8 @@ def _programs(config: ml_collections.ConfigDict) -> list[tuple[dict[str, Any], d
     continuous = _axes(sweep.get("continuous"), "sweep.continuous")
     if explicit and discrete:
         raise config_lib.ConfigError(
-            "config.sweep.programs and config.sweep.discrete are both set; list the programs explicitly "
-            "or give the discrete grid, not both"
+            "config.sweep.programs and config.sweep.discrete are both set; list the programs "
+            "explicitly or give the discrete grid, not both"
         )
     if not explicit:
         return [(settings, continuous) for settings in _combine(discrete, "grid", "sweep.discrete")]
@@ -207,8 +224,9 @@ def _programs(config: ml_collections.ConfigDict) -> list[tuple[dict[str, Any], d
     for i, entry in enumerate(explicit):
         if not isinstance(entry, Mapping) or set(entry) - {"set", "continuous"}:
             raise config_lib.ConfigError(
-                f"config.sweep.programs[{i}]={entry!r} is invalid: each program is a dict with keys 'set' "
-                "({dotted key: value}) and optionally 'continuous' ({dotted key: (values...)})"
+                f"config.sweep.programs[{i}]={entry!r} is invalid: each program is a dict with "
+                "keys 'set' ({dotted key: value}) and optionally 'continuous' "
+                "({dotted key: (values...)})"
             )
         settings = dict(entry.get("set") or {})
         own = (
@@ -241,7 +259,8 @@ def plan(config: ml_collections.ConfigDict, *, cli_overrides: Sequence[str] = ()
     unknown = set(config.sweep.keys()) - _SWEEP_KEYS
     if unknown:
         raise config_lib.ConfigError(
-            f"unknown config key config.sweep.{sorted(unknown)[0]}; known: {', '.join(sorted(_SWEEP_KEYS))}"
+            f"unknown config key config.sweep.{sorted(unknown)[0]}; known: "
+            f"{', '.join(sorted(_SWEEP_KEYS))}"
         )
     combine = config.sweep.get("combine", "grid")
     if combine not in ("grid", "zip"):

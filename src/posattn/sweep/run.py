@@ -38,6 +38,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from posattn import cli
 from posattn import config as config_lib
 from posattn.nn.model import TransformerLM
 from posattn.sweep import plan as sweep_config
@@ -476,9 +477,11 @@ def _extrapolate(program, state, graphdef, corpus, lengths, loss_at_lengths, con
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        path, overrides, workdir = config_lib.config_and_workdir(argv, "posattn.sweep")
-        config = config_lib.load_config(path, overrides)
-        records = run_sweep(config, workdir, cli_overrides=overrides, config_path=path)
+        args = cli.parse(cli.SWEEP, argv)
+        workdir = args.workdir
+        records = run_sweep(
+            args.config, workdir, cli_overrides=args.overrides, config_path=args.config_path
+        )
     except (config_lib.ConfigError, data_lib.DataError, workdir_lib.WorkdirBusyError) as e:
         print(f"posattn.sweep: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, (config_lib.ConfigError, data_lib.DataError)) else 1

@@ -185,8 +185,8 @@ def batch_options(data_config, *, causal: bool, vocab_size: int) -> dict:
     `posattn.nn.model.mask_token_id`).
     """
     if causal:
-        return {"passkey_fraction": float(data_config.get("passkey_fraction", 0.0))}
-    return {"mask_rate": float(data_config.get("mask_rate", 0.15)), "mask_id": vocab_size}
+        return {"passkey_fraction": float(data_config.passkey_fraction)}
+    return {"mask_rate": float(data_config.mask_rate), "mask_id": vocab_size}
 
 
 def eval_batches(

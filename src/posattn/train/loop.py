@@ -30,6 +30,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
+from posattn import cli
 from posattn import config as config_lib
 from posattn.nn.model import TransformerLM
 from posattn.train import data as data_lib
@@ -287,9 +288,8 @@ def _local_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        path, overrides, workdir = config_lib.config_and_workdir(argv, "posattn.train")
-        config = config_lib.load_config(path, overrides)
-        result = train_and_evaluate(config, workdir)
+        args = cli.parse(cli.TRAIN, argv)
+        result = train_and_evaluate(args.config, args.workdir)
     except (config_lib.ConfigError, data_lib.DataError, WorkdirBusyError, NonFiniteLossError) as e:
         print(f"posattn.train: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, (config_lib.ConfigError, data_lib.DataError)) else 1

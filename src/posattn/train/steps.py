@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from posattn.config import ModelConfig
+from posattn.nn.config import ModelConfig
 from posattn.nn.model import TransformerLM, cross_entropy
 
 __all__ = [
@@ -37,21 +37,25 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    """AdamW with linear warmup and cosine decay to `min_lr_ratio * learning_rate`, clipped grads."""
+    """AdamW with linear warmup and cosine decay to `min_lr_ratio * learning_rate`, clipped grads.
 
-    learning_rate: float = 1e-3
-    total_steps: int = 1000
-    warmup_steps: int = 100
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    b1: float = 0.9
-    b2: float = 0.95
+    The values come from a config's `train` section (`train.steps` is `total_steps`), whose
+    defaults are written in `posattn.config.TRAIN`.
+    """
+
+    learning_rate: float
+    total_steps: int
+    warmup_steps: int
+    min_lr_ratio: float
+    weight_decay: float
+    grad_clip: float
+    b1: float
+    b2: float
 
     @classmethod
     def from_config(cls, train) -> OptimConfig:
         fields = {f.name for f in dataclasses.fields(cls)} - {"total_steps"}
-        return cls(total_steps=int(train.steps), **{k: train[k] for k in fields if k in train})
+        return cls(total_steps=int(train.steps), **{k: train[k] for k in fields})
 
 
 def lr_shape(o: OptimConfig):

@@ -1,0 +1,277 @@
+"""The model's static settings: `ModelConfig`, what every module of `posattn.nn` is built from.
+
+A frozen dataclass (hashable: safe as a jit static argument and inside a graphdef) with the
+settings every model has, plus `settings`, the position family's own (`posattn.families`): a
+`T5Settings` for T5, a `RopeSettings` for RoPE, ... A config file's `model` section is flat: it
+holds every family's keys (`model.t5_max_distance`, `model.rope_base`, ...) and `from_keys`
+reads the ones the chosen family declares. `validate` checks everything, before any compute, and
+raises `ConfigError` naming the key, the value and what is allowed.
+
+No ml_collections here: loading files and command lines is `posattn.config`'s job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from posattn import families
+from posattn.attention import IMPLEMENTATIONS
+
+__all__ = ["ConfigError", "ModelConfig", "config_keys", "continuous_keys", "defaults", "describe"]
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the key, the value and what is allowed."""
+
+
+def _key(default: Any, help: str, continuous: str | None = None):
+    return dataclasses.field(default=default, metadata={"help": help, "continuous": continuous})
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Static hyperparameters of a language model.
+
+    Shape letters: V vocab, D d_model, N query heads, K key/value heads, H head dim, F d_ff.
+    Every field but `settings` is the config key `model.<field>`; the family's own keys are read
+    through `settings` (or as attributes: `cfg.t5_max_distance` of a T5 model).
+    """
+
+    position: str = _key("rope", "the position family (posattn.families)")
+    kind: str = _key("decoder", "'decoder' (causal LM) or 'encoder' (bidirectional, masked bytes)")
+    vocab_size: int = _key(256, "output vocabulary (256: bytes)")
+    d_model: int = _key(128, "D, the residual stream's width")
+    num_layers: int = _key(4, "transformer blocks")
+    num_heads: int = _key(4, "N, query heads (head dim = d_model / num_heads)")
+    num_kv_heads: int = _key(4, "K, key/value heads; must divide num_heads (1: multi-query)")
+    d_ff: int = _key(0, "feed-forward width (0: 4 * d_model)")
+    kv_share: int = _key(1, "cross-layer KV sharing: groups of kv_share layers read one K/V")
+    dtype: str = _key("float32", "compute dtype, 'float32' or 'bfloat16' (softmax stays float32)")
+    attention_impl: str = _key("auto", "posattn.attention implementation")
+    init_scale: float = _key(
+        1.0,
+        "multiplies the std of every weight initialiser",
+        continuous="the initial parameter values only",
+    )
+    # The family's settings, filled with its defaults when not given (not a config key itself).
+    settings: families.Settings | None = dataclasses.field(default=None, metadata={"key": False})
+
+    def __post_init__(self):
+        family = families.get(self.position)
+        if self.settings is None:
+            object.__setattr__(self, "settings", family.settings())
+        elif type(self.settings) is not family.settings:
+            raise TypeError(
+                f"model.position={self.position!r} takes {family.settings.__name__}, got "
+                f"{type(self.settings).__name__}"
+            )
+
+    # ---- Derived values. ----
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    @property
+    def ff_dim(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+    @property
+    def causal(self) -> bool:
+        return self.kind == "decoder"
+
+    @property
+    def family(self) -> families.Family:
+        return families.get(self.position)
+
+    @property
+    def context(self) -> families.Context:
+        """What the family's functions may read of this model."""
+        return families.Context(
+            num_heads=self.num_heads,
+            head_dim=self.head_dim,
+            bidirectional=not self.causal,
+            init_scale=self.init_scale,
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when normal lookup fails: the family's keys read as attributes.
+        settings = self.__dict__.get("settings")
+        if settings is None or name.startswith("_"):
+            raise AttributeError(name)
+        fields = type(settings).keys()
+        if name in fields:
+            return getattr(settings, fields[name].name)
+        raise AttributeError(
+            f"ModelConfig has no {name!r}: not a model key, nor one that model.position="
+            f"{self.position!r} reads ({', '.join(fields) or 'it has no settings'})"
+        )
+
+    # ---- Flat config keys. ----
+    @classmethod
+    def from_keys(cls, values: Mapping[str, Any] | None = None, /, **more: Any) -> ModelConfig:
+        """The config of a flat `model` section (or keyword arguments); does not validate.
+
+        Keys of families other than `position`'s are known but ignored, except an `exclusive` one
+        set away from its default (a user who sets `rope_scaling` means RoPE). An unknown key is a
+        ConfigError with the closest known ones.
+        """
+        values = {**dict(values or {}), **more}
+        known = config_keys()
+        for name in values:
+            if name not in known:
+                close = difflib.get_close_matches(name, list(known), n=3)
+                hint = f"; did you mean {', '.join(close)}?" if close else ""
+                raise ConfigError(
+                    f"unknown config key config.model.{name}; known keys: "
+                    f"{', '.join(sorted(known))}{hint}"
+                )
+        position = values.get("position", cls.position)
+        if position not in families.names():
+            raise ConfigError(
+                f"config.model.position={position!r} is not a known position family; known: "
+                f"{', '.join(families.names())}"
+            )
+        settings_cls = families.get(position).settings
+        own = settings_cls.keys()
+        for name, f in families.keys().items():
+            exclusive = f.metadata.get("exclusive")
+            if exclusive and name not in own and values.get(name, f.default) != f.default:
+                readers = families.owners(name)
+                raise ConfigError(
+                    f"config.model.{name}={values[name]!r} is set but config.model.position="
+                    f"{position!r} does not read it (read by {', '.join(map(repr, readers))}); "
+                    f"set model.position to one of those or model.{name} to {f.default!r}"
+                )
+        common = {k: v for k, v in values.items() if k in _COMMON}
+        try:
+            settings = settings_cls.from_keys(values)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"config.model ({position} settings): {e}") from None
+        return cls(**common, settings=settings)
+
+    def keys(self) -> dict[str, Any]:
+        """The flat `model` section of this config (the family's keys only)."""
+        common = {name: getattr(self, name) for name in _COMMON}
+        return {**common, **self.settings.to_keys()}
+
+    def replace(self, **values: Any) -> ModelConfig:
+        """A copy with flat config keys changed (`cfg.replace(rope_scaling=None, d_model=64)`)."""
+        return ModelConfig.from_keys({**self.keys(), **values})
+
+    # ---- Validation. ----
+    def validate(self) -> ModelConfig:
+        """Checks every setting (the family's through its own `validate`); returns self."""
+        if self.kind not in ("decoder", "encoder"):
+            _fail("kind", self.kind, "allowed: 'decoder', 'encoder'")
+        for name in (
+            "vocab_size",
+            "d_model",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "kv_share",
+        ):
+            _check_int(name, getattr(self, name), allow_zero=False)
+        _check_int("d_ff", self.d_ff, allow_zero=True)
+        if self.d_model % self.num_heads:
+            _fail(
+                "d_model",
+                self.d_model,
+                f"must be divisible by model.num_heads={self.num_heads} "
+                "(head dim = d_model / num_heads)",
+            )
+        if self.num_heads % self.num_kv_heads:
+            _fail(
+                "num_kv_heads",
+                self.num_kv_heads,
+                f"must divide model.num_heads={self.num_heads} "
+                "(grouped-query attention; 1 is multi-query)",
+            )
+        if self.num_layers % self.kv_share:
+            _fail(
+                "kv_share",
+                self.kv_share,
+                f"must divide model.num_layers={self.num_layers} "
+                "(layers share K/V in groups of kv_share)",
+            )
+        if self.dtype not in ("float32", "bfloat16"):
+            _fail("dtype", self.dtype, "allowed: 'float32', 'bfloat16'")
+        if self.attention_impl not in IMPLEMENTATIONS:
+            _fail("attention_impl", self.attention_impl, "allowed: " + _listing(IMPLEMENTATIONS))
+        value = self.init_scale
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (number and math.isfinite(value) and value > 0):
+            _fail("init_scale", value, "must be a positive finite number")
+        try:
+            self.settings.validate(self.context)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        return self
+
+    def check_length(self, length: int, key: str) -> None:
+        """Raises ConfigError naming `key` if the family cannot read `length` positions."""
+        try:
+            self.settings.check_length(length)
+        except ValueError as e:
+            raise ConfigError(
+                f"config.{key}={length} is too long for model.position={self.position!r}: {e}"
+            ) from None
+
+
+_COMMON = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.metadata.get("key", True))
+
+
+def _listing(values) -> str:
+    return ", ".join(repr(v) for v in values)
+
+
+def _fail(name: str, value: Any, allowed: str):
+    raise ConfigError(f"config.model.{name}={value!r} is invalid: {allowed}")
+
+
+def _check_int(name: str, value: Any, *, allow_zero: bool) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    if not (ok and (value >= 0 if allow_zero else value > 0)):
+        _fail(
+            name, value, "must be an integer >= 0" if allow_zero else "must be a positive integer"
+        )
+
+
+def config_keys() -> dict[str, dataclasses.Field]:
+    """Every `model.*` config key -> its field: the common ones, then each family's."""
+    common = {f.name: f for f in dataclasses.fields(ModelConfig) if f.name in _COMMON}
+    clash = set(common) & set(families.keys())
+    if clash:
+        raise RuntimeError(f"family settings redeclare model keys {sorted(clash)}")
+    return {**common, **families.keys()}
+
+
+def defaults() -> dict[str, Any]:
+    """The `model` section's defaults: every key, each default written once, in its dataclass."""
+    return {name: f.default for name, f in config_keys().items()}
+
+
+def describe() -> dict[str, str]:
+    """`model.*` key -> a help line (a family key names the families that read it)."""
+    out = {}
+    for name, f in config_keys().items():
+        readers = families.owners(name)
+        help = f.metadata.get("help", "")
+        if name == "position":
+            help += ": " + ", ".join(families.names())
+        out[name] = f"[{', '.join(readers)}] {help}" if readers else help
+    return out
+
+
+def continuous_keys() -> dict[str, str]:
+    """`model.*` keys a vmap sweep may stack -> why they leave the compiled program alone."""
+    common = {
+        name: f.metadata["continuous"]
+        for name, f in config_keys().items()
+        if name in _COMMON and f.metadata.get("continuous")
+    }
+    return {**common, **families.continuous_keys()}

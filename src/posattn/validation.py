@@ -1,0 +1,114 @@
+"""Checking a training config before any compute: every error names the key, the value and what
+is allowed (`ConfigError`).
+
+`validate(config)` checks the `model` section (through `ModelConfig.validate`, which asks the
+position family to check its own settings) and the `data` and `train` sections, and returns the
+frozen `ModelConfig` the modules take. Library code never sees the ConfigDict.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import ml_collections
+
+from posattn.nn.config import ConfigError, ModelConfig
+
+__all__ = ["model_config", "validate"]
+
+_DATA_KEYS = {"corpus", "seq_len"}
+_TRAIN_KEYS = {"steps", "batch_size", "learning_rate", "seed", "checkpoint_every"}
+
+
+def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
+    """Validates `config.model` and returns it as a frozen `ModelConfig`."""
+    return ModelConfig.from_keys(config.model.to_dict()).validate()
+
+
+def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"config.{key}={value!r} is invalid: {allowed}")
+
+
+def _positive_int(section: Mapping[str, Any], prefix: str, name: str, allow_zero=False) -> None:
+    value = section[name]
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    ok = ok and (value >= 0 if allow_zero else value > 0)
+    allowed = "must be an integer >= 0" if allow_zero else "must be a positive integer"
+    _require(ok, f"{prefix}.{name}", value, allowed)
+
+
+def validate(config: ml_collections.ConfigDict) -> ModelConfig:
+    """Checks every setting of a training config; returns the ModelConfig. Raises ConfigError."""
+    for section, keys in (("model", set()), ("data", _DATA_KEYS), ("train", _TRAIN_KEYS)):
+        if section not in config:
+            raise ConfigError(
+                f"config has no {section!r} section (see configs/tiny.py for the layout)"
+            )
+        missing = keys - set(config[section].keys())
+        if missing:
+            raise ConfigError(f"config.{section} lacks required key(s) {sorted(missing)}")
+    cfg = model_config(config)
+    data, train = config.data, config.train
+    _positive_int(data, "data", "seq_len")
+    cfg.check_length(data.seq_len, "data.seq_len")
+    _require(
+        isinstance(data.corpus, str) and data.corpus != "",
+        "data.corpus",
+        data.corpus,
+        "must be 'stdlib', a text file or directory, or a directory holding nanoGPT "
+        "train.bin/val.bin",
+    )
+    for name in ("passkey_fraction", "mask_rate"):
+        if name in data:
+            value = data[name]
+            _require(
+                isinstance(value, (int, float)) and 0.0 <= value <= 1.0,
+                f"data.{name}",
+                value,
+                "must be a fraction in [0, 1]",
+            )
+    if data.get("passkey_fraction") and not cfg.causal:
+        raise ConfigError(
+            f"config.data.passkey_fraction={data.passkey_fraction} mixes passkey sequences into "
+            "a causal LM's batches, but config.model.kind='encoder'; set the fraction to 0 or "
+            "use the decoder"
+        )
+    for name in ("steps", "batch_size", "checkpoint_every"):
+        _positive_int(train, "train", name)
+    _positive_int(train, "train", "seed", allow_zero=True)
+    for name in ("warmup_steps", "eval_every", "eval_batches", "log_every", "keep_checkpoints"):
+        if name in train:
+            _positive_int(train, "train", name, allow_zero=name in ("warmup_steps", "eval_every"))
+    if "fsdp" in train:
+        _positive_int(train, "train", "fsdp")
+    lr = train.learning_rate
+    _require(
+        isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0,
+        "train.learning_rate",
+        lr,
+        "must be a positive finite number",
+    )
+    for name, lo, hi in (
+        ("weight_decay", 0.0, math.inf),
+        ("grad_clip", 0.0, math.inf),
+        ("b1", 0.0, 1.0),
+        ("b2", 0.0, 1.0),
+        ("min_lr_ratio", 0.0, 1.0),
+    ):
+        if name in train:
+            value = train[name]
+            _require(
+                isinstance(value, (int, float)) and lo <= value <= hi,
+                f"train.{name}",
+                value,
+                f"must be a number in [{lo}, {hi}]",
+            )
+    if "warmup_steps" in train and train.warmup_steps > train.steps:
+        raise ConfigError(
+            f"config.train.warmup_steps={train.warmup_steps} exceeds config.train.steps="
+            f"{train.steps}; shorten the warmup"
+        )
+    return cfg
