@@ -1,0 +1,565 @@
+"""Pallas attention: fused FlashAttention-2 kernels that evaluate the position bias inside.
+
+Shape legend: B batch, T query length, S key length, N query heads, K key/value heads, G = N // K
+query heads per key/value head, H head dim (Hp: padded to a power of two >= 16); tq/tk the query
+and key tile sizes (powers of two >= 16), nq/nk the number of tiles, Tp = nq * tq and Sp = nk * tk
+the padded lengths.
+
+Three `pl.pallas_call` kernels, one body each for GPU (Triton lowering), TPU (Mosaic) and CPU
+(Pallas interpret mode, chosen automatically when `jax.default_backend() == "cpu"`):
+
+  forward  grid (B, N, nq): program (b, h, i) keeps query tile i of head h in fast memory and loops
+           over key tiles with a running max / sum / unnormalised output in float32 (Dao 2023,
+           "FlashAttention-2", Alg. 1); it writes the output and the per-row log-sum-exp.
+  dK, dV   grid (B, N, nk): program (b, h, j) loops over the query tiles that can see key tile j,
+           recomputes the probabilities from the saved log-sum-exp and accumulates dK_j, dV_j
+           (Alg. 2). It also accumulates this program's share of the bias-parameter gradient.
+  dQ       grid (B, N, nq): program (b, h, i) loops over key tiles again and accumulates dQ_i
+           (the split of the backward into a dK/dV and a dQ kernel is the one of Pallas' GPU
+           reference kernel, jax/experimental/pallas/ops/gpu/attention.py; it needs no atomics).
+
+The bias is a `(BiasFn, params)` pair, `BiasFn(params, q_pos: int[t], k_pos: int[s]) ->
+float[N, t, s]`, called inside the kernel body on each tile's query and key positions, so no
+[N, T, S] bias ever exists. Its parameters enter the kernels as whole (small) arrays. The
+parameter gradient is a VJP of the BiasFn on the tile, taken inside the dK/dV kernel with the
+tile's dS as cotangent: each program (b, h, j) writes its partial sum over the query tiles it
+visits to its own slot of a [B, N, nk, *leaf] buffer, and the slots are summed outside the
+kernel (deterministic, no atomics; the buffers are linear in S).
+
+A BiasFn returns all N heads; a program works on one head h and keeps row h (a one-hot select
+that both Triton and Mosaic lower). The bias of one tile therefore costs N per-head evaluations;
+for the families here (a few elementwise operations per logit) that is small next to the two
+[tq, tk, H] matrix products, but a BiasFn with a large per-element cost pays it N times.
+
+Grouped-query heads: the key/value BlockSpecs map query head h to key/value head h // G, so K/V
+are never repeated; dK and dV are written per query head in float32 and summed over the G heads
+of a group outside the kernel.
+
+Causal skipping: program (b, h, i) loops only up to the last key tile its queries can see (at its
+row's q_offset), and program (b, h, j) of the dK/dV kernel starts at the first query tile that
+can see key tile j; key tiles wholly at or past the row's kv length are skipped. Masks are
+applied inside every visited tile (hidden logits at -inf; a row that sees nothing returns 0).
+
+Layout: the wrapper transposes q, k, v to head-major [B, N or K, T or S, Hp] and pads T and S to
+whole tiles, so every block's last two dimensions are (tile, Hp): powers of two for Triton, the
+full head dimension for Mosaic.
+
+Lowering limits (checked by exporting the kernels for "cuda" and "tpu" on a CPU machine; no GPU
+or TPU ran them, docs/attention.md): Triton has no gather or scatter, so a BiasFn that indexes a
+table by bucket (T5) runs in interpret mode and on TPU-less, GPU-less CPU only; the others lower.
+A materialised [N, T, S] bias is not taken here (use "blockwise" or "chunked").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+f32 = jnp.float32
+
+BACKENDS = ("interpret", "gpu", "tpu")
+
+# Default tiles per backend (powers of two >= 16). GPU: 64 x 64 keeps the bias tile, the logits
+# and a 128-wide head in registers with 4 warps (Pallas' GPU reference runs 128 x 64 forward and
+# 32 x 32 backward without a bias); TPU: 128 x 128, the MXU's native tile.
+DEFAULT_TILES = {"interpret": (128, 128), "gpu": (64, 64), "tpu": (128, 128)}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Static facts about one call: shapes, tiling, bias structure and backend."""
+
+    N: int
+    G: int
+    tq: int
+    tk: int
+    nq: int
+    nk: int
+    Hp: int
+    causal: bool
+    kv_mask: bool  # keys past a length exist (explicit kv_lengths or S padded to Sp)
+    scale: float
+    bias_fn: Callable | None
+    treedef: Any  # of the params pytree
+    is_float: tuple[bool, ...]  # per leaf: differentiated (floating) or carried (integer)
+    leaf_shapes: tuple[tuple[int, ...], ...]  # original leaf shapes (kernel refs are >= 1-D)
+    backend: str
+
+    @property
+    def n_leaves(self) -> int:
+        return len(self.is_float)
+
+
+def default_backend() -> str:
+    """ "gpu" or "tpu" on those platforms, else "interpret" (Pallas interpret mode)."""
+    platform = jax.default_backend()
+    if platform in ("gpu", "cuda", "rocm"):
+        return "gpu"
+    if platform == "tpu":
+        return "tpu"
+    return "interpret"
+
+
+def pallas_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    bias=None,
+    causal: bool = False,
+    q_offset: int | jax.Array = 0,
+    kv_lengths: jax.Array | None = None,
+    scale: float | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    backend: str | None = None,
+) -> jax.Array:
+    """Same contract as `posattn.attention.attention` (which validates the inputs), fused.
+
+    Args:
+      q, k, v, causal, q_offset, kv_lengths, scale: as in `posattn.attention.attention`.
+      bias: None or a `(BiasFn, params)` pair (a materialised array is refused: see module doc).
+      block_q: query tile size, a power of two >= 16 (clipped to T rounded up); default per backend.
+      block_k: key tile size, likewise.
+      backend: "interpret", "gpu" or "tpu"; default `default_backend()`. Naming "gpu" or "tpu"
+        on another machine only makes sense under `jax.export` for that platform.
+
+    Returns:
+      float[B, T, N, H] in q's dtype.
+    """
+    backend = default_backend() if backend is None else backend
+    if backend not in BACKENDS:
+        raise ValueError(f"pallas_attention: backend={backend!r}; allowed: {', '.join(BACKENDS)}")
+    for name, block in (("block_q", block_q), ("block_k", block_k)):
+        if block is not None and (block < 16 or block & (block - 1)):
+            raise ValueError(
+                f"pallas_attention: {name}={block}; allowed: a power of two >= 16 "
+                "(Triton's block shapes)"
+            )
+    if bias is not None and not isinstance(bias, tuple):
+        raise ValueError(
+            "pallas_attention: bias must be None or a (BiasFn, params) pair, got an array of "
+            f"shape {getattr(bias, 'shape', None)}; the kernel evaluates the bias per tile and "
+            "never takes a materialised [N, T, S] one (use implementation='blockwise' or "
+            "'chunked' for that)"
+        )
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    if scale is None:
+        scale = 1.0 / math.sqrt(H)
+    if not isinstance(scale, (int, float, np.number)):
+        # A traced scale is folded into q so autodiff outside the custom_vjp carries its
+        # gradient; a Python scale stays static inside the kernel.
+        q = (q.astype(f32) * scale).astype(q.dtype)
+        scale = 1.0
+
+    default_q, default_k = DEFAULT_TILES[backend]
+    tq = min(block_q or default_q, max(16, pl.next_power_of_2(T)))
+    tk = min(block_k or default_k, max(16, pl.next_power_of_2(S)))
+    nq, nk = -(-T // tq), -(-S // tk)
+    Tp, Sp = nq * tq, nk * tk
+    Hp = max(16, pl.next_power_of_2(H))
+
+    offsets = jnp.broadcast_to(jnp.asarray(q_offset, jnp.int32), (B,))
+    if kv_lengths is None:
+        kv_len = jnp.full((B,), S, jnp.int32)
+    else:
+        kv_len = jnp.clip(jnp.asarray(kv_lengths, jnp.int32), 0, S)
+
+    bias_fn, leaves, treedef = None, [], None
+    if bias is not None:
+        bias_fn, params = bias
+        leaves, treedef = jax.tree.flatten(params)
+        leaves = [jnp.asarray(x) for x in leaves]
+    is_float = tuple(bool(jnp.issubdtype(x.dtype, jnp.inexact)) for x in leaves)
+    plan = _Plan(
+        N=N,
+        G=N // K,
+        tq=tq,
+        tk=tk,
+        nq=nq,
+        nk=nk,
+        Hp=Hp,
+        causal=bool(causal),
+        kv_mask=kv_lengths is not None or Sp != S,
+        scale=float(scale),
+        bias_fn=bias_fn,
+        treedef=treedef,
+        is_float=is_float,
+        leaf_shapes=tuple(tuple(x.shape) for x in leaves),
+        backend=backend,
+    )
+    floats = [x for x, f in zip(leaves, is_float) if f]
+    ints = [x for x, f in zip(leaves, is_float) if not f]
+
+    def head_major(x, L):  # (B, L', heads, H) -> (B, heads, L, Hp)
+        x = jnp.pad(x, ((0, 0), (0, L - x.shape[1]), (0, 0), (0, Hp - H)))
+        return x.transpose(0, 2, 1, 3)
+
+    out = _flash(
+        plan, head_major(q, Tp), head_major(k, Sp), head_major(v, Sp), floats, ints, offsets, kv_len
+    )  # (B, N, Tp, Hp)
+    return out[:, :, :T, :H].transpose(0, 2, 1, 3)
+
+
+# ----------------------------------------------------------------------------------------------
+# Pieces shared by the kernel bodies. Everything here runs inside a kernel, on one tile.
+
+
+def _dot(a, b, contract):
+    """float32 a @ b with contracting dims `contract` = (dim of a, dim of b), no batch dims."""
+    return lax.dot_general(
+        a, b, ((contract[:1], contract[1:]), ((), ())), preferred_element_type=f32
+    )
+
+
+def _read_params(plan, param_refs):
+    """The params pytree, read from the kernel's refs (all leaves) at their original shapes."""
+    leaves = [ref[...].reshape(shape) for ref, shape in zip(param_refs, plan.leaf_shapes)]
+    return leaves
+
+
+def _rebuild(plan, all_leaves, floats):
+    it = iter(floats)
+    merged = [next(it) if f else x for x, f in zip(all_leaves, plan.is_float)]
+    return jax.tree.unflatten(plan.treedef, merged)
+
+
+def _head_bias(plan, params, h, q_pos, k_pos):
+    """float32[tq, tk]: head h of BiasFn(params, q_pos, k_pos)."""
+    b = plan.bias_fn(params, q_pos, k_pos).astype(f32)  # (N, tq, tk)
+    if plan.N == 1:
+        return b.reshape(b.shape[1:])
+    return jnp.sum(jnp.where(_head_onehot(plan, h), b, 0.0), axis=0)
+
+
+def _head_onehot(plan, h):
+    return lax.broadcasted_iota(jnp.int32, (plan.N, 1, 1), 0) == h  # (N, 1, 1)
+
+
+def _visible(plan, q_pos, k_pos, kv_len):
+    """bool[tq, tk] (True = visible) or None when nothing can be hidden."""
+    mask = None
+    if plan.causal:
+        mask = k_pos[None, :] <= q_pos[:, None]
+    if plan.kv_mask:
+        valid = jnp.broadcast_to(k_pos[None, :] < kv_len, (plan.tq, plan.tk))
+        mask = valid if mask is None else mask & valid
+    return mask
+
+
+def _key_tile_end(plan, off, kv_len, i):
+    """One past the last key tile that query tile i (at offset `off`) can see."""
+    end = jnp.int32(plan.nk)
+    if plan.causal:
+        last_q = off + (i + 1) * plan.tq - 1  # latest query position of the tile
+        end = jnp.clip(lax.div(last_q + plan.tk, jnp.int32(plan.tk)), 0, plan.nk)
+        end = jnp.where(last_q < 0, 0, end)  # lax.div rounds toward zero
+    if plan.kv_mask:
+        end = jnp.minimum(end, lax.div(kv_len + plan.tk - 1, jnp.int32(plan.tk)))
+    return end
+
+
+def _query_tile_start(plan, off, kv_len, j):
+    """The first query tile that can see key tile j (nq when none can)."""
+    start = jnp.int32(0)
+    if plan.causal:
+        # ceil((first_k - off - (tq - 1)) / tq), clipped to [0, nq]
+        num = j * plan.tk - off - (plan.tq - 1)
+        start = jnp.clip(lax.div(jnp.maximum(num, 0) + plan.tq - 1, jnp.int32(plan.tq)), 0, plan.nq)
+    if plan.kv_mask:
+        start = jnp.where(j * plan.tk >= kv_len, plan.nq, start)
+    return start
+
+
+def _positions(plan, off, i, j):
+    q_pos = off + i * plan.tq + lax.broadcasted_iota(jnp.int32, (plan.tq,), 0)
+    k_pos = j * plan.tk + lax.broadcasted_iota(jnp.int32, (plan.tk,), 0)
+    return q_pos, k_pos
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel bodies.
+
+
+def _forward_kernel(plan, off_ref, len_ref, q_ref, k_ref, v_ref, *refs):
+    param_refs, (o_ref, lse_ref) = refs[: plan.n_leaves], refs[plan.n_leaves :]
+    b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    off, kv_len = off_ref[b], len_ref[b]
+    params = None
+    if plan.bias_fn is not None:
+        leaves = _read_params(plan, param_refs)
+        params = jax.tree.unflatten(plan.treedef, leaves)
+    q = q_ref[...]  # (tq, Hp)
+
+    def body(j, carry):
+        m, l, acc = carry
+        ks = pl.ds(pl.multiple_of(j * plan.tk, plan.tk), plan.tk)
+        k, v = k_ref[ks, :], v_ref[ks, :]  # (tk, Hp)
+        s = _dot(q, k, (1, 1)) * plan.scale  # (tq, tk)
+        q_pos, k_pos = _positions(plan, off, i, j)
+        if params is not None:
+            s = s + _head_bias(plan, params, h, q_pos, k_pos)
+        mask = _visible(plan, q_pos, k_pos, kv_len)
+        if mask is not None:
+            s = jnp.where(mask, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all hidden so far: keep 0s
+        p = jnp.exp(s - m_safe[:, None])
+        alpha = jnp.exp(m - m_safe)
+        l = alpha * l + jnp.sum(p, axis=1)
+        acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v, (1, 0))
+        return m_new, l, acc
+
+    init = (
+        jnp.full((plan.tq,), -jnp.inf, f32),
+        jnp.zeros((plan.tq,), f32),
+        jnp.zeros((plan.tq, plan.Hp), f32),
+    )
+    m, l, acc = lax.fori_loop(0, _key_tile_end(plan, off, kv_len, i), body, init)
+    seen = l > 0.0
+    l_safe = jnp.where(seen, l, 1.0)
+    o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)  # a row that saw nothing stays 0
+    lse_ref[...] = jnp.where(seen, m + jnp.log(l_safe), jnp.inf)
+
+
+def _dkdv_kernel(plan, off_ref, len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs):
+    n = plan.n_leaves
+    param_refs, (dk_ref, dv_ref), dparam_refs = refs[:n], refs[n : n + 2], refs[n + 2 :]
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    off, kv_len = off_ref[b], len_ref[b]
+    k, v = k_ref[...], v_ref[...]  # (tk, Hp)
+    leaves = floats = None
+    if plan.bias_fn is not None:
+        leaves = _read_params(plan, param_refs)
+        floats = [x for x, f in zip(leaves, plan.is_float) if f]
+
+    def body(i, carry):
+        dk, dv, d_floats = carry
+        qs = pl.ds(pl.multiple_of(i * plan.tq, plan.tq), plan.tq)
+        q, do = q_ref[qs, :], do_ref[qs, :]  # (tq, Hp)
+        lse, delta = lse_ref[qs], delta_ref[qs]  # (tq,)
+        s = _dot(q, k, (1, 1)) * plan.scale
+        q_pos, k_pos = _positions(plan, off, i, j)
+        pull = None
+        if plan.bias_fn is not None:
+            bias_all, pull = jax.vjp(
+                lambda fl: plan.bias_fn(_rebuild(plan, leaves, fl), q_pos, k_pos).astype(f32),
+                floats,
+            )
+            if plan.N == 1:
+                s = s + bias_all.reshape(s.shape)
+            else:
+                s = s + jnp.sum(jnp.where(_head_onehot(plan, h), bias_all, 0.0), axis=0)
+        mask = _visible(plan, q_pos, k_pos, kv_len)
+        if mask is not None:
+            s = jnp.where(mask, s, -jnp.inf)
+        p = jnp.exp(s - lse[:, None])  # hidden keys and empty rows (lse = inf) give exactly 0
+        dv = dv + _dot(p.astype(do.dtype), do, (0, 0))  # (tk, Hp)
+        dp = _dot(do, v, (1, 1))  # (tq, tk)
+        ds = p * (dp - delta[:, None])  # d loss / d logits
+        dk = dk + plan.scale * _dot(ds.astype(q.dtype), q, (0, 0))
+        if pull is not None:
+            ct = ds[None] if plan.N == 1 else jnp.where(_head_onehot(plan, h), ds[None], 0.0)
+            d_floats = [a + g.astype(f32) for a, g in zip(d_floats, pull(ct)[0])]
+        return dk, dv, d_floats
+
+    zeros = jnp.zeros((plan.tk, plan.Hp), f32)
+    d_floats = [] if floats is None else [jnp.zeros(x.shape, f32) for x in floats]
+    start = _query_tile_start(plan, off, kv_len, j)
+    dk, dv, d_floats = lax.fori_loop(start, plan.nq, body, (zeros, zeros, d_floats))
+    dk_ref[...] = dk
+    dv_ref[...] = dv
+    for ref, g in zip(dparam_refs, d_floats):
+        ref[...] = g.reshape(ref.shape)
+
+
+def _dq_kernel(plan, off_ref, len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs):
+    param_refs, dq_ref = refs[: plan.n_leaves], refs[plan.n_leaves]
+    b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    off, kv_len = off_ref[b], len_ref[b]
+    params = None
+    if plan.bias_fn is not None:
+        params = jax.tree.unflatten(plan.treedef, _read_params(plan, param_refs))
+    q, do = q_ref[...], do_ref[...]  # (tq, Hp)
+    lse, delta = lse_ref[...], delta_ref[...]  # (tq,)
+
+    def body(j, dq):
+        ks = pl.ds(pl.multiple_of(j * plan.tk, plan.tk), plan.tk)
+        k, v = k_ref[ks, :], v_ref[ks, :]
+        s = _dot(q, k, (1, 1)) * plan.scale
+        q_pos, k_pos = _positions(plan, off, i, j)
+        if params is not None:
+            s = s + _head_bias(plan, params, h, q_pos, k_pos)
+        mask = _visible(plan, q_pos, k_pos, kv_len)
+        if mask is not None:
+            s = jnp.where(mask, s, -jnp.inf)
+        p = jnp.exp(s - lse[:, None])
+        ds = p * (_dot(do, v, (1, 1)) - delta[:, None])
+        return dq + plan.scale * _dot(ds.astype(k.dtype), k, (1, 0))
+
+    end = _key_tile_end(plan, off, kv_len, i)
+    dq_ref[...] = lax.fori_loop(0, end, body, jnp.zeros((plan.tq, plan.Hp), f32))
+
+
+# ----------------------------------------------------------------------------------------------
+# pallas_call wiring.
+
+
+def _compiler_params(plan):
+    match plan.backend:
+        case "gpu":
+            from jax.experimental.pallas import triton as plgpu
+
+            return plgpu.CompilerParams(num_warps=4 if plan.Hp <= 64 else 8, num_stages=2)
+        case "tpu":
+            from jax.experimental.pallas import tpu as pltpu
+
+            return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel"))
+    return None
+
+
+def _scalar_spec(plan):
+    """Whole int32[B] arrays read at [b]: in SMEM on TPU (scalar reads), plain refs elsewhere."""
+    if plan.backend == "tpu":
+        from jax.experimental.pallas import tpu as pltpu
+
+        return pl.BlockSpec(memory_space=pltpu.SMEM)
+    return pl.BlockSpec()
+
+
+def _whole(x):
+    """A BlockSpec holding all of x (a bias parameter leaf, >= 1-D) in every program."""
+    nd = x.ndim
+    return pl.BlockSpec(x.shape, lambda *_: (0,) * nd)
+
+
+def _call(plan, kernel, grid, in_specs, out_specs, out_shape, args, name):
+    return pl.pallas_call(
+        partial(kernel, plan),
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=plan.backend == "interpret",
+        compiler_params=_compiler_params(plan),
+        name=name,
+    )(*args)
+
+
+def _kernel_leaves(ints, floats, plan):
+    """All params leaves in tree order, at least 1-D (Triton and Mosaic refs have a shape)."""
+    fi, ii = iter(floats), iter(ints)
+    leaves = [next(fi) if f else next(ii) for f in plan.is_float]
+    return [x.reshape(x.shape or (1,)) for x in leaves]
+
+
+def _specs(plan):
+    """Block specs over head-major arrays, for grids (b, h, tile)."""
+    tq, tk, Hp, G = plan.tq, plan.tk, plan.Hp, plan.G
+    return dict(
+        q_tile=pl.BlockSpec((None, None, tq, Hp), lambda b, h, i: (b, h, i, 0)),
+        q_all=pl.BlockSpec((None, None, plan.nq * tq, Hp), lambda b, h, j: (b, h, 0, 0)),
+        kv_tile=pl.BlockSpec((None, None, tk, Hp), lambda b, h, j: (b, h // G, j, 0)),
+        kv_all=pl.BlockSpec((None, None, plan.nk * tk, Hp), lambda b, h, i: (b, h // G, 0, 0)),
+        row_tile=pl.BlockSpec((None, None, tq), lambda b, h, i: (b, h, i)),
+        row_all=pl.BlockSpec((None, None, plan.nq * tq), lambda b, h, j: (b, h, 0)),
+        key_out=pl.BlockSpec((None, None, tk, Hp), lambda b, h, j: (b, h, j, 0)),
+    )
+
+
+def _forward(plan, qh, kh, vh, floats, ints, offsets, kv_len):
+    B, N, Tp, Hp = qh.shape
+    leaves = _kernel_leaves(ints, floats, plan)
+    sp = _specs(plan)
+    scalar = _scalar_spec(plan)
+    return _call(
+        plan,
+        _forward_kernel,
+        (B, N, plan.nq),
+        [scalar, scalar, sp["q_tile"], sp["kv_all"], sp["kv_all"], *map(_whole, leaves)],
+        [sp["q_tile"], sp["row_tile"]],
+        [jax.ShapeDtypeStruct(qh.shape, qh.dtype), jax.ShapeDtypeStruct((B, N, Tp), f32)],
+        (offsets, kv_len, qh, kh, vh, *leaves),
+        "posattn_flash_forward",
+    )
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(plan, qh, kh, vh, floats, ints, offsets, kv_len):
+    return _forward(plan, qh, kh, vh, floats, ints, offsets, kv_len)[0]
+
+
+def _flash_fwd(plan, qh, kh, vh, floats, ints, offsets, kv_len):
+    out, lse = _forward(plan, qh, kh, vh, floats, ints, offsets, kv_len)
+    return out, (qh, kh, vh, floats, ints, offsets, kv_len, out, lse)
+
+
+def _flash_bwd(plan, res, d_out):
+    qh, kh, vh, floats, ints, offsets, kv_len, out, lse = res
+    B, N, Tp, Hp = qh.shape
+    K, Sp = kh.shape[1], kh.shape[2]
+    d_out = d_out.astype(qh.dtype)
+    # D_i = rowsum(dO * O), the softmax-Jacobian term of every tile in row i.
+    delta = jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1)  # (B, N, Tp)
+    leaves = _kernel_leaves(ints, floats, plan)
+    float_kernel_leaves = [x for x, f in zip(leaves, plan.is_float) if f]
+    sp = _specs(plan)
+    scalar = _scalar_spec(plan)
+    args = (offsets, kv_len, qh, kh, vh, d_out, lse, delta, *leaves)
+
+    partial_specs = [
+        pl.BlockSpec((None, None, None, *x.shape), lambda b, h, j, nd=x.ndim: (b, h, j) + (0,) * nd)
+        for x in float_kernel_leaves
+    ]
+    dk, dv, *d_partials = _call(
+        plan,
+        _dkdv_kernel,
+        (B, N, plan.nk),
+        [scalar, scalar, sp["q_all"], sp["kv_tile"], sp["kv_tile"], sp["q_all"], sp["row_all"]]
+        + [sp["row_all"], *map(_whole, leaves)],
+        [sp["key_out"], sp["key_out"], *partial_specs],
+        [jax.ShapeDtypeStruct((B, N, Sp, Hp), f32)] * 2
+        + [jax.ShapeDtypeStruct((B, N, plan.nk, *x.shape), f32) for x in float_kernel_leaves],
+        args,
+        "posattn_flash_dkdv",
+    )
+    dq = _call(
+        plan,
+        _dq_kernel,
+        (B, N, plan.nq),
+        [scalar, scalar, sp["q_tile"], sp["kv_all"], sp["kv_all"], sp["q_tile"], sp["row_tile"]]
+        + [sp["row_tile"], *map(_whole, leaves)],
+        sp["q_tile"],
+        jax.ShapeDtypeStruct((B, N, Tp, Hp), f32),
+        args,
+        "posattn_flash_dq",
+    )
+    # Sum each key/value head's G query heads, and the per-program parameter partials.
+    dk = dk.reshape(B, K, plan.G, Sp, Hp).sum(axis=2)
+    dv = dv.reshape(B, K, plan.G, Sp, Hp).sum(axis=2)
+    d_floats = [
+        jnp.sum(g, axis=(0, 1, 2)).reshape(x.shape).astype(x.dtype)
+        for g, x in zip(d_partials, floats)
+    ]
+    return (
+        dq.astype(qh.dtype),
+        dk.astype(kh.dtype),
+        dv.astype(vh.dtype),
+        d_floats,
+        [None] * len(ints),
+        None,
+        None,
+    )
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
