@@ -175,12 +175,15 @@ def pallas_attention(
     else:
         kv_len = jnp.clip(jnp.asarray(kv_lengths, jnp.int32), 0, S)
 
-    bias_fn, leaves, treedef = None, [], None
+    bias_fn, leaves, treedef, n_consts = None, [], None, 0
     if bias is not None:
-        bias_fn, params = bias
-        leaves, treedef = jax.tree.flatten(params)
-        leaves = [jnp.asarray(x) for x in leaves]
-    is_float = tuple(bool(jnp.issubdtype(x.dtype, jnp.inexact)) for x in leaves)
+        bias_fn, leaves, n_consts = _hoist(bias, tq, tk)
+        treedef = jax.tree.structure(leaves)
+    # Hoisted constants ride along undifferentiated, like integer leaves.
+    n_params = len(leaves) - n_consts
+    is_float = tuple(
+        n < n_params and bool(jnp.issubdtype(x.dtype, jnp.inexact)) for n, x in enumerate(leaves)
+    )
     plan = _Plan(
         N=N,
         G=N // K,
@@ -198,8 +201,8 @@ def pallas_attention(
         leaf_shapes=tuple(tuple(x.shape) for x in leaves),
         backend=backend,
     )
-    floats = [x for x, f in zip(leaves, is_float) if f]
-    ints = [x for x, f in zip(leaves, is_float) if not f]
+    floats = [x for x, f in zip(leaves, is_float, strict=True) if f]
+    ints = [x for x, f in zip(leaves, is_float, strict=True) if not f]
 
     def head_major(x, L):  # (B, L', heads, H) -> (B, heads, L, Hp)
         x = jnp.pad(x, ((0, 0), (0, L - x.shape[1]), (0, 0), (0, Hp - H)))
@@ -209,6 +212,92 @@ def pallas_attention(
         plan, head_major(q, Tp), head_major(k, Sp), head_major(v, Sp), floats, ints, offsets, kv_len
     )  # (B, N, Tp, Hp)
     return out[:, :, :T, :H].transpose(0, 2, 1, 3)
+
+
+# ----------------------------------------------------------------------------------------------
+# The BiasFn, made kernel-ready.
+
+
+def _hoist(bias, tq, tk):
+    """(fn, leaves, n_consts): the BiasFn traced once at the tile shapes, its closed-over constants
+    (e.g. Sandwich's frequencies) hoisted into explicit inputs, since a Pallas kernel may not
+    capture arrays. fn(leaves, q_pos, k_pos) -> float[N, tq, tk]; leaves = params leaves (tree
+    order) followed by the n_consts constants."""
+    user_fn, params = bias
+    p_leaves = [jnp.asarray(x) for x in jax.tree.leaves(params)]
+    positions = (jax.ShapeDtypeStruct((tq,), jnp.int32), jax.ShapeDtypeStruct((tk,), jnp.int32))
+    closed = jax.make_jaxpr(user_fn)(params, *positions)
+    consts = [jnp.asarray(c) for c in closed.consts]
+    return _TracedBias(closed.jaxpr, len(p_leaves)), p_leaves + consts, len(consts)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _TracedBias:
+    """Evaluates a BiasFn's jaxpr inside a kernel: (leaves, q_pos, k_pos) -> float[N, t, s].
+
+    The interpreter binds every equation as traced, except that it inlines nested jit calls and
+    rewrites a matrix product with a >2-D operand (FIRE's MLP: [t, s, width] @ [width, N]) as a
+    2-D one on the flattened tile, because Triton's `dot` takes 2-D operands only.
+    """
+
+    jaxpr: Any
+    n_params: int
+
+    def __call__(self, leaves, q_pos, k_pos):
+        n_in = len(self.jaxpr.invars)
+        args = list(leaves[: self.n_params]) + [q_pos, k_pos]
+        assert len(args) == n_in, (len(args), n_in)
+        return _eval_jaxpr(self.jaxpr, leaves[self.n_params :], args)[0]
+
+
+def _eval_jaxpr(jaxpr, consts, args):
+    from jax.extend.core import Literal
+
+    env = {}
+
+    def read(v):
+        return v.val if isinstance(v, Literal) else env[v]
+
+    for var, x in zip(jaxpr.constvars, consts, strict=True):
+        env[var] = x
+    for var, x in zip(jaxpr.invars, args, strict=True):
+        env[var] = x
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        if eqn.primitive.name in ("pjit", "jit"):
+            inner = eqn.params["jaxpr"]
+            outvals = _eval_jaxpr(inner.jaxpr, inner.consts, invals)
+        elif eqn.primitive is lax.dot_general_p and _needs_2d_dot(eqn, invals):
+            outvals = [_dot_as_2d(eqn, *invals)]
+        else:
+            bind_params = eqn.primitive.get_bind_params(eqn.params)
+            subfuns = ()
+            if isinstance(bind_params, tuple):  # older jax: (subfuns, params)
+                subfuns, bind_params = bind_params
+            out = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+            outvals = out if eqn.primitive.multiple_results else [out]
+        for var, x in zip(eqn.outvars, outvals, strict=True):
+            env[var] = x
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _needs_2d_dot(eqn, invals):
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    a, b = invals
+    return a.ndim > 2 and b.ndim == 2 and not lb and not rb and tuple(lc) == (a.ndim - 1,)
+
+
+def _dot_as_2d(eqn, a, b):
+    """a[..., c] . b (contracting b's dim rc) as a 2-D product on a reshaped to [prod(...), c]."""
+    (_, rc), _ = eqn.params["dimension_numbers"]
+    out = lax.dot_general(
+        a.reshape(-1, a.shape[-1]),
+        b,
+        (((1,), tuple(rc)), ((), ())),
+        precision=eqn.params.get("precision"),
+        preferred_element_type=eqn.params.get("preferred_element_type"),
+    )
+    return out.reshape(*a.shape[:-1], out.shape[-1])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -224,13 +313,15 @@ def _dot(a, b, contract):
 
 def _read_params(plan, param_refs):
     """The params pytree, read from the kernel's refs (all leaves) at their original shapes."""
-    leaves = [ref[...].reshape(shape) for ref, shape in zip(param_refs, plan.leaf_shapes)]
+    leaves = [
+        ref[...].reshape(shape) for ref, shape in zip(param_refs, plan.leaf_shapes, strict=True)
+    ]
     return leaves
 
 
 def _rebuild(plan, all_leaves, floats):
     it = iter(floats)
-    merged = [next(it) if f else x for x, f in zip(all_leaves, plan.is_float)]
+    merged = [next(it) if f else x for x, f in zip(all_leaves, plan.is_float, strict=True)]
     return jax.tree.unflatten(plan.treedef, merged)
 
 
@@ -302,7 +393,7 @@ def _forward_kernel(plan, off_ref, len_ref, q_ref, k_ref, v_ref, *refs):
     q = q_ref[...]  # (tq, Hp)
 
     def body(j, carry):
-        m, l, acc = carry
+        m, l_sum, acc = carry
         ks = pl.ds(pl.multiple_of(j * plan.tk, plan.tk), plan.tk)
         k, v = k_ref[ks, :], v_ref[ks, :]  # (tk, Hp)
         s = _dot(q, k, (1, 1)) * plan.scale  # (tq, tk)
@@ -316,18 +407,18 @@ def _forward_kernel(plan, off_ref, len_ref, q_ref, k_ref, v_ref, *refs):
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all hidden so far: keep 0s
         p = jnp.exp(s - m_safe[:, None])
         alpha = jnp.exp(m - m_safe)
-        l = alpha * l + jnp.sum(p, axis=1)
+        l_sum = alpha * l_sum + jnp.sum(p, axis=1)
         acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v, (1, 0))
-        return m_new, l, acc
+        return m_new, l_sum, acc
 
     init = (
         jnp.full((plan.tq,), -jnp.inf, f32),
         jnp.zeros((plan.tq,), f32),
         jnp.zeros((plan.tq, plan.Hp), f32),
     )
-    m, l, acc = lax.fori_loop(0, _key_tile_end(plan, off, kv_len, i), body, init)
-    seen = l > 0.0
-    l_safe = jnp.where(seen, l, 1.0)
+    m, l_sum, acc = lax.fori_loop(0, _key_tile_end(plan, off, kv_len, i), body, init)
+    seen = l_sum > 0.0
+    l_safe = jnp.where(seen, l_sum, 1.0)
     o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)  # a row that saw nothing stays 0
     lse_ref[...] = jnp.where(seen, m + jnp.log(l_safe), jnp.inf)
 
@@ -341,7 +432,7 @@ def _dkdv_kernel(plan, off_ref, len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, d
     leaves = floats = None
     if plan.bias_fn is not None:
         leaves = _read_params(plan, param_refs)
-        floats = [x for x, f in zip(leaves, plan.is_float) if f]
+        floats = [x for x, f in zip(leaves, plan.is_float, strict=True) if f]
 
     def body(i, carry):
         dk, dv, d_floats = carry
@@ -370,7 +461,7 @@ def _dkdv_kernel(plan, off_ref, len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, d
         dk = dk + plan.scale * _dot(ds.astype(q.dtype), q, (0, 0))
         if pull is not None:
             ct = ds[None] if plan.N == 1 else jnp.where(_head_onehot(plan, h), ds[None], 0.0)
-            d_floats = [a + g.astype(f32) for a, g in zip(d_floats, pull(ct)[0])]
+            d_floats = [a + g.astype(f32) for a, g in zip(d_floats, pull(ct)[0], strict=True)]
         return dk, dv, d_floats
 
     zeros = jnp.zeros((plan.tk, plan.Hp), f32)
@@ -379,7 +470,7 @@ def _dkdv_kernel(plan, off_ref, len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, d
     dk, dv, d_floats = lax.fori_loop(start, plan.nq, body, (zeros, zeros, d_floats))
     dk_ref[...] = dk
     dv_ref[...] = dv
-    for ref, g in zip(dparam_refs, d_floats):
+    for ref, g in zip(dparam_refs, d_floats, strict=True):
         ref[...] = g.reshape(ref.shape)
 
 
@@ -512,7 +603,7 @@ def _flash_bwd(plan, res, d_out):
     # D_i = rowsum(dO * O), the softmax-Jacobian term of every tile in row i.
     delta = jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1)  # (B, N, Tp)
     leaves = _kernel_leaves(ints, floats, plan)
-    float_kernel_leaves = [x for x, f in zip(leaves, plan.is_float) if f]
+    float_kernel_leaves = [x for x, f in zip(leaves, plan.is_float, strict=True) if f]
     sp = _specs(plan)
     scalar = _scalar_spec(plan)
     args = (offsets, kv_len, qh, kh, vh, d_out, lse, delta, *leaves)
@@ -549,7 +640,7 @@ def _flash_bwd(plan, res, d_out):
     dv = dv.reshape(B, K, plan.G, Sp, Hp).sum(axis=2)
     d_floats = [
         jnp.sum(g, axis=(0, 1, 2)).reshape(x.shape).astype(x.dtype)
-        for g, x in zip(d_partials, floats)
+        for g, x in zip(d_partials, floats, strict=True)
     ]
     return (
         dq.astype(qh.dtype),
