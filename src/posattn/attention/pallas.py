@@ -420,7 +420,7 @@ def _forward_kernel(plan, off_ref, len_ref, q_ref, k_ref, v_ref, *refs):
     seen = l_sum > 0.0
     l_safe = jnp.where(seen, l_sum, 1.0)
     o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)  # a row that saw nothing stays 0
-    lse_ref[...] = jnp.where(seen, m + jnp.log(l_safe), jnp.inf)
+    lse_ref[0, :] = jnp.where(seen, m + jnp.log(l_safe), jnp.inf)
 
 
 def _dkdv_kernel(plan, off_ref, len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs):
@@ -438,7 +438,7 @@ def _dkdv_kernel(plan, off_ref, len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, d
         dk, dv, d_floats = carry
         qs = pl.ds(pl.multiple_of(i * plan.tq, plan.tq), plan.tq)
         q, do = q_ref[qs, :], do_ref[qs, :]  # (tq, Hp)
-        lse, delta = lse_ref[qs], delta_ref[qs]  # (tq,)
+        lse, delta = lse_ref[0, qs], delta_ref[0, qs]  # (tq,)
         s = _dot(q, k, (1, 1)) * plan.scale
         q_pos, k_pos = _positions(plan, off, i, j)
         pull = None
@@ -482,7 +482,7 @@ def _dq_kernel(plan, off_ref, len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, del
     if plan.bias_fn is not None:
         params = jax.tree.unflatten(plan.treedef, _read_params(plan, param_refs))
     q, do = q_ref[...], do_ref[...]  # (tq, Hp)
-    lse, delta = lse_ref[...], delta_ref[...]  # (tq,)
+    lse, delta = lse_ref[0, :], delta_ref[0, :]  # (tq,)
 
     def body(j, dq):
         ks = pl.ds(pl.multiple_of(j * plan.tk, plan.tk), plan.tk)
@@ -560,15 +560,18 @@ def _specs(plan):
     return dict(
         q_tile=pl.BlockSpec((None, None, tq, Hp), lambda b, h, i: (b, h, i, 0)),
         q_all=pl.BlockSpec((None, None, plan.nq * tq, Hp), lambda b, h, j: (b, h, 0, 0)),
-        kv_tile=pl.BlockSpec((None, None, tk, Hp), lambda b, h, j: (b, h // G, j, 0)),
-        kv_all=pl.BlockSpec((None, None, plan.nk * tk, Hp), lambda b, h, i: (b, h // G, 0, 0)),
-        row_tile=pl.BlockSpec((None, None, tq), lambda b, h, i: (b, h, i)),
-        row_all=pl.BlockSpec((None, None, plan.nq * tq), lambda b, h, j: (b, h, 0)),
+        kv_tile=pl.BlockSpec((None, None, tk, Hp), lambda b, h, j: (b, lax.div(h, G), j, 0)),
+        kv_all=pl.BlockSpec(
+            (None, None, plan.nk * tk, Hp), lambda b, h, i: (b, lax.div(h, G), 0, 0)
+        ),
+        row_tile=pl.BlockSpec((None, None, 1, tq), lambda b, h, i: (b, h, 0, i)),
+        row_all=pl.BlockSpec((None, None, 1, plan.nq * tq), lambda b, h, j: (b, h, 0, 0)),
         key_out=pl.BlockSpec((None, None, tk, Hp), lambda b, h, j: (b, h, j, 0)),
     )
 
 
 def _forward(plan, qh, kh, vh, floats, ints, offsets, kv_len):
+    """out (B, N, Tp, Hp) in q's dtype, lse float32 (B, N, 1, Tp)."""
     B, N, Tp, Hp = qh.shape
     leaves = _kernel_leaves(ints, floats, plan)
     sp = _specs(plan)
@@ -579,7 +582,7 @@ def _forward(plan, qh, kh, vh, floats, ints, offsets, kv_len):
         (B, N, plan.nq),
         [scalar, scalar, sp["q_tile"], sp["kv_all"], sp["kv_all"], *map(_whole, leaves)],
         [sp["q_tile"], sp["row_tile"]],
-        [jax.ShapeDtypeStruct(qh.shape, qh.dtype), jax.ShapeDtypeStruct((B, N, Tp), f32)],
+        [jax.ShapeDtypeStruct(qh.shape, qh.dtype), jax.ShapeDtypeStruct((B, N, 1, Tp), f32)],
         (offsets, kv_len, qh, kh, vh, *leaves),
         "posattn_flash_forward",
     )
@@ -601,15 +604,17 @@ def _flash_bwd(plan, res, d_out):
     K, Sp = kh.shape[1], kh.shape[2]
     d_out = d_out.astype(qh.dtype)
     # D_i = rowsum(dO * O), the softmax-Jacobian term of every tile in row i.
-    delta = jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1)  # (B, N, Tp)
+    delta = jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1)[:, :, None]  # (B, N, 1, Tp)
     leaves = _kernel_leaves(ints, floats, plan)
     float_kernel_leaves = [x for x, f in zip(leaves, plan.is_float, strict=True) if f]
     sp = _specs(plan)
     scalar = _scalar_spec(plan)
     args = (offsets, kv_len, qh, kh, vh, d_out, lse, delta, *leaves)
 
+    # Per-program parameter partials, each leaf flattened to a (1, size) block: the block's last
+    # two dimensions are then the array's (as Mosaic requires).
     partial_specs = [
-        pl.BlockSpec((None, None, None, *x.shape), lambda b, h, j, nd=x.ndim: (b, h, j) + (0,) * nd)
+        pl.BlockSpec((None, None, None, 1, x.size), lambda b, h, j: (b, h, j, 0, 0))
         for x in float_kernel_leaves
     ]
     dk, dv, *d_partials = _call(
@@ -620,7 +625,7 @@ def _flash_bwd(plan, res, d_out):
         + [sp["row_all"], *map(_whole, leaves)],
         [sp["key_out"], sp["key_out"], *partial_specs],
         [jax.ShapeDtypeStruct((B, N, Sp, Hp), f32)] * 2
-        + [jax.ShapeDtypeStruct((B, N, plan.nk, *x.shape), f32) for x in float_kernel_leaves],
+        + [jax.ShapeDtypeStruct((B, N, plan.nk, 1, x.size), f32) for x in float_kernel_leaves],
         args,
         "posattn_flash_dkdv",
     )
@@ -639,7 +644,7 @@ def _flash_bwd(plan, res, d_out):
     dk = dk.reshape(B, K, plan.G, Sp, Hp).sum(axis=2)
     dv = dv.reshape(B, K, plan.G, Sp, Hp).sum(axis=2)
     d_floats = [
-        jnp.sum(g, axis=(0, 1, 2)).reshape(x.shape).astype(x.dtype)
+        jnp.sum(g, axis=(0, 1, 2, 3)).reshape(x.shape).astype(x.dtype)
         for g, x in zip(d_partials, floats, strict=True)
     ]
     return (
