@@ -45,9 +45,11 @@ whole tiles, so every block's last two dimensions are (tile, Hp): powers of two 
 full head dimension for Mosaic.
 
 Lowering limits (checked by exporting the kernels for "cuda" and "tpu" on a CPU machine; no GPU
-or TPU ran them, docs/attention.md): Triton has no gather or scatter, so a BiasFn that indexes a
-table by bucket (T5) runs in interpret mode and on TPU-less, GPU-less CPU only; the others lower.
-A materialised [N, T, S] bias is not taken here (use "blockwise" or "chunked").
+or TPU has run them, docs/attention.md): a BiasFn that gathers from a table by bucket (T5) lowers
+neither through Triton (no gather) nor through Mosaic (take-along-axis gathers only), so it runs in
+interpret mode only; ALiBi, Kerple, Sandwich and FIRE lower through both. Triton also needs the
+parameter leaves' sizes to be powers of two. A materialised [N, T, S] bias is not taken here (use
+"blockwise" or "chunked").
 """
 
 from __future__ import annotations
