@@ -134,8 +134,13 @@ def _case(name):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_matches_reference(name):
+def test_matches_reference(name, monkeypatch):
     inputs, bias, kw = _case(name)
+    if name == "t5":  # the GPU/TPU form of its gather, one-hot products (plain: the slow test)
+        hoist = pallas_mod._hoist
+        monkeypatch.setattr(
+            pallas_mod, "_hoist", lambda *a, **kw: hoist(*a, **{**kw, "one_hot_gathers": True})
+        )
     want = _value_and_grads("reference", *inputs, bias, **kw)
     got = _value_and_grads("pallas", *inputs, bias, **kw)
     _assert_close(got, want, rtol=2e-5, atol=1e-5)
@@ -181,6 +186,35 @@ def test_tile_bounds():
     assert [end(100, 20, i) for i in range(4)] == [2, 2, 2, 2]  # length 20: two key tiles
     assert [start(100, 20, j) for j in range(4)] == [0, 0, 4, 4]
     assert [end(0, 0, i) for i in range(4)] == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_one_hot_gathers_equal_the_bias_fn(bidirectional):
+    """What the GPU/TPU kernels evaluate for T5 (its table gather as a one-hot product) equals
+    the BiasFn, value and parameter VJP; an out-of-range index keeps jnp.take's NaN fill."""
+    bias = family_bias("t5", jax.random.key(3), bidirectional=bidirectional)
+    q_pos = jnp.arange(16, dtype=jnp.int32) + 40
+    k_pos = jnp.arange(32, dtype=jnp.int32) * 3
+    fn, leaves, n_consts = pallas_mod._hoist(bias, 16, 32, one_hot_gathers=True)
+    assert n_consts == 0
+    cotangent = jax.random.normal(jax.random.key(4), (N, 16, 32))
+    want, pull = jax.vjp(lambda p: bias[0](p, q_pos, k_pos), bias[1])
+    got, pull_got = jax.vjp(lambda leaves: fn(leaves, q_pos, k_pos), leaves)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        pull_got(cotangent)[0][0], pull(cotangent)[0]["table"], rtol=1e-5, atol=1e-5
+    )
+    jaxpr = jax.make_jaxpr(lambda leaves: fn(leaves, q_pos, k_pos))(leaves)
+    assert "gather" not in str(jaxpr)
+
+    table = jnp.arange(12.0).reshape(3, 4)
+    q, k = jnp.array([2, 5], jnp.int32), jnp.array([0, 1, 2], jnp.int32)  # offsets 0..5; 4, 5 out
+    for take in (
+        lambda t, q, k: jnp.take(t, q[:, None] - k[None, :], axis=1),  # fills NaN
+        lambda t, q, k: t[:, q[:, None] - k[None, :]],  # clamps
+    ):
+        fn, leaves, _ = pallas_mod._hoist((take, table), 2, 3, one_hot_gathers=True)
+        np.testing.assert_array_equal(fn(leaves, q, k), take(table, q, k))
 
 
 def test_bad_arguments():
@@ -238,7 +272,7 @@ def test_kernels_lower_for_accelerators(platform, pretend_tpu):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
-@pytest.mark.parametrize("name", ["none", "alibi", "kerple_power", "kerple_log", "sandwich"])
+@pytest.mark.parametrize("name", ["none", "alibi", "kerple_power", "kerple_log", "sandwich", "t5"])
 def test_families_lower_for_accelerators(platform, name, pretend_tpu):
     _export(platform, name)
 

@@ -44,11 +44,12 @@ Layout: the wrapper transposes q, k, v to head-major [B, N or K, T or S, Hp] and
 whole tiles, so every block's last two dimensions are (tile, Hp): powers of two for Triton, the
 full head dimension for Mosaic.
 
-Lowering limits (checked by exporting the kernels for "cuda" and "tpu" on a CPU machine; no GPU
-or TPU has run them, docs/attention.md): a BiasFn that gathers from a table by bucket (T5) lowers
-neither through Triton (no gather) nor through Mosaic (take-along-axis gathers only), so it runs in
-interpret mode only; ALiBi, Kerple, Sandwich and FIRE lower through both. Triton also needs the
-parameter leaves' sizes to be powers of two. A materialised [N, T, S] bias is not taken here (use
+Lowering (checked by exporting the kernels for "cuda" and "tpu" on a CPU machine; no GPU or TPU
+has run them, docs/attention.md): every registry family lowers through Triton and Mosaic. Neither
+lowers T5's table gather (`table[:, bucket]`: Triton has no gather, Mosaic only take-along-axis
+ones), so on those backends a gather that takes whole slices along one axis is evaluated as a
+one-hot matrix product (exact); interpret mode keeps the gather. Triton also needs the parameter
+leaves' sizes to be powers of two. A materialised [N, T, S] bias is not taken here (use
 "blockwise" or "chunked").
 """
 
@@ -179,7 +180,8 @@ def pallas_attention(
 
     bias_fn, leaves, treedef, n_consts = None, [], None, 0
     if bias is not None:
-        bias_fn, leaves, n_consts = _hoist(bias, tq, tk)
+        # Gathers become one-hot products where the backend cannot lower them.
+        bias_fn, leaves, n_consts = _hoist(bias, tq, tk, one_hot_gathers=backend != "interpret")
         treedef = jax.tree.structure(leaves)
     # Hoisted constants ride along undifferentiated, like integer leaves.
     n_params = len(leaves) - n_consts
@@ -220,7 +222,7 @@ def pallas_attention(
 # The BiasFn, made kernel-ready.
 
 
-def _hoist(bias, tq, tk):
+def _hoist(bias, tq, tk, *, one_hot_gathers=False):
     """(fn, leaves, n_consts): the BiasFn traced once at the tile shapes, its closed-over constants
     (e.g. Sandwich's frequencies) hoisted into explicit inputs, since a Pallas kernel may not
     capture arrays. fn(leaves, q_pos, k_pos) -> float[N, tq, tk]; leaves = params leaves (tree
@@ -230,7 +232,8 @@ def _hoist(bias, tq, tk):
     positions = (jax.ShapeDtypeStruct((tq,), jnp.int32), jax.ShapeDtypeStruct((tk,), jnp.int32))
     closed = jax.make_jaxpr(user_fn)(params, *positions)
     consts = [jnp.asarray(c) for c in closed.consts]
-    return _TracedBias(closed.jaxpr, len(p_leaves)), p_leaves + consts, len(consts)
+    fn = _TracedBias(closed.jaxpr, len(p_leaves), one_hot_gathers)
+    return fn, p_leaves + consts, len(consts)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -244,15 +247,16 @@ class _TracedBias:
 
     jaxpr: Any
     n_params: int
+    one_hot_gathers: bool = False
 
     def __call__(self, leaves, q_pos, k_pos):
         n_in = len(self.jaxpr.invars)
         args = list(leaves[: self.n_params]) + [q_pos, k_pos]
         assert len(args) == n_in, (len(args), n_in)
-        return _eval_jaxpr(self.jaxpr, leaves[self.n_params :], args)[0]
+        return _eval_jaxpr(self.jaxpr, leaves[self.n_params :], args, self.one_hot_gathers)[0]
 
 
-def _eval_jaxpr(jaxpr, consts, args):
+def _eval_jaxpr(jaxpr, consts, args, one_hot_gathers=False):
     from jax.extend.core import Literal
 
     env = {}
@@ -268,9 +272,11 @@ def _eval_jaxpr(jaxpr, consts, args):
         invals = [read(v) for v in eqn.invars]
         if eqn.primitive.name in ("pjit", "jit"):
             inner = eqn.params["jaxpr"]
-            outvals = _eval_jaxpr(inner.jaxpr, inner.consts, invals)
+            outvals = _eval_jaxpr(inner.jaxpr, inner.consts, invals, one_hot_gathers)
         elif eqn.primitive is lax.dot_general_p and _needs_2d_dot(eqn, invals):
             outvals = [_dot_as_2d(eqn, *invals)]
+        elif one_hot_gathers and eqn.primitive is lax.gather_p and _is_take(eqn, invals):
+            outvals = [_take_as_one_hot(eqn, *invals)]
         else:
             bind_params = eqn.primitive.get_bind_params(eqn.params)
             subfuns = ()
@@ -281,6 +287,51 @@ def _eval_jaxpr(jaxpr, consts, args):
         for var, x in zip(eqn.outvars, outvals, strict=True):
             env[var] = x
     return [read(v) for v in jaxpr.outvars]
+
+
+def _is_take(eqn, invals):
+    """A gather that picks whole slices along one operand axis by one index per output position:
+    `jnp.take(x, idx, axis=a)` (T5's `table[:, bucket]`)."""
+    dn = eqn.params["dimension_numbers"]
+    x, idx = invals
+    if len(dn.start_index_map) != 1 or tuple(dn.collapsed_slice_dims) != tuple(dn.start_index_map):
+        return False
+    if dn.operand_batching_dims or idx.shape[-1] != 1:
+        return False
+    axis = dn.start_index_map[0]
+    full = tuple(1 if d == axis else n for d, n in enumerate(x.shape))
+    return tuple(eqn.params["slice_sizes"]) == full
+
+
+def _take_as_one_hot(eqn, x, idx):
+    """The `_is_take` gather as a one-hot matrix product, [prod(batch), n] @ [n, rest]: Triton has
+    no gather and Mosaic only take-along-axis ones, but both have dot. Exact (HIGHEST precision,
+    one nonzero term per output); out-of-range indices follow the gather's mode."""
+    dn = eqn.params["dimension_numbers"]
+    axis = dn.start_index_map[0]
+    n = x.shape[axis]
+    idx = idx[..., 0]
+    mode = eqn.params["mode"]
+    if mode != lax.GatherScatterMode.FILL_OR_DROP:  # CLIP, and XLA clamps PROMISE_IN_BOUNDS too
+        idx = jnp.clip(idx, 0, n - 1)
+    rest = jnp.moveaxis(x, axis, 0).reshape(n, -1)  # (n, prod(rest))
+    one_hot = (idx.reshape(-1, 1) == lax.broadcasted_iota(jnp.int32, (1, n), 1)).astype(x.dtype)
+    out = lax.dot_general(
+        one_hot, rest, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST
+    ).astype(x.dtype)  # (prod(batch), prod(rest))
+    rest_shape = tuple(d for a, d in enumerate(x.shape) if a != axis)
+    out = out.reshape(*idx.shape, *rest_shape)  # batch dims, then the operand's other dims
+    if mode == lax.GatherScatterMode.FILL_OR_DROP:
+        fill = eqn.params.get("fill_value")
+        if fill is None:
+            fill = jnp.nan if jnp.issubdtype(x.dtype, jnp.inexact) else 0
+        valid = (idx >= 0) & (idx < n)
+        out = jnp.where(valid.reshape(*idx.shape, *(1,) * len(rest_shape)), out, fill)
+    # The gather puts the operand's dims at offset_dims and the batch dims in the other places.
+    nb, offsets = idx.ndim, tuple(dn.offset_dims)
+    batch = iter(range(nb))
+    perm = [nb + offsets.index(p) if p in offsets else next(batch) for p in range(out.ndim)]
+    return out.transpose(perm)
 
 
 def _needs_2d_dot(eqn, invals):
