@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -255,6 +256,13 @@ class _TracedBias:
         assert len(args) == n_in, (len(args), n_in)
         return _eval_jaxpr(self.jaxpr, leaves[self.n_params :], args, self.one_hot_gathers)[0]
 
+    def head(self, leaves, h, q_pos, k_pos):
+        """float[t, s]: head h (traced) of the bias, computing only what head h needs where the
+        jaxpr allows it (`_HeadSlicer`)."""
+        args = list(leaves[self.n_params :]) + list(leaves[: self.n_params]) + [q_pos, k_pos]
+        slicer = _HeadSlicer(self.jaxpr, args, h, self.one_hot_gathers)
+        return slicer.sliced(self.jaxpr.outvars[0], 0)
+
 
 def _eval_jaxpr(jaxpr, consts, args, one_hot_gathers=False):
     from jax.extend.core import Literal
@@ -270,23 +278,219 @@ def _eval_jaxpr(jaxpr, consts, args, one_hot_gathers=False):
         env[var] = x
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
-        if eqn.primitive.name in ("pjit", "jit"):
-            inner = eqn.params["jaxpr"]
-            outvals = _eval_jaxpr(inner.jaxpr, inner.consts, invals, one_hot_gathers)
-        elif eqn.primitive is lax.dot_general_p and _needs_2d_dot(eqn, invals):
-            outvals = [_dot_as_2d(eqn, *invals)]
-        elif one_hot_gathers and eqn.primitive is lax.gather_p and _is_take(eqn, invals):
-            outvals = [_take_as_one_hot(eqn, *invals)]
-        else:
-            bind_params = eqn.primitive.get_bind_params(eqn.params)
-            subfuns = ()
-            if isinstance(bind_params, tuple):  # older jax: (subfuns, params)
-                subfuns, bind_params = bind_params
-            out = eqn.primitive.bind(*subfuns, *invals, **bind_params)
-            outvals = out if eqn.primitive.multiple_results else [out]
+        outvals = _eval_eqn(eqn, invals, one_hot_gathers)
         for var, x in zip(eqn.outvars, outvals, strict=True):
             env[var] = x
     return [read(v) for v in jaxpr.outvars]
+
+
+def _eval_eqn(eqn, invals, one_hot_gathers):
+    """The outputs (a list) of one equation on concrete or traced inputs."""
+    if eqn.primitive.name in ("pjit", "jit"):
+        inner = eqn.params["jaxpr"]
+        return _eval_jaxpr(inner.jaxpr, inner.consts, invals, one_hot_gathers)
+    if eqn.primitive is lax.dot_general_p and _needs_2d_dot(eqn, invals):
+        return [_dot_as_2d(eqn, *invals)]
+    if one_hot_gathers and eqn.primitive is lax.gather_p and _is_take(eqn, invals):
+        return [_take_as_one_hot(eqn, *invals)]
+    bind_params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns = ()
+    if isinstance(bind_params, tuple):  # older jax: (subfuns, params)
+        subfuns, bind_params = bind_params
+    out = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+    return out if eqn.primitive.multiple_results else [out]
+
+
+_ELEMENTWISE = frozenset(
+    "abs add and ceil clamp convert_element_type cos div eq exp exp2 floor ge gt integer_pow le "
+    "log log1p logistic lt max min mul ne neg not or pow rem round rsqrt select_n sign sin sqrt "
+    "square sub tan tanh".split()
+)
+
+
+class _HeadSlicer:
+    """Evaluates `value[..., h, ...]` of a jaxpr's values (h traced, one axis) on demand.
+
+    A program works on one head h, but a BiasFn returns all N. Selecting row h of the output
+    would compute N heads per tile; instead the request "axis a at index h" is pushed back through
+    the equations that map that axis to one axis of their inputs (elementwise operations,
+    broadcasts, reshapes that only add or drop unit axes, transposes, matrix products, sums,
+    table takes) down to the small inputs (parameter leaves, constants), where row h is picked by
+    a one-hot select: N operations per program, not per logit. Anything else (or an axis mixed
+    with others) is computed whole and row h selected from it, which is always correct.
+    """
+
+    def __init__(self, jaxpr, args, h, one_hot_gathers, links=None):
+        """args: values of constvars + invars; or links: {var: (parent slicer, parent var)}, for
+        a nested jaxpr whose inputs the parent computes (whole or sliced) on demand."""
+        self.h, self.one_hot_gathers = h, one_hot_gathers
+        self.full_env = {}
+        if args is not None:
+            self.full_env = dict(zip([*jaxpr.constvars, *jaxpr.invars], args, strict=True))
+        self.links = links or {}
+        self.producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+        self.sliced_env = {}
+
+    def full(self, v):
+        from jax.extend.core import Literal
+
+        if isinstance(v, Literal):
+            return v.val
+        if v in self.links:
+            parent, outer = self.links[v]
+            return parent.full(outer)
+        if v not in self.full_env:
+            eqn = self.producer[v]
+            outs = _eval_eqn(eqn, [self.full(x) for x in eqn.invars], self.one_hot_gathers)
+            self.full_env.update(zip(eqn.outvars, outs, strict=True))
+        return self.full_env[v]
+
+    def select(self, x, axis):
+        """x[..., h, ...] along `axis` by a one-hot reduction (lowers on Triton and Mosaic)."""
+        shape = [1] * x.ndim
+        shape[axis] = x.shape[axis]
+        hit = lax.broadcasted_iota(jnp.int32, tuple(shape), axis) == self.h
+        if x.dtype == jnp.bool_:
+            return jnp.any(hit & x, axis=axis)
+        return jnp.sum(jnp.where(hit, x, jnp.zeros((), x.dtype)), axis=axis).astype(x.dtype)
+
+    def sliced(self, v, axis):
+        if v in self.links:
+            parent, outer = self.links[v]
+            return parent.sliced(outer, axis)
+        key = (v, axis)
+        if key not in self.sliced_env:
+            out = None
+            if v in self.producer:
+                eqn = self.producer[v]
+                rule = getattr(self, "_" + eqn.primitive.name, None)
+                if eqn.primitive.name in _ELEMENTWISE:
+                    rule = self._elementwise
+                if rule is not None and len(eqn.outvars) == 1:
+                    out = rule(eqn, axis)
+            if out is None:
+                out = self.select(self.full(v), axis)
+            self.sliced_env[key] = out
+        return self.sliced_env[key]
+
+    # Rules: eqn's single output sliced at `axis`, or None (then computed whole).
+
+    def _bind(self, eqn, invals, **params):
+        bind_params = eqn.primitive.get_bind_params({**eqn.params, **params})
+        if isinstance(bind_params, tuple):
+            _, bind_params = bind_params
+        return eqn.primitive.bind(*invals, **bind_params)
+
+    def _elementwise(self, eqn, axis):
+        n = eqn.outvars[0].aval.shape[axis]
+        invals = []
+        for x in eqn.invars:
+            shape = getattr(x.aval, "shape", ())
+            if len(shape) == 0:
+                invals.append(self.full(x))
+            elif shape[axis] == n and n != 1:
+                invals.append(self.sliced(x, axis))
+            elif shape[axis] == 1:  # broadcast along the axis: the same for every head
+                invals.append(self.full(x).reshape(shape[:axis] + shape[axis + 1 :]))
+            else:
+                return None
+        return self._bind(eqn, invals)
+
+    def _broadcast_in_dim(self, eqn, axis):
+        (x,) = eqn.invars
+        dims, shape = eqn.params["broadcast_dimensions"], eqn.params["shape"]
+        new_shape = shape[:axis] + shape[axis + 1 :]
+        if axis in dims:
+            d = dims.index(axis)
+            if x.aval.shape[d] != shape[axis]:
+                val = self.full(x).reshape(x.aval.shape[:d] + x.aval.shape[d + 1 :])  # unit axis
+            else:
+                val = self.sliced(x, d)
+            new_dims = tuple(b - (b > axis) for b in dims if b != axis)
+        else:
+            val = self.full(x)
+            new_dims = tuple(b - (b > axis) for b in dims)
+        return lax.broadcast_in_dim(val, new_shape, new_dims)
+
+    def _reshape(self, eqn, axis):
+        x = eqn.invars[0]
+        if len(eqn.invars) != 1 or eqn.params.get("dimensions") is not None:
+            return None
+        src, dst = x.aval.shape, eqn.outvars[0].aval.shape
+        big_src = [d for d, n in enumerate(src) if n != 1]
+        big_dst = [d for d, n in enumerate(dst) if n != 1]
+        if [src[d] for d in big_src] != [dst[d] for d in big_dst] or axis not in big_dst:
+            return None  # more than unit axes move
+        d = big_src[big_dst.index(axis)]
+        return self.sliced(x, d).reshape(dst[:axis] + dst[axis + 1 :])
+
+    def _pjit(self, eqn, axis):
+        inner = eqn.params["jaxpr"]
+        if inner.consts or len(eqn.outvars) != 1:
+            return None
+        links = {iv: (self, ov) for iv, ov in zip(inner.jaxpr.invars, eqn.invars, strict=True)}
+        sub = _HeadSlicer(inner.jaxpr, None, self.h, self.one_hot_gathers, links)
+        return sub.sliced(inner.jaxpr.outvars[0], axis)
+
+    _jit = _pjit
+
+    def _transpose(self, eqn, axis):
+        perm = eqn.params["permutation"]
+        d = perm[axis]
+        new_perm = tuple(p - (p > d) for k, p in enumerate(perm) if k != axis)
+        return jnp.transpose(self.sliced(eqn.invars[0], d), new_perm)
+
+    def _reduce_sum(self, eqn, axis):
+        x = eqn.invars[0]
+        axes = tuple(eqn.params["axes"])
+        kept = [d for d in range(x.aval.ndim) if d not in axes]
+        d = kept[axis]
+        return jnp.sum(self.sliced(x, d), axis=tuple(a - (a > d) for a in axes))
+
+    def _dot_general(self, eqn, axis):
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        if lb or rb or len(lc) != 1:
+            return None
+        lhs, rhs = eqn.invars
+        lfree = [d for d in range(lhs.aval.ndim) if d not in lc]
+        rfree = [d for d in range(rhs.aval.ndim) if d not in rc]
+        if axis < len(lfree):
+            d = lfree[axis]
+            a, b = self.sliced(lhs, d), self.full(rhs)
+            lc = (lc[0] - (lc[0] > d),)
+        else:
+            d = rfree[axis - len(lfree)]
+            a, b = self.full(lhs), self.sliced(rhs, d)
+            rc = (rc[0] - (rc[0] > d),)
+        if b.ndim == 1 and lc[0] == a.ndim - 1:  # a matrix-vector product: a 2-D dot for Triton
+            return jnp.sum(a.astype(f32) * b.astype(f32), axis=-1).astype(eqn.outvars[0].aval.dtype)
+        if a.ndim == 1 and b.ndim == 2 and rc[0] == 0:
+            out = jnp.sum(a.astype(f32)[:, None] * b.astype(f32), axis=0)
+            return out.astype(eqn.outvars[0].aval.dtype)
+        return None
+
+    def _gather(self, eqn, axis):
+        x, idx = eqn.invars
+        dn = eqn.params["dimension_numbers"]
+        if not _is_take(eqn, [x.aval, idx.aval]) or axis not in dn.offset_dims:
+            return None
+        take_axis = dn.start_index_map[0]
+        others = [d for d in range(x.aval.ndim) if d != take_axis]
+        if len(others) != 1:
+            return None  # only [N, n] tables: the head axis is the one offset dim
+        d = others[dn.offset_dims.index(axis)]
+        row = self.sliced(x, d)  # (n,)
+        params = dict(
+            dimension_numbers=lax.GatherDimensionNumbers(
+                offset_dims=(), collapsed_slice_dims=(0,), start_index_map=(0,)
+            ),
+            slice_sizes=(1,),
+        )
+        sub = types.SimpleNamespace(primitive=eqn.primitive, params={**eqn.params, **params})
+        ids = self.full(idx)
+        if self.one_hot_gathers:
+            return _take_as_one_hot(sub, row, ids)
+        return self._bind(sub, [row, ids])
 
 
 def _is_take(eqn, invals):
@@ -380,14 +584,7 @@ def _rebuild(plan, all_leaves, floats):
 
 def _head_bias(plan, params, h, q_pos, k_pos):
     """float32[tq, tk]: head h of BiasFn(params, q_pos, k_pos)."""
-    b = plan.bias_fn(params, q_pos, k_pos).astype(f32)  # (N, tq, tk)
-    if plan.N == 1:
-        return b.reshape(b.shape[1:])
-    return jnp.sum(jnp.where(_head_onehot(plan, h), b, 0.0), axis=0)
-
-
-def _head_onehot(plan, h):
-    return lax.broadcasted_iota(jnp.int32, (plan.N, 1, 1), 0) == h  # (N, 1, 1)
+    return plan.bias_fn.head(params, h, q_pos, k_pos).astype(f32)
 
 
 def _visible(plan, q_pos, k_pos, kv_len):
@@ -496,14 +693,10 @@ def _dkdv_kernel(plan, off_ref, len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, d
         q_pos, k_pos = _positions(plan, off, i, j)
         pull = None
         if plan.bias_fn is not None:
-            bias_all, pull = jax.vjp(
-                lambda fl: plan.bias_fn(_rebuild(plan, leaves, fl), q_pos, k_pos).astype(f32),
-                floats,
+            bias_h, pull = jax.vjp(
+                lambda fl: _head_bias(plan, _rebuild(plan, leaves, fl), h, q_pos, k_pos), floats
             )
-            if plan.N == 1:
-                s = s + bias_all.reshape(s.shape)
-            else:
-                s = s + jnp.sum(jnp.where(_head_onehot(plan, h), bias_all, 0.0), axis=0)
+            s = s + bias_h
         mask = _visible(plan, q_pos, k_pos, kv_len)
         if mask is not None:
             s = jnp.where(mask, s, -jnp.inf)
@@ -513,8 +706,7 @@ def _dkdv_kernel(plan, off_ref, len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, d
         ds = p * (dp - delta[:, None])  # d loss / d logits
         dk = dk + plan.scale * _dot(ds.astype(q.dtype), q, (0, 0))
         if pull is not None:
-            ct = ds[None] if plan.N == 1 else jnp.where(_head_onehot(plan, h), ds[None], 0.0)
-            d_floats = [a + g.astype(f32) for a, g in zip(d_floats, pull(ct)[0], strict=True)]
+            d_floats = [a + g.astype(f32) for a, g in zip(d_floats, pull(ds)[0], strict=True)]
         return dk, dv, d_floats
 
     zeros = jnp.zeros((plan.tk, plan.Hp), f32)
