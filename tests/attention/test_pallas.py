@@ -188,6 +188,40 @@ def test_tile_bounds():
     assert [end(0, 0, i) for i in range(4)] == [0, 0, 0, 0]
 
 
+@pytest.mark.parametrize("name", [n for n in CASES if n != "none"])
+def test_head_slices_equal_the_bias_fn(name):
+    """What a program evaluates, head h of the bias, equals BiasFn(...)[h] for every h (vmapped
+    over h), and no
+    [N, t, s]-shaped value is computed on the way (N = 4, t = 16, s = 32; the families' own
+    intermediates, FIRE's [t, s, width] and Sandwich's [t, s, H/2], have other sizes)."""
+    bias = family_bias(name, jax.random.key(5), head_dim=12)
+    q_pos = jnp.arange(16, dtype=jnp.int32) + 9
+    k_pos = jnp.arange(32, dtype=jnp.int32)
+    for one_hot in (False, True):
+        fn, leaves, _ = pallas_mod._hoist(bias, 16, 32, one_hot_gathers=one_hot)
+        want = bias[0](bias[1], q_pos, k_pos)  # (N, 16, 32)
+        head = jax.vmap(lambda h, fn=fn, leaves=leaves: fn.head(leaves, h, q_pos, k_pos))
+        got = jax.jit(head)(jnp.arange(N))
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+        jaxpr = jax.make_jaxpr(lambda leaves, h, fn=fn: fn.head(leaves, h, q_pos, k_pos))(
+            leaves, jnp.int32(0)
+        )
+        shapes = _value_shapes(jaxpr.jaxpr)
+        assert not [x for x in shapes if sorted(x) == sorted((N, 16, 32))], shapes
+
+
+def _value_shapes(jaxpr):
+    """The shapes of every value a jaxpr (and the jaxprs inside it) computes."""
+    from jax.extend.core import jaxprs_in_params
+
+    shapes = []
+    for eqn in jaxpr.eqns:
+        shapes.extend(tuple(getattr(v.aval, "shape", ())) for v in eqn.outvars)
+        for sub in jaxprs_in_params(eqn.params):
+            shapes.extend(_value_shapes(sub))
+    return shapes
+
+
 @pytest.mark.parametrize("bidirectional", [False, True])
 def test_one_hot_gathers_equal_the_bias_fn(bidirectional):
     """What the GPU/TPU kernels evaluate for T5 (its table gather as a one-hot product) equals
