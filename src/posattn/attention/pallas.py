@@ -26,10 +26,9 @@ tile's dS as cotangent: each program (b, h, j) writes its partial sum over the q
 visits to its own slot of a [B, N, nk, *leaf] buffer, and the slots are summed outside the
 kernel (deterministic, no atomics; the buffers are linear in S).
 
-A BiasFn returns all N heads; a program works on one head h and keeps row h (a one-hot select
-that both Triton and Mosaic lower). The bias of one tile therefore costs N per-head evaluations;
-for the families here (a few elementwise operations per logit) that is small next to the two
-[tq, tk, H] matrix products, but a BiasFn with a large per-element cost pays it N times.
+A BiasFn returns all N heads; a program works on one head h and evaluates only that head: the
+head axis is pushed back through the BiasFn's jaxpr to its small inputs, where row h is picked
+(`_HeadSlicer`), so no [N, tq, tk] tile is built for the families here.
 
 Grouped-query heads: the key/value BlockSpecs map query head h to key/value head h // G, so K/V
 are never repeated; dK and dV are written per query head in float32 and summed over the G heads
