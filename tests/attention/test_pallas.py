@@ -251,6 +251,25 @@ def test_one_hot_gathers_equal_the_bias_fn(bidirectional):
         np.testing.assert_array_equal(fn(leaves, q, k), take(table, q, k))
 
 
+def test_gradient_through_a_closed_over_array():
+    """A BiasFn that closes over a traced array (its own params empty) still passes its gradient."""
+    key = jax.random.key(6)
+    q, k, v, _ = _inputs(2, key, 32, 32)
+    kw = dict(causal=True, q_offset=ROWS)
+
+    def loss(slopes, impl):
+        def closed(params, q_pos, k_pos):
+            return family_bias("alibi", key)[0]({"slopes": slopes}, q_pos, k_pos)
+
+        out = attention(q, k, v, bias=(closed, {}), implementation=impl, **kw)
+        return jnp.sum(out**2)
+
+    slopes = jnp.array([0.5, 0.25, 0.125, 0.0625])
+    got = jax.jit(jax.grad(functools.partial(loss, impl="pallas")))(slopes)
+    want = jax.grad(functools.partial(loss, impl="reference"))(slopes)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
+
+
 def test_bad_arguments():
     q = jnp.zeros((1, 16, 2, 8))
     with pytest.raises(ValueError, match="materialised"):

@@ -183,10 +183,14 @@ def pallas_attention(
         # Gathers become one-hot products where the backend cannot lower them.
         bias_fn, leaves, n_consts = _hoist(bias, tq, tk, one_hot_gathers=backend != "interpret")
         treedef = jax.tree.structure(leaves)
-    # Hoisted constants ride along undifferentiated, like integer leaves.
+    # Floating leaves are differentiated; so are hoisted constants that are traced values (an
+    # array the BiasFn closes over, e.g. under jit or grad), whose gradient must not be dropped.
+    # True constants (Sandwich's frequencies) ride along undifferentiated, like integer leaves.
     n_params = len(leaves) - n_consts
     is_float = tuple(
-        n < n_params and bool(jnp.issubdtype(x.dtype, jnp.inexact)) for n, x in enumerate(leaves)
+        bool(jnp.issubdtype(x.dtype, jnp.inexact))
+        and (n < n_params or isinstance(x, jax.core.Tracer))
+        for n, x in enumerate(leaves)
     )
     plan = _Plan(
         N=N,
