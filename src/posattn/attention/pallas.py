@@ -70,6 +70,7 @@ from jax.experimental import pallas as pl
 f32 = jnp.float32
 
 BACKENDS = ("interpret", "gpu", "tpu")
+_TRACER = getattr(jax.core, "Tracer", ())  # public in jax 0.10; () if it ever moves
 
 # Default tiles per backend (powers of two >= 16). GPU: 64 x 64 keeps the bias tile, the logits
 # and a 128-wide head in registers with 4 warps (Pallas' GPU reference runs 128 x 64 forward and
@@ -188,8 +189,7 @@ def pallas_attention(
     # True constants (Sandwich's frequencies) ride along undifferentiated, like integer leaves.
     n_params = len(leaves) - n_consts
     is_float = tuple(
-        bool(jnp.issubdtype(x.dtype, jnp.inexact))
-        and (n < n_params or isinstance(x, jax.core.Tracer))
+        bool(jnp.issubdtype(x.dtype, jnp.inexact)) and (n < n_params or isinstance(x, _TRACER))
         for n, x in enumerate(leaves)
     )
     plan = _Plan(
