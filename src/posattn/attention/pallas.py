@@ -511,9 +511,10 @@ def _is_take(eqn, invals):
 
 
 def _take_as_one_hot(eqn, x, idx):
-    """The `_is_take` gather as a one-hot matrix product, [prod(batch), n] @ [n, rest]: Triton has
-    no gather and Mosaic only take-along-axis ones, but both have dot. Exact (HIGHEST precision,
-    one nonzero term per output); out-of-range indices follow the gather's mode."""
+    """The `_is_take` gather as a one-hot matrix product, [prod(batch), n] @ [n, rest] (a one-hot
+    select and sum when rest < 16, e.g. one head's row of a table): Triton has no gather and
+    Mosaic only take-along-axis ones. Exact (HIGHEST precision, one nonzero term per output);
+    out-of-range indices follow the gather's mode."""
     dn = eqn.params["dimension_numbers"]
     axis = dn.start_index_map[0]
     n = x.shape[axis]
@@ -522,10 +523,13 @@ def _take_as_one_hot(eqn, x, idx):
     if mode != lax.GatherScatterMode.FILL_OR_DROP:  # CLIP, and XLA clamps PROMISE_IN_BOUNDS too
         idx = jnp.clip(idx, 0, n - 1)
     rest = jnp.moveaxis(x, axis, 0).reshape(n, -1)  # (n, prod(rest))
-    one_hot = (idx.reshape(-1, 1) == lax.broadcasted_iota(jnp.int32, (1, n), 1)).astype(x.dtype)
-    out = lax.dot_general(
-        one_hot, rest, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST
-    ).astype(x.dtype)  # (prod(batch), prod(rest))
+    hit = idx.reshape(-1, 1) == lax.broadcasted_iota(jnp.int32, (1, n), 1)  # (prod(batch), n)
+    if rest.shape[1] >= 16:  # Triton's dot wants every dimension >= 16
+        out = lax.dot_general(
+            hit.astype(x.dtype), rest, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST
+        ).astype(x.dtype)  # (prod(batch), prod(rest))
+    else:  # one head's row of a table: a select and a sum, elementwise
+        out = jnp.sum(jnp.where(hit[:, :, None], rest[None], jnp.zeros((), x.dtype)), axis=1)
     rest_shape = tuple(d for a, d in enumerate(x.shape) if a != axis)
     out = out.reshape(*idx.shape, *rest_shape)  # batch dims, then the operand's other dims
     if mode == lax.GatherScatterMode.FILL_OR_DROP:
