@@ -40,7 +40,7 @@ from posattn.attention import blockwise, chunked
 BiasFn = Callable[[Any, jax.Array, jax.Array], jax.Array]
 Bias = jax.Array | tuple[BiasFn, Any] | None
 
-IMPLEMENTATIONS = ("auto", "reference", "xla", "chunked", "blockwise")
+IMPLEMENTATIONS = ("auto", "reference", "xla", "chunked", "blockwise", "pallas")
 
 # "auto" takes "chunked" while one head's logits T * S stay below AUTO_CHUNKED_MAX_HEAD_LOGITS and
 # "blockwise" from there. Measured on the 2-core Xeon of docs/attention.md (causal, ALiBi, forward
@@ -107,6 +107,10 @@ def attention(
             return chunked_path(q, k, v, static_offset=static_offset, **kwargs)
         case "blockwise":
             return blockwise.blockwise_attention(q, k, v, **kwargs)
+        case "pallas":
+            from posattn.attention import pallas
+
+            return pallas.pallas_attention(q, k, v, **kwargs)
         case _:
             raise ValueError(
                 f"attention: unknown implementation {implementation!r}; "

@@ -1,0 +1,349 @@
+"""The Pallas kernels (interpret mode on CPU) equal the reference: forward and every gradient (q, k,
+v, bias parameters), for no bias and every bias family of the registry.
+
+Each family runs once, on its own combination of the cases (grouped / multi-query heads, causal or
+not, ragged kv_lengths, per-row offsets, rows that see no key); T and S are not multiples of the
+16-tiles, so padding, diagonal tiles and skipped tiles are all exercised. Interpret mode compiles
+slowly, so the default tests are a handful of small programs; larger shapes are marked slow.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from posattn import families
+from posattn.attention import attention
+from posattn.attention import pallas as pallas_mod
+from posattn.attention.pallas import pallas_attention
+
+B, N, H = 2, 4, 8
+
+
+@pytest.fixture(autouse=True)
+def _slow_only_on_request(request):
+    """Tests marked slow run only when the marker expression names them (`-m slow`)."""
+    if request.node.get_closest_marker("slow") and "slow" not in request.config.option.markexpr:
+        pytest.skip("slow: run with -m slow")
+
+
+TILES = dict(block_q=16, block_k=16)
+
+
+def family_bias(name, key, *, num_heads=N, head_dim=H, bidirectional=False):
+    """(BiasFn, params) of a registry family, or None for "none"."""
+    if name == "none":
+        return None
+    spec = families.get(name).bias
+    settings = families.BiasSettings(
+        num_heads=num_heads,
+        head_dim=head_dim,
+        bidirectional=bidirectional,
+        fire_mlp_width=8,
+        t5_num_buckets=16,
+        t5_max_distance=32,
+    )
+    return spec.bind(settings), spec.init(key, settings)
+
+
+def _inputs(K, key, T, S, dtype=jnp.float32, n=N, h=H):
+    kq, kk, kv, kd = jax.random.split(key, 4)
+    q = jax.random.normal(kq, (B, T, n, h), dtype)
+    k = jax.random.normal(kk, (B, S, K, h), dtype)
+    v = jax.random.normal(kv, (B, S, K, h), dtype)
+    d_out = jax.random.normal(kd, (B, T, n, h), dtype)
+    return q, k, v, d_out
+
+
+def _value_and_grads(impl, q, k, v, d_out, bias, tiles=TILES, **kw):
+    """Output and d<out, d_out>/d(q, k, v, bias params), jitted."""
+    fn, params = bias if bias is not None else (None, ())
+
+    def loss(q, k, v, params):
+        b = None if fn is None else (fn, params)
+        if impl == "pallas":
+            out = pallas_attention(q, k, v, bias=b, **tiles, **kw)
+        else:
+            out = attention(q, k, v, bias=b, implementation=impl, **kw)
+        return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32)), out
+
+    grads, out = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, params)
+    return out, grads
+
+
+def _assert_close(got, want, rtol, atol, name=""):
+    """Every array within rtol of its reference's largest magnitude, plus atol (parameter
+    gradients that cancel to ~0, e.g. a per-head constant under softmax)."""
+    for path, g, w in zip(
+        jax.tree_util.tree_leaves_with_path(want),
+        jax.tree.leaves(got),
+        jax.tree.leaves(want),
+        strict=True,
+    ):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        assert g.shape == w.shape, f"{name}{jax.tree_util.keystr(path[0])}: {g.shape} {w.shape}"
+        assert np.isfinite(g).all(), f"{name}{jax.tree_util.keystr(path[0])}: non-finite"
+        err = np.max(np.abs(g - w)) if w.size else 0.0
+        assert err <= rtol * np.max(np.abs(w), initial=0.0) + atol, (
+            f"{name}{jax.tree_util.keystr(path[0])}: max error {err:.3g}, "
+            f"reference scale {np.max(np.abs(w)):.3g}"
+        )
+
+
+def _assert_close_params_by_scale(got, want, rtol, atol):
+    """Outputs and q/k/v gradients within rtol of their own scale (+ atol); parameter gradients
+    within rtol of the largest parameter gradient of the bias. A gradient that is a sum of
+    cancelling terms (a per-head constant's, exactly 0 under softmax) keeps the roundoff of its
+    many terms: in float32 ~1e-5 at T = 200, and in bfloat16 the rounding of the probabilities in
+    P.V, as in FlashAttention; so it is judged on the scale of its neighbours, not its own ~0."""
+    (out, grads), (want_out, want_grads) = got, want
+    _assert_close((out, grads[:3]), (want_out, want_grads[:3]), rtol=rtol, atol=atol)
+    params = [np.asarray(x, np.float32) for x in jax.tree.leaves(want_grads[3])]
+    scale = max((np.max(np.abs(x), initial=0.0) for x in params), default=0.0)
+    _assert_close(grads[3], want_grads[3], rtol=0.0, atol=rtol * scale + 1e-6, name="params")
+
+
+ROWS = np.array([0, 8], np.int32)
+# family: (K, T, S, keywords). Every family once; between them: MHA (K=4), GQA (K=2), MQA (K=1),
+# causal and not, scalar and per-row offsets, ragged lengths, rows with no visible key.
+CASES = {
+    "none": (4, 24, 40, dict(kv_lengths=np.array([40, 13], np.int32))),
+    "alibi": (2, 32, 32, dict(causal=True, q_offset=ROWS)),
+    "t5": (1, 24, 40, dict(causal=True, q_offset=5)),
+    "kerple_power": (
+        2,
+        24,
+        40,
+        dict(causal=True, q_offset=np.array([-20, 3], np.int32), kv_lengths=np.array([30, 0])),
+    ),
+    "kerple_log": (4, 32, 32, dict(q_offset=ROWS)),
+    "sandwich": (1, 32, 32, dict(causal=True)),
+    "fire": (2, 24, 40, dict(causal=True, q_offset=ROWS, kv_lengths=np.array([40, 17]))),
+}
+
+
+@functools.cache
+def _case(name):
+    K, T, S, kw = CASES[name]
+    key = jax.random.key(list(CASES).index(name))
+    inputs = _inputs(K, key, T, S)
+    bias = family_bias(name, jax.random.fold_in(key, 1))
+    return inputs, bias, kw
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_reference(name, monkeypatch):
+    inputs, bias, kw = _case(name)
+    if name == "t5":  # the GPU/TPU form of its gather, one-hot products (plain: the slow test)
+        hoist = pallas_mod._hoist
+        monkeypatch.setattr(
+            pallas_mod, "_hoist", lambda *a, **kw: hoist(*a, **{**kw, "one_hot_gathers": True})
+        )
+    want = _value_and_grads("reference", *inputs, bias, **kw)
+    got = _value_and_grads("pallas", *inputs, bias, **kw)
+    _assert_close(got, want, rtol=2e-5, atol=1e-5)
+    if name == "kerple_power":  # positions -20..-1 and a kv length of 0 see no key
+        np.testing.assert_array_equal(got[0][0, :20], 0.0)
+        np.testing.assert_array_equal(got[0][1], 0.0)
+
+
+def test_bfloat16_through_attention():
+    """bfloat16 inputs through attention(implementation="pallas") (default tiles: one tile):
+    bfloat16 output and gradients, equal to the float32 reference on the same values at bfloat16
+    resolution."""
+    key = jax.random.key(20)
+    q, k, v, d_out = _inputs(2, key, 32, 32, jnp.bfloat16)
+    bias = family_bias("alibi", key)
+
+    def loss(q, k, v):
+        out = attention(q, k, v, bias=bias, causal=True, implementation="pallas")
+        return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32)), out
+
+    grads, out = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    assert out.dtype == jnp.bfloat16 and all(g.dtype == jnp.bfloat16 for g in grads)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, d_out)]
+    want_out, want_grads = _value_and_grads("reference", *f32, bias, causal=True)
+    _assert_close((out, grads), (want_out, want_grads[:3]), rtol=3e-2, atol=1e-2)
+
+
+def test_tile_bounds():
+    """Causal and length skipping: the key tiles a query tile visits and the query tiles a key
+    tile visits (tiles of 16, 4 x 4 tiles)."""
+    plan = pallas_mod._Plan(
+        N=1, G=1, tq=16, tk=16, nq=4, nk=4, Hp=16, causal=True, kv_mask=True, scale=1.0,
+        bias_fn=None, treedef=None, is_float=(), leaf_shapes=(), backend="interpret",
+    )  # fmt: skip
+    end = lambda off, kv, i: int(pallas_mod._key_tile_end(plan, off, kv, i))  # noqa: E731
+    start = lambda off, kv, j: int(pallas_mod._query_tile_start(plan, off, kv, j))  # noqa: E731
+    assert [end(0, 64, i) for i in range(4)] == [1, 2, 3, 4]
+    assert [start(0, 64, j) for j in range(4)] == [0, 1, 2, 3]
+    assert [end(-20, 64, i) for i in range(4)] == [0, 1, 2, 3]  # tile 0: positions -20..-5
+    assert [start(-20, 64, j) for j in range(4)] == [1, 2, 3, 4]
+    assert [end(8, 64, i) for i in range(4)] == [2, 3, 4, 4]
+    assert [start(8, 64, j) for j in range(4)] == [0, 0, 1, 2]
+    assert [end(100, 20, i) for i in range(4)] == [2, 2, 2, 2]  # length 20: two key tiles
+    assert [start(100, 20, j) for j in range(4)] == [0, 0, 4, 4]
+    assert [end(0, 0, i) for i in range(4)] == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n != "none"])
+def test_head_slices_equal_the_bias_fn(name):
+    """What a program evaluates, head h of the bias, equals BiasFn(...)[h] for every h (vmapped
+    over h), and no
+    [N, t, s]-shaped value is computed on the way (N = 4, t = 16, s = 32; the families' own
+    intermediates, FIRE's [t, s, width] and Sandwich's [t, s, H/2], have other sizes)."""
+    bias = family_bias(name, jax.random.key(5), head_dim=12)
+    q_pos = jnp.arange(16, dtype=jnp.int32) + 9
+    k_pos = jnp.arange(32, dtype=jnp.int32)
+    for one_hot in (False, True):
+        fn, leaves, _ = pallas_mod._hoist(bias, 16, 32, one_hot_gathers=one_hot)
+        want = bias[0](bias[1], q_pos, k_pos)  # (N, 16, 32)
+        head = jax.vmap(lambda h, fn=fn, leaves=leaves: fn.head(leaves, h, q_pos, k_pos))
+        got = jax.jit(head)(jnp.arange(N))
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+        jaxpr = jax.make_jaxpr(lambda leaves, h, fn=fn: fn.head(leaves, h, q_pos, k_pos))(
+            leaves, jnp.int32(0)
+        )
+        shapes = _value_shapes(jaxpr.jaxpr)
+        assert not [x for x in shapes if sorted(x) == sorted((N, 16, 32))], shapes
+
+
+def _value_shapes(jaxpr):
+    """The shapes of every value a jaxpr (and the jaxprs inside it) computes."""
+    from jax.extend.core import jaxprs_in_params
+
+    shapes = []
+    for eqn in jaxpr.eqns:
+        shapes.extend(tuple(getattr(v.aval, "shape", ())) for v in eqn.outvars)
+        for sub in jaxprs_in_params(eqn.params):
+            shapes.extend(_value_shapes(sub))
+    return shapes
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_one_hot_gathers_equal_the_bias_fn(bidirectional):
+    """What the GPU/TPU kernels evaluate for T5 (its table gather as a one-hot product) equals
+    the BiasFn, value and parameter VJP; an out-of-range index keeps jnp.take's NaN fill."""
+    bias = family_bias("t5", jax.random.key(3), bidirectional=bidirectional)
+    q_pos = jnp.arange(16, dtype=jnp.int32) + 40
+    k_pos = jnp.arange(32, dtype=jnp.int32) * 3
+    fn, leaves, n_consts = pallas_mod._hoist(bias, 16, 32, one_hot_gathers=True)
+    assert n_consts == 0
+    cotangent = jax.random.normal(jax.random.key(4), (N, 16, 32))
+    want, pull = jax.vjp(lambda p: bias[0](p, q_pos, k_pos), bias[1])
+    got, pull_got = jax.vjp(lambda leaves: fn(leaves, q_pos, k_pos), leaves)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        pull_got(cotangent)[0][0], pull(cotangent)[0]["table"], rtol=1e-5, atol=1e-5
+    )
+    jaxpr = jax.make_jaxpr(lambda leaves: fn(leaves, q_pos, k_pos))(leaves)
+    assert "gather" not in str(jaxpr)
+
+    table = jnp.arange(12.0).reshape(3, 4)
+    q, k = jnp.array([2, 5], jnp.int32), jnp.array([0, 1, 2], jnp.int32)  # offsets 0..5; 4, 5 out
+    for take in (
+        lambda t, q, k: jnp.take(t, q[:, None] - k[None, :], axis=1),  # fills NaN
+        lambda t, q, k: t[:, q[:, None] - k[None, :]],  # clamps
+    ):
+        fn, leaves, _ = pallas_mod._hoist((take, table), 2, 3, one_hot_gathers=True)
+        np.testing.assert_array_equal(fn(leaves, q, k), take(table, q, k))
+
+
+def test_gradient_through_a_closed_over_array():
+    """A BiasFn that closes over a traced array (its own params empty) still passes its gradient."""
+    key = jax.random.key(6)
+    q, k, v, _ = _inputs(2, key, 32, 32)
+    kw = dict(causal=True, q_offset=ROWS)
+
+    def loss(slopes, impl):
+        def closed(params, q_pos, k_pos):
+            return family_bias("alibi", key)[0]({"slopes": slopes}, q_pos, k_pos)
+
+        out = attention(q, k, v, bias=(closed, {}), implementation=impl, **kw)
+        return jnp.sum(out**2)
+
+    slopes = jnp.array([0.5, 0.25, 0.125, 0.0625])
+    got = jax.jit(jax.grad(functools.partial(loss, impl="pallas")))(slopes)
+    want = jax.grad(functools.partial(loss, impl="reference"))(slopes)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
+
+
+def test_bad_arguments():
+    q = jnp.zeros((1, 16, 2, 8))
+    with pytest.raises(ValueError, match="materialised"):
+        pallas_attention(q, q, q, bias=jnp.zeros((2, 16, 16)))
+    with pytest.raises(ValueError, match="block_q=24"):
+        pallas_attention(q, q, q, block_q=24)
+    with pytest.raises(ValueError, match="backend='cuda'"):
+        pallas_attention(q, q, q, backend="cuda")
+
+
+def _export(platform, name, T=256):
+    """Lower forward + backward for `platform` ("cuda": Triton, "tpu": Mosaic) without running."""
+    backend = "gpu" if platform == "cuda" else "tpu"
+    bias = family_bias(name, jax.random.key(0), num_heads=4, head_dim=64)
+
+    def loss(q, k, v, params, off, lens):
+        b = None if bias is None else (bias[0], params)
+        out = pallas_attention(
+            q, k, v, bias=b, causal=True, q_offset=off, kv_lengths=lens, backend=backend
+        )
+        return jnp.sum(out.astype(jnp.float32))
+
+    bf16 = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)  # noqa: E731
+    rows = jax.ShapeDtypeStruct((2,), jnp.int32)
+    params = () if bias is None else bias[1]
+    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    return jax.export.export(
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))), platforms=[platform], disabled_checks=checks
+    )(bf16(2, T, 4, 64), bf16(2, T, 2, 64), bf16(2, T, 2, 64), params, rows, rows)
+
+
+@pytest.fixture
+def pretend_tpu(monkeypatch):
+    """Mosaic asks the default device for its TPU generation while lowering some operations; on a
+    CPU machine, answer as a v5e would (a private jax module: skipped where it moved)."""
+    tpu_info = pytest.importorskip("jax._src.pallas.mosaic.tpu_info")
+    if not hasattr(tpu_info, "get_device_kind"):
+        pytest.skip("jax moved get_device_kind")
+    monkeypatch.setattr(tpu_info, "get_device_kind", lambda: "TPU v5 lite")
+    monkeypatch.setattr(tpu_info, "get_num_device_cores", lambda: 1)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_kernels_lower_for_accelerators(platform, pretend_tpu):
+    """The three kernels lower through Triton (GPU) and Mosaic (TPU) with a FIRE bias (hoisted
+    constants, an MLP, a parameter VJP inside the kernel). Lowering only: nothing runs, and
+    Mosaic's layout checks, which run when a TPU compiles the module, are not reached."""
+    exported = _export(platform, "fire")
+    text = exported.mlir_module()
+    marker = "__gpu$xla.gpu.triton" if platform == "cuda" else "tpu_custom_call"
+    assert text.count(marker) >= 3, text.count(marker)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("name", ["none", "alibi", "kerple_power", "kerple_log", "sandwich", "t5"])
+def test_families_lower_for_accelerators(platform, name, pretend_tpu):
+    _export(platform, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["alibi", "fire", "t5"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_larger_shapes(name, dtype):
+    """T = 200, S = 256, tiles 64 x 32, 8 heads of 32 over 2 key/value heads, causal, per-row
+    offsets and lengths."""
+    key = jax.random.key(30)
+    q, k, v, d_out = _inputs(2, key, 200, 256, dtype, n=8, h=32)
+    bias = family_bias(name, key, num_heads=8, head_dim=32)
+    kw = dict(causal=True, q_offset=np.array([56, 0], np.int32), kv_lengths=np.array([256, 150]))
+    got = _value_and_grads("pallas", q, k, v, d_out, bias, tiles=dict(block_q=64, block_k=32), **kw)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, d_out)]
+    want = _value_and_grads("reference", *f32, bias, **kw)
+    if dtype == jnp.float32:
+        _assert_close_params_by_scale(got, want, rtol=2e-5, atol=1e-5)
+    else:
+        _assert_close_params_by_scale(got, want, rtol=3e-2, atol=1e-2)
