@@ -156,7 +156,7 @@ class Checkpointer:
         changed = [
             (path, _describe(saved[path]), _describe(now[path]))
             for path in sorted(now.keys() & saved.keys(), key=_shallow_first)
-            if _describe(saved[path]) != _describe(now[path])
+            if _differ(saved[path], now[path])
         ]
         if missing or unexpected or changed:
             raise IncompatibleCheckpointError(self.directory, step, missing, unexpected, changed)
@@ -257,6 +257,13 @@ def _flat_arrays(tree: Any) -> dict[str, Any]:
 def _shallow_first(path: str) -> tuple[int, str]:
     # A parameter's own path is shorter than its optimiser moments' paths: list it first.
     return path.count("/"), path
+
+
+def _differ(saved: Any, now: Any) -> bool:
+    if tuple(saved.shape) != tuple(now.shape):
+        return True
+    dtypes = getattr(saved, "dtype", None), getattr(now, "dtype", None)
+    return None not in dtypes and np.dtype(dtypes[0]) != np.dtype(dtypes[1])  # unknown: no claim
 
 
 def _describe(leaf: Any) -> str:
