@@ -125,6 +125,11 @@ def _damage_truncate(directory, step):
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
+def _damage_metadata(directory, step):
+    path = directory / str(step) / "state" / "_METADATA"  # the saved tree: unreadable
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
 def _damage_fingerprint(directory, step):
     path = directory / str(step) / "record" / "metadata"
     record = json.loads(path.read_text())
@@ -137,10 +142,11 @@ def _damage_fingerprint(directory, step):
     "damage, reason",
     [
         (_damage_truncate, ""),
+        (_damage_metadata, ""),
         (_damage_fingerprint, "fingerprint"),
         (None, "non-finite"),  # saved with a NaN
     ],
-    ids=["truncated", "fingerprint", "nan"],
+    ids=["truncated", "metadata", "fingerprint", "nan"],
 )
 def test_a_damaged_checkpoint_is_moved_aside_and_the_previous_one_used(
     tmp_path, caplog, damage, reason
