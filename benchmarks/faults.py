@@ -1,14 +1,17 @@
-"""Fault injection: SIGKILL a training run at random moments, resume it each time, compare the losses.
+"""Fault injection: SIGKILL a training run at random moments, resume it, compare the losses.
 
     python benchmarks/faults.py --kills 20 --workdir /tmp/posattn_faults
 
 A reference run trains uninterrupted; the faulty run is started with the same command, killed
-with SIGKILL at a random moment once it is training (checkpoints every 2 steps, so many kills land
-during a checkpoint write), and restarted, `--kills` times, then allowed to finish. Reported:
-kills survived (the restart resumed and the run went on), kills that hit a checkpoint write (an
-orbax temporary directory was left behind), checkpoints lost (steps whose checkpoint was damaged or
-incomplete and was discarded on resume), and mismatches (steps whose final logged loss differs
-from the reference's, bit for bit).
+with SIGKILL at a random moment once it is training and has a checkpoint (checkpoints every 2
+steps, so many kills land during a checkpoint write), and restarted, `--kills` times, then allowed
+to finish. Per kill: the step it hit, the newest complete checkpoint at that moment, the step the
+restart restored (from its `resuming ... from step N` line) and the steps lost (retrained). A kill
+counts as survived only when the restart restored a step. Reported in total: kills survived, kills
+that hit a checkpoint write (an orbax temporary directory was left behind), checkpoints lost (a
+restart restored an older step than the newest complete checkpoint at its kill), damaged
+checkpoints (moved to checkpoints/damaged/), steps lost per kill, and mismatches (steps whose final
+logged loss differs from the reference's, bit for bit).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import json
 import os
 import pathlib
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -72,6 +76,12 @@ def temporary_dirs(workdir: pathlib.Path) -> list[str]:
     return [p.name for p in folder.iterdir() if "tmp" in p.name] if folder.exists() else []
 
 
+def restored_step(output: str) -> int | None:
+    """The step a process of the run resumed from (its `resuming ... from step N` line), if any."""
+    found = re.search(r"resuming .* from step (\d+)", output)
+    return int(found.group(1)) if found else None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kills", type=int, default=20)
@@ -88,9 +98,8 @@ def main() -> int:
     subprocess.run(command(reference, args.steps), check=True, env=env, capture_output=True)
     print(f"reference run: {args.steps} steps in {time.perf_counter() - start:.1f}s", flush=True)
 
-    survived = during_write = 0
-    discarded: set[int] = set()
-    log = []
+    kills = []  # one dict per kill; "restored" is filled from the restart's output
+    outputs = []  # the output of every process of the faulty run, in order
     for kill in range(args.kills):
         before = len(logged_losses(faulty))
         proc = subprocess.Popen(
@@ -100,44 +109,65 @@ def main() -> int:
             stderr=subprocess.STDOUT,
             text=True,
         )
-        while proc.poll() is None and len(logged_losses(faulty)) <= before:
-            time.sleep(0.02)  # wait until this restart is training
+        # Wait until this (re)start is training and there is a checkpoint to resume from.
+        while proc.poll() is None and (
+            len(logged_losses(faulty)) <= before or not checkpoint_steps(faulty)
+        ):
+            time.sleep(0.02)
         if proc.poll() is not None:
             print(f"run finished before kill {kill + 1}; stopping the kills there")
-            log.append(proc.communicate()[0])
+            outputs.append(proc.communicate()[0])
             break
         time.sleep(rng.uniform(0.0, 0.6))
         saved_before = checkpoint_steps(faulty)
         proc.kill()
-        log.append(proc.communicate()[0])
-        hit_write = bool(temporary_dirs(faulty))
-        during_write += hit_write
+        outputs.append(proc.communicate()[0])
+        kills.append(
+            {
+                "at_step": max(logged_losses(faulty), default=0),
+                "newest_checkpoint": max(saved_before, default=0),
+                "during_write": bool(temporary_dirs(faulty)),
+            }
+        )
+    final = subprocess.run(command(faulty, args.steps), env=env, capture_output=True, text=True)
+    outputs.append(final.stdout + final.stderr)
+    # The restart after kill k is process k + 1: what it restored says what the kill cost.
+    for k, record in enumerate(kills):
+        restored = restored_step(outputs[k + 1])
+        record["restored"] = restored
+        record["steps_lost"] = None if restored is None else record["at_step"] - restored
         print(
-            f"kill {kill + 1:2d}: at step {max(logged_losses(faulty), default=0):4d}, "
-            f"checkpoints {sorted(saved_before)[-3:]}, during a write: {hit_write}",
+            f"kill {k + 1:2d}: at step {record['at_step']:4d}, newest checkpoint "
+            f"{record['newest_checkpoint']:4d}, during a write: {record['during_write']!s:5}, "
+            f"restart restored step {restored}, steps lost {record['steps_lost']}",
             flush=True,
         )
-        survived += 1
-    final = subprocess.run(command(faulty, args.steps), env=env, capture_output=True, text=True)
-    log.append(final.stdout + final.stderr)
-    for text in log:
-        for line in text.splitlines():
-            if "is damaged" in line:
-                discarded.add(int(line.split("checkpoint ")[1].split(" ")[0]))
+    survived = [r for r in kills if r["restored"] is not None]
+    lost = [r["steps_lost"] for r in survived]
+    damaged_dir = faulty / "checkpoints" / "damaged"
     ref, got = logged_losses(reference), logged_losses(faulty)
     mismatches = sum(1 for step in ref if got.get(step) != ref[step])
     summary = {
-        "kills": args.kills,
-        "kills_survived": survived if final.returncode == 0 else 0,
-        "kills_during_checkpoint_write": during_write,
-        "checkpoints_lost": len(discarded),
+        "kills": len(kills),
+        "kills_survived": len(survived),
+        "kills_during_checkpoint_write": sum(r["during_write"] for r in kills),
+        "checkpoints_lost": sum(
+            1 for r in kills if r["restored"] is None or r["restored"] < r["newest_checkpoint"]
+        ),
+        "damaged_checkpoints_moved_aside": len(list(damaged_dir.iterdir()))
+        if damaged_dir.exists()
+        else 0,
+        "steps_lost_per_kill": lost,
+        "steps_lost_max": max(lost, default=None),
+        "steps_lost_mean": round(sum(lost) / len(lost), 2) if lost else None,
         "steps_compared": len(ref),
         "mismatches": mismatches,
         "final_returncode": final.returncode,
         "wall_s": round(time.perf_counter() - start, 1),
     }
     print(json.dumps(summary))
-    return 0 if mismatches == 0 and final.returncode == 0 else 1
+    ok = mismatches == 0 and final.returncode == 0 and len(survived) == len(kills)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

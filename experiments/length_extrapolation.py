@@ -4,7 +4,7 @@
     python experiments/length_extrapolation.py --config configs/extrapolation_paper.py \
         --config.data.corpus=/data/wikitext103 --workdir runs/extrapolation_paper
 
-Question (SPEC §5): past the training length, which families keep their loss (ALiBi, T5, Kerple,
+Question: past the training length, which families keep their loss (ALiBi, T5, Kerple,
 Sandwich, FIRE), which break (sinusoidal, RoPE, NoPE), which cannot run at all (learned), how much
 eval-time RoPE scaling rescues, and whether the ones that keep their loss also *use* the longer
 context (per-position loss, passkey retrieval, copying) or only tolerate it.
@@ -13,7 +13,14 @@ Protocol: every family is trained by `posattn.train.train_and_evaluate` with the
 except `model.position`, so all see the same batches (a pure function of seed and step, passkey
 rows included) and the same initialisation seed; each family's run lives in `WORKDIR/<family>/`
 (checkpointed, resumable; a finished one is skipped, and so is its evaluation once
-`WORKDIR/<family>/eval.json` holds it for the same evaluation settings). Evaluation
+`WORKDIR/<family>/eval.json` holds it for the same evaluation settings).
+
+Provenance: `trained.json` and `eval.json` record the commit, whether the tree was clean and a
+hash of the code that produced them (`src/posattn/**/*.py`, this script and `configs/*.py`), and
+the corpus hash. A run trained by other code (or on another corpus) is refused unless `--reuse` is
+given; an evaluation made by other code is redone (or, with `--reuse`, kept). results.json lists
+each row's own training and evaluation provenance, so reused numbers never carry the current
+commit. Evaluation
 (`posattn.eval.lengths`): mean next-byte NLL on non-overlapping held-out windows of each length, the
 per-position NLL at the longest length, passkey exact-match accuracy per (length, depth), and
 copy accuracy per length. RoPE is also evaluated with eval-time scaling (rows `rope+linear`,
@@ -24,13 +31,15 @@ its base from the window length it reads, which in a whole-window evaluation is 
 stretches the base by (s * eval_len / L - (s - 1))^(d/(d-2)) = (s^2 - s + 1)^(d/(d-2)), as
 Hugging Face does when its factor is set to the extension ratio.
 
-Writes `WORKDIR/results.json` (API.md schema plus extra top-level keys), `results.md` and PNGs.
+Writes `WORKDIR/results.json` (`train_len`, `corpus`, `families`: {name: {eval_len, loss,
+passkey_acc}}, plus extra top-level keys), `results.md` and PNGs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import json
 import os
 import pathlib
@@ -64,6 +73,16 @@ COMMAND = cli.Command(
     "Trains every family at length L and evaluates it at multiples of L: results.json, "
     "results.md and plots in the workdir (a rerun reuses the trained families).",
     default_config=DEFAULT_CONFIG,
+    flags=(
+        cli.WORKDIR,
+        cli.Flag(
+            "reuse",
+            "report finished runs and evaluations made by other code (or on another corpus); "
+            "results.json then lists each row's own commit",
+            False,
+            bool,
+        ),
+    ),
 )
 
 
@@ -150,14 +169,58 @@ class Interrupted(RuntimeError):
     """A family's training stopped before its last step (preempted); rerunning resumes it."""
 
 
-def _train(train_config, fam_dir: pathlib.Path) -> dict:
-    """Trains one family unless `trained.json` says this exact config already finished there."""
+class ProducedByOtherCode(RuntimeError):
+    """A finished run in the workdir was trained by other code or on another corpus."""
+
+
+def _same_origin(saved: dict, code: dict) -> bool:
+    """Whether a trained.json/eval.json record was produced by this code on this corpus."""
+    keys = ("code_sha256", "corpus_sha256")
+    return all(saved.get("code", {}).get(k) == code[k] for k in keys)
+
+
+def _describe_origin(saved: dict) -> str:
+    origin = saved.get("code") or {}
+    if not origin:
+        return "code that did not record its commit"
+    clean = {True: "clean", False: "with uncommitted changes", None: "tree state unknown"}
+    return (
+        f"commit {str(origin.get('commit'))[:12]} ({clean[origin.get('clean')]}), code sha256 "
+        f"{str(origin.get('code_sha256'))[:12]}, "
+        f"corpus sha256 {str(origin.get('corpus_sha256'))[:12]}"
+    )
+
+
+def _finished_run(train_config, fam_dir: pathlib.Path, code: dict, *, reuse: bool) -> dict | None:
+    """`trained.json`'s record when it says this exact config finished in `fam_dir`, else None.
+
+    Raises:
+      ProducedByOtherCode: that run was trained by other code (or on another corpus) and `reuse`
+        is off; the message says how to proceed.
+    """
     marker = fam_dir / "trained.json"
+    if not marker.exists():
+        return None
+    info = json.loads(marker.read_text())
+    if info.get("config") != json.loads(config_lib.to_json(train_config)):
+        return None
+    if _same_origin(info, code) or reuse:
+        return info
+    raise ProducedByOtherCode(
+        f"{fam_dir} was trained by {_describe_origin(info)}; this is commit "
+        f"{str(code['commit'])[:12]}, code sha256 {code['code_sha256'][:12]}, corpus sha256 "
+        f"{code['corpus_sha256'][:12]}. Rerun with --reuse to report its numbers (results.json "
+        f"then lists that row's own commit), or move {fam_dir} away to retrain it with this code."
+    )
+
+
+def _train(train_config, fam_dir: pathlib.Path, code: dict, *, reuse: bool = False) -> dict:
+    """Trains one family unless `trained.json` says this exact config already finished there
+    (made by this code, or by any code with `reuse`: see `_finished_run`)."""
+    info = _finished_run(train_config, fam_dir, code, reuse=reuse)
+    if info is not None:
+        return info
     config = json.loads(config_lib.to_json(train_config))
-    if marker.exists():
-        info = json.loads(marker.read_text())
-        if info.get("config") == config:
-            return info
     start = time.perf_counter()
     result = train_and_evaluate(
         train_config, fam_dir
@@ -171,8 +234,9 @@ def _train(train_config, fam_dir: pathlib.Path) -> dict:
         "final_train_loss": result.get("loss"),
         "steps": int(train_config.train.steps),
         "config": config,
+        "code": code,
     }
-    marker.write_text(json.dumps(info) + "\n")
+    (fam_dir / "trained.json").write_text(json.dumps(info) + "\n")
     return info
 
 
@@ -267,16 +331,23 @@ def _rope_rows(cfg, params, plain: dict, corpus, config, lengths) -> dict[str, d
     return rows
 
 
-def _evaluate_family(config, family, fam_dir, corpus, lengths, train_config) -> dict[str, dict]:
+def _evaluate_family(
+    config, family, fam_dir, corpus, lengths, train_config, code: dict, *, reuse: bool = False
+) -> tuple[dict[str, dict], dict]:
+    """(rows, the code that evaluated them): from eval.json when it holds these settings and was
+    made by this code (or by any code, with `reuse`), else evaluated now."""
     cache = fam_dir / "eval.json"
     settings = {
         **_eval_settings(config, lengths),
         "trained": json.loads(config_lib.to_json(train_config)),
     }
+    settings = json.loads(json.dumps(settings))  # as eval.json holds them (tuples as lists)
     if cache.exists():
         saved = json.loads(cache.read_text())
+        if saved.get("settings") == settings and (_same_origin(saved, code) or reuse):
+            return saved["rows"], saved.get("code") or {}
         if saved.get("settings") == settings:
-            return saved["rows"]
+            _say(f"{family}: eval.json was made by {_describe_origin(saved)}; evaluating again")
     start = time.perf_counter()
     cfg, graphdef, params, constants = restore_model(
         train_config, fam_dir, attention_impl=config.eval.attention_impl
@@ -286,16 +357,25 @@ def _evaluate_family(config, family, fam_dir, corpus, lengths, train_config) -> 
         rows.update(_rope_rows(cfg, params, rows[family], corpus, config, lengths))
     for row in rows.values():
         row["eval_seconds"] = round(time.perf_counter() - start, 1)
-    cache.write_text(json.dumps({"settings": settings, "rows": rows}) + "\n")
-    return rows
+    cache.write_text(json.dumps({"settings": settings, "code": code, "rows": rows}) + "\n")
+    return rows, code
 
 
 # ----------------------------------------------------------------------------------------------
 # The run.
 
 
-def run(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[str, Any]:
-    """Trains and evaluates every family of `config`; writes and returns the results."""
+def run(
+    config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, reuse: bool = False
+) -> dict[str, Any]:
+    """Trains and evaluates every family of `config`; writes and returns the results.
+
+    Args:
+      config: the experiment config (configs/extrapolation.py).
+      workdir: one subdirectory per family, plus results.json, results.md and the plots.
+      reuse: report finished runs and evaluations made by other code (or on another corpus)
+        instead of refusing them; each row of results.json names its own provenance.
+    """
     check_experiment(config)
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -308,18 +388,35 @@ def run(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[s
             "token ids; set config.passkey.enabled=False and config.copy.enabled=False"
         )
     provenance = _provenance()  # the code as the run starts, not as it is when the run ends
+    code = {
+        "commit": provenance["commit"],
+        "clean": None
+        if provenance["uncommitted_changes"] is None
+        else not provenance["uncommitted_changes"],
+        "code_sha256": provenance["code_sha256"],
+        "corpus_sha256": corpus.sha256,
+    }
+    for family in config.families:  # refuse runs made by other code before any training
+        _finished_run(family_config(config, family), workdir / family, code, reuse=reuse)
     begin = time.perf_counter()
-    rows, training = {}, {}
+    rows, training, origins = {}, {}, {}
     for family in config.families:
         fam_dir = workdir / family
         train_config = family_config(config, family)
         _say(f"{family}: training ({train_config.train.steps} steps at L={config.data.seq_len})")
-        training[family] = _train(train_config, fam_dir)
+        training[family] = _train(train_config, fam_dir, code, reuse=reuse)
         _say(
             f"{family}: trained in {training[family]['seconds']} s, last step's train loss "
             f"{training[family]['final_train_loss']:.4f}; evaluating at {lengths}"
         )
-        new = _evaluate_family(config, family, fam_dir, corpus, lengths, train_config)
+        new, evaluated_by = _evaluate_family(
+            config, family, fam_dir, corpus, lengths, train_config, code, reuse=reuse
+        )
+        for name in new:
+            origins[name] = {
+                "trained": training[family].get("code") or {},
+                "evaluated": evaluated_by,
+            }
         for name, row in new.items():
             _say(
                 f"{name}: loss {fmt_list(row['loss'])}"
@@ -327,7 +424,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[s
             )
         rows.update(new)
     results = _assemble(
-        config, corpus, lengths, rows, training, time.perf_counter() - begin, provenance
+        config, corpus, lengths, rows, training, time.perf_counter() - begin, provenance, origins
     )
     (workdir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (workdir / "results.md").write_text(markdown(results))
@@ -338,7 +435,9 @@ def run(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[s
     return results
 
 
-def _assemble(config, corpus, lengths, rows, training, seconds, provenance) -> dict[str, Any]:
+def _assemble(
+    config, corpus, lengths, rows, training, seconds, provenance, origins=None
+) -> dict[str, Any]:
     fams = {}
     for name, row in rows.items():
         fams[name] = {
@@ -350,7 +449,7 @@ def _assemble(config, corpus, lengths, rows, training, seconds, provenance) -> d
         "train_len": int(config.data.seq_len),
         "corpus": corpus.name,
         "families": fams,
-        # Extra keys (API.md allows them; the three above are the contract).
+        # Extra keys (the three above are the contract; readers ignore the others).
         "corpus_sha256": corpus.sha256,
         "loss_unit": "nats per token (byte)" if corpus.val.dtype == np.uint8 else "nats per token",
         "passkey": {
@@ -367,13 +466,20 @@ def _assemble(config, corpus, lengths, rows, training, seconds, provenance) -> d
             "bins": config.eval.per_position_bins,
             "curves": {n: r["per_position"] for n, r in rows.items() if r.get("per_position")},
         },
-        "training": {n: {k: v for k, v in t.items() if k != "config"} for n, t in training.items()},
+        "training": {
+            n: {k: v for k, v in t.items() if k not in ("config", "code")}
+            for n, t in training.items()
+        },
         "timing": {
             "total_seconds": round(seconds, 1),
             "eval_seconds": {n: r.get("eval_seconds") for n, r in rows.items()},
         },
         "config": config.to_dict(),
         "provenance": provenance,
+        # Who produced each row: with --reuse, rows trained or evaluated by other code keep
+        # their own commit and code hash here (the top-level provenance is this run's).
+        "row_provenance": origins or {},
+        "python_version": platform.python_version(),
     }
 
 
@@ -388,8 +494,9 @@ def _provenance() -> dict[str, Any]:
 
     status = git("status", "--porcelain")
     return {
-        "commit": git("rev-parse", "HEAD"),
+        "commit": git("rev-parse", "HEAD") or None,
         "uncommitted_changes": bool(status) if status is not None else None,
+        "code_sha256": code_sha256(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "cpu_count": os.cpu_count(),
@@ -397,6 +504,26 @@ def _provenance() -> dict[str, Any]:
         "python": platform.python_version(),
         "jax": jax.__version__,
     }
+
+
+def code_files(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
+    """The files whose content the results depend on: the package, this script, the configs."""
+    files = [
+        *(root / "src" / "posattn").rglob("*.py"),
+        root / "experiments" / pathlib.Path(__file__).name,
+        *(root / "configs").glob("*.py"),
+    ]
+    return sorted({f for f in files if f.is_file()})
+
+
+def code_sha256(root: pathlib.Path = ROOT) -> str:
+    """sha256 over (relative path, content) of `code_files`: the same for the same code, whatever
+    the commit or the state of the tree."""
+    digest = hashlib.sha256()
+    for path in code_files(root):
+        digest.update(str(path.relative_to(root)).encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -461,7 +588,10 @@ def markdown(results: dict) -> str:
         f"Loss: mean next-token cross-entropy, {results['loss_unit']}, non-overlapping held-out windows; "
         "`null`: the model cannot read that length (learned table).",
         "",
+        corpus_sentence(results),
+        "",
     ]
+    out += _other_code_lines(results)
     out += _table(
         "Loss (nats) by eval length", lengths, {n: f["loss"] for n, f in fams.items()}, ".4f"
     )
@@ -490,6 +620,37 @@ def markdown(results: dict) -> str:
         for n, t in results["training"].items()
     ]
     return "\n".join(out) + "\n"
+
+
+def corpus_sentence(results: dict) -> str:
+    """Which corpus the numbers compare with (its content hash; for `stdlib`, the Python too)."""
+    sha = results.get("corpus_sha256") or "unknown"
+    python = results.get("python_version") or results["provenance"].get("python")
+    where = (
+        f", the standard library of Python {python}: another Python version is another corpus"
+        if results["corpus"] == "stdlib"
+        else ""
+    )
+    return (
+        f"Corpus `{results['corpus']}` (sha256 `{sha[:16]}`{where}). These numbers compare only "
+        "with results whose corpus has this hash."
+    )
+
+
+def _other_code_lines(results: dict) -> list[str]:
+    """A note naming the rows trained or evaluated by other code than this run's (--reuse)."""
+    mine = results["provenance"].get("code_sha256")
+    lines = []
+    for name, origin in (results.get("row_provenance") or {}).items():
+        for stage in ("trained", "evaluated"):
+            who = origin.get(stage) or {}
+            if who.get("code_sha256") != mine:
+                commit = str(who.get("commit"))[:12] if who else "unrecorded"
+                clean = "" if who.get("clean", True) else " with uncommitted changes"
+                lines.append(f"- `{name}` {stage} by commit {commit}{clean} (reused)")
+    if not lines:
+        return []
+    return ["Rows produced by other code than this run's:", "", *lines, ""]
 
 
 def plots(results: dict, workdir: pathlib.Path) -> None:
@@ -591,11 +752,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         args = cli.parse(COMMAND, argv)
-        run(args.config, args.workdir)
+        run(args.config, args.workdir, reuse=args.reuse)
     except (config_lib.ConfigError, data_lib.DataError) as e:
         print(f"length_extrapolation: error: {e}", file=sys.stderr)
         return 2
-    except (Interrupted, WorkdirBusyError, NonFiniteLossError) as e:
+    except (Interrupted, WorkdirBusyError, NonFiniteLossError, ProducedByOtherCode) as e:
         print(f"length_extrapolation: {e}", file=sys.stderr)
         return 1
     return 0

@@ -74,3 +74,25 @@ def run_python(code: str, *, devices: int = 1, env: dict | None = None, timeout:
 @pytest.fixture
 def config_factory():
     return small_config
+
+
+def primitive_input_dtypes(fn, *args, primitive: str = "exp") -> list[str]:
+    """The dtype of the first input of every `primitive` in `fn`'s jaxpr, nested jaxprs (jit,
+    scan, cond, custom_vjp) included: how a test asserts that a softmax runs in float32."""
+    import jax
+
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == primitive:
+                found.append(str(eqn.invars[0].aval.dtype))
+            for value in eqn.params.values():
+                for x in value if isinstance(value, (tuple, list)) else (value,):
+                    if hasattr(x, "eqns"):
+                        walk(x)
+                    elif hasattr(getattr(x, "jaxpr", None), "eqns"):
+                        walk(x.jaxpr)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found

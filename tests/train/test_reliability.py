@@ -140,6 +140,7 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, damage, 
     target.write_bytes(bytes(data))
     train_and_evaluate(small_config(**LONG), workdir, stop_after=12)
     assert "checkpoint 10" in caplog.text and "damaged" in caplog.text
+    assert (workdir / "checkpoints" / "damaged" / "10" / "state").is_dir()  # kept, not deleted
     assert losses(workdir) == reference[:12]
 
 

@@ -2,42 +2,122 @@
 
 A checkpoint is a composite of the train state (parameters, optimiser state, step: restored
 against `ShapeDtypeStruct` targets that carry the current shardings, which is how a run moves to
-another device count) and a JSON record (step, data position, config, corpus hash). Orbax writes
-each step into a temporary directory and renames it when complete, so a process killed mid-write
-leaves the previous checkpoints untouched; a checkpoint that is damaged anyway (a truncated file)
-fails to restore or to match the fingerprint recorded beside it, is reported and removed, and
-the one before it is used.
+another device count) and a JSON record (step, data position, config, corpus hash, and a
+fingerprint of every array).
+
+Restore tells two failures apart, because they call for opposite actions:
+
+- **Incompatible**: the saved tree, shapes or dtypes differ from what this code and config build
+  (a renamed parameter, another width, another optimiser). The checkpoint is fine; the code is
+  not the code that wrote it. Restore compares the saved metadata with the target before reading
+  any array and raises `IncompatibleCheckpointError`, naming every differing path; no file is
+  touched, so the run can be continued with the code that wrote it.
+- **Damaged**: the files cannot be read (a truncated data file, unreadable metadata), the arrays
+  do not match the fingerprint saved beside them (orbax and tensorstore do not notice a flipped
+  byte in a data file), or they hold NaN or inf. The checkpoint is moved aside into
+  `<directory>/damaged/<step>` (kept for inspection, never deleted), reported, and the one before
+  it is tried. Orbax writes each step into a temporary directory and renames it when complete, so
+  a process killed mid-write leaves the previous checkpoints untouched.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pathlib
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
-__all__ = ["Checkpointer"]
+__all__ = ["Checkpointer", "DamagedCheckpoint", "IncompatibleCheckpointError", "fingerprint"]
 
 _log = logging.getLogger(__name__)
 
+DAMAGED = "damaged"  # subdirectory of the checkpoint directory holding damaged checkpoints
+
+
+class IncompatibleCheckpointError(RuntimeError):
+    """A checkpoint's tree, shapes or dtypes differ from what this code builds (nothing touched).
+
+    Attributes:
+      step: the checkpoint's step.
+      missing: paths this code builds that the checkpoint lacks.
+      unexpected: paths the checkpoint holds that this code does not build.
+      changed: `(path, saved, now)` for arrays whose shape or dtype differ.
+    """
+
+    def __init__(
+        self,
+        directory: pathlib.Path,
+        step: int,
+        missing: list[str],
+        unexpected: list[str],
+        changed: list[tuple[str, str, str]],
+    ):
+        self.directory, self.step = directory, step
+        self.missing, self.unexpected, self.changed = missing, unexpected, changed
+        lines = [
+            f"checkpoint {step} in {directory} was written by code that builds a different train "
+            "state from this code and config:"
+        ]
+        lines += _listing("in this code, not in the checkpoint (missing)", missing)
+        lines += _listing("in the checkpoint, not in this code (unexpected)", unexpected)
+        lines += _listing(
+            "shape or dtype changed (saved -> now)",
+            [f"{p}: {saved} -> {now}" for p, saved, now in changed],
+        )
+        lines.append(
+            "No checkpoint was changed. To continue this run, restore it with the code that wrote "
+            "it (the commit and config it was trained with); to start over with this code, move "
+            f"the checkpoints away (mv {directory} {directory}.old) or use another --workdir."
+        )
+        super().__init__("\n".join(lines))
+
+
+@dataclasses.dataclass(frozen=True)
+class DamagedCheckpoint:
+    """A checkpoint that failed to restore and was moved aside to `moved_to`."""
+
+    step: int
+    reason: str
+    moved_to: pathlib.Path
+
+
+def _listing(title: str, items: list[str], limit: int = 16) -> list[str]:
+    if not items:
+        return []
+    shown = [f"    {x}" for x in items[:limit]]
+    if len(items) > limit:
+        shown.append(f"    ... and {len(items) - limit} more")
+    return [f"  {title}: {len(items)}", *shown]
+
 
 class Checkpointer:
-    """Saves and restores train states under `directory` (async, keeps the newest `max_to_keep`)."""
+    """Saves and restores train states under `directory` (async, keeps the newest `max_to_keep`).
+
+    Attributes:
+      set_aside: the damaged checkpoints the last `restore_latest` moved aside.
+    """
 
     def __init__(
         self, directory: str | pathlib.Path, *, max_to_keep: int = 3, async_save: bool = True
     ):
         self.directory = pathlib.Path(directory).absolute()
+        self.set_aside: list[DamagedCheckpoint] = []
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             create=True,
             enable_async_checkpointing=async_save,
             cleanup_tmp_directories=True,
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        # Handlers named up front, so that a fresh process can read a checkpoint's metadata.
+        handlers = {"state": ocp.StandardCheckpointHandler(), "record": ocp.JsonCheckpointHandler()}
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, item_handlers=handlers
+        )
 
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
@@ -57,8 +137,39 @@ class Checkpointer:
         )
         return self._manager.save(step, args=args, force=force)
 
+    def check_compatible(self, step: int, abstract_state: Any) -> None:
+        """Raises `IncompatibleCheckpointError` unless checkpoint `step` holds the arrays (paths,
+        shapes, dtypes) of `abstract_state`. Reads only the saved metadata, never an array.
+
+        Raises:
+          IncompatibleCheckpointError: naming every missing, unexpected or changed path.
+          Exception: whatever orbax raises when the metadata cannot be read (damage).
+        """
+        metadata = self._manager.item_metadata(step)
+        saved_tree = None if metadata is None else metadata["state"]
+        if saved_tree is None:
+            raise ValueError(f"checkpoint {step} has no readable metadata for its train state")
+        saved = _flat_arrays(getattr(saved_tree, "tree", saved_tree))
+        now = _flat_arrays(ocp.tree.serialize_tree(abstract_state, keep_empty_nodes=True))
+        missing = sorted(now.keys() - saved.keys(), key=_shallow_first)
+        unexpected = sorted(saved.keys() - now.keys(), key=_shallow_first)
+        changed = [
+            (path, _describe(saved[path]), _describe(now[path]))
+            for path in sorted(now.keys() & saved.keys(), key=_shallow_first)
+            if _differ(saved[path], now[path])
+        ]
+        if missing or unexpected or changed:
+            raise IncompatibleCheckpointError(self.directory, step, missing, unexpected, changed)
+
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
-        """Restores checkpoint `step` onto the shardings carried by `abstract_state`."""
+        """Restores checkpoint `step` onto the shardings carried by `abstract_state`.
+
+        Raises:
+          IncompatibleCheckpointError: the saved tree differs from `abstract_state` (checked
+            before any array is read; no file is touched).
+          Exception: whatever orbax raises for unreadable files.
+        """
+        self.check_compatible(step, abstract_state)
         args = ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), record=ocp.args.JsonRestore()
         )
@@ -68,34 +179,66 @@ class Checkpointer:
     def restore_latest(self, abstract_state: Any) -> tuple[Any, dict] | None:
         """The newest checkpoint that restores cleanly, or None if there is none.
 
-        A damaged checkpoint (truncated or corrupted files) is reported and skipped, and the one
-        before it is tried, so a crash during a write never costs more than one interval.
+        A damaged checkpoint (unreadable or truncated files, arrays that do not match their
+        fingerprint, non-finite values) is moved into `<directory>/damaged/` and reported, and the
+        one before it is tried, so a crash during a write never costs more than one interval.
+
+        Raises:
+          IncompatibleCheckpointError: a checkpoint was written by code that builds another train
+            state; raised before anything is moved, so every checkpoint stays where it was.
         """
-        damaged = []
+        damaged: list[tuple[int, str]] = []
+        result = None
         for step in reversed(self.steps()):
             try:
                 state, record = self.restore(step, abstract_state)
                 expected = record.get("fingerprint")
                 if expected is not None and fingerprint(state) != expected:
-                    raise ValueError(
-                        f"checkpoint {step}'s arrays do not match the fingerprint saved with them"
-                    )
-                _check_finite(state, step)
-                for bad in damaged:  # so that the resumed run can write those steps again
-                    self._manager.delete(bad)
-                return state, record
+                    raise ValueError("its arrays do not match the fingerprint saved with them")
+                _check_finite(state)
+            except IncompatibleCheckpointError:
+                raise
+            except MemoryError:
+                raise  # the machine, not the checkpoint
             except Exception as e:  # orbax/tensorstore raise many types for damaged files
-                _log.warning(
-                    "checkpoint %d in %s is damaged (%s: %s); falling back to an older one",
-                    step,
-                    self.directory,
-                    type(e).__name__,
-                    str(e).splitlines()[0][:300],
-                )
-                damaged.append(step)
-        for bad in damaged:
-            self._manager.delete(bad)
-        return None
+                if "RESOURCE_EXHAUSTED" in str(e):
+                    raise  # out of device memory: the machine, not the checkpoint
+                damaged.append((step, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"))
+                continue
+            result = state, record
+            break
+        self.set_aside = [self._move_aside(step, reason) for step, reason in damaged]
+        if damaged:
+            self._manager.reload()
+        for bad in self.set_aside:
+            _log.warning(
+                "checkpoint %d in %s is damaged (%s); moved to %s; %s",
+                bad.step,
+                self.directory,
+                bad.reason,
+                bad.moved_to,
+                f"resuming from checkpoint {result[1].get('step')}"
+                if result is not None
+                else "no older checkpoint restores",
+            )
+        return result
+
+    def _move_aside(self, step: int, reason: str) -> DamagedCheckpoint:
+        """Renames checkpoint `step` into `<directory>/damaged/<step>[.n]` (never deletes it)."""
+        if jax.process_count() > 1:  # every process names the same target
+            ocp.multihost.sync_global_processes(f"posattn_damaged_checkpoint_{step}_name")
+        source = self.directory / str(step)
+        target = self.directory / DAMAGED / str(step)
+        n = 1
+        while target.exists():
+            target = self.directory / DAMAGED / f"{step}.{n}"
+            n += 1
+        if jax.process_index() == 0:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            source.rename(target)
+        if jax.process_count() > 1:
+            ocp.multihost.sync_global_processes(f"posattn_damaged_checkpoint_{step}")
+        return DamagedCheckpoint(step=step, reason=reason, moved_to=target)
 
     def wait(self) -> None:
         self._manager.wait_until_finished()
@@ -103,6 +246,29 @@ class Checkpointer:
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+def _flat_arrays(tree: Any) -> dict[str, Any]:
+    """{"a/b/0/value": leaf} for the array leaves of a serialised (orbax) tree."""
+    flat = ocp.tree.to_flat_dict(tree)
+    return {"/".join(str(k) for k in path): x for path, x in flat.items() if hasattr(x, "shape")}
+
+
+def _shallow_first(path: str) -> tuple[int, str]:
+    # A parameter's own path is shorter than its optimiser moments' paths: list it first.
+    return path.count("/"), path
+
+
+def _differ(saved: Any, now: Any) -> bool:
+    if tuple(saved.shape) != tuple(now.shape):
+        return True
+    dtypes = getattr(saved, "dtype", None), getattr(now, "dtype", None)
+    return None not in dtypes and np.dtype(dtypes[0]) != np.dtype(dtypes[1])  # unknown: no claim
+
+
+def _describe(leaf: Any) -> str:
+    dtype = getattr(leaf, "dtype", None)
+    return f"{tuple(leaf.shape)} {np.dtype(dtype).name if dtype is not None else '?'}"
 
 
 @jax.jit
@@ -129,11 +295,13 @@ def fingerprint(state: Any) -> list[int]:
     return [int(v) for v in jax.device_get(_fingerprints(leaves))]
 
 
-def _check_finite(state: Any, step: int) -> None:
-    leaves = [
-        x
-        for x in jax.tree.leaves(state)
-        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+def _check_finite(state: Any) -> None:
+    bad = [
+        jax.tree_util.keystr(path)
+        for path, x in jax.tree_util.tree_leaves_with_path(state)
+        if hasattr(x, "dtype")
+        and jnp.issubdtype(x.dtype, jnp.floating)
+        and not bool(jnp.all(jnp.isfinite(x)))
     ]
-    if not all(bool(jnp.all(jnp.isfinite(x))) for x in leaves):
-        raise ValueError(f"checkpoint {step} holds non-finite values")
+    if bad:
+        raise ValueError(f"non-finite values in {len(bad)} arrays, the first {bad[0]}")

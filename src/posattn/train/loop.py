@@ -36,7 +36,7 @@ from posattn.nn.model import TransformerLM
 from posattn.train import data as data_lib
 from posattn.train import sharding, steps
 from posattn.train import workdir as workdir_lib
-from posattn.train.checkpoint import Checkpointer
+from posattn.train.checkpoint import Checkpointer, IncompatibleCheckpointError
 from posattn.train.workdir import WorkdirBusyError
 
 __all__ = ["NonFiniteLossError", "WorkdirBusyError", "main", "train_and_evaluate"]
@@ -290,7 +290,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = cli.parse(cli.TRAIN, argv)
         result = train_and_evaluate(args.config, args.workdir)
-    except (config_lib.ConfigError, data_lib.DataError, WorkdirBusyError, NonFiniteLossError) as e:
+    except (
+        config_lib.ConfigError,
+        data_lib.DataError,
+        WorkdirBusyError,
+        NonFiniteLossError,
+        IncompatibleCheckpointError,
+    ) as e:
         print(f"posattn.train: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, (config_lib.ConfigError, data_lib.DataError)) else 1
     summary = {k: v for k, v in result.items() if k in ("step", "loss", "eval_loss", "preempted")}
