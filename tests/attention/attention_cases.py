@@ -35,7 +35,10 @@ def t5_like(params, q_pos, k_pos):
 def fire_like(params, q_pos, k_pos):
     """An MLP (1 -> 8 -> N) of psi(i - j) / psi(max(L, i)), psi(x) = log(c x + 1)."""
     c, L = params["c"], params["L"]
-    psi = lambda x: jnp.log(c * x + 1.0)
+
+    def psi(x):
+        return jnp.log(c * x + 1.0)
+
     i = q_pos[:, None].astype(jnp.float32)
     dist = jnp.abs(q_pos[:, None] - k_pos[None, :]).astype(jnp.float32)
     x = psi(dist) / psi(jnp.maximum(L, i))  # (t, s)
@@ -103,7 +106,10 @@ def _assert_close(got, want, rtol, atol=1e-7, name=""):
     """Every array within rtol of the largest magnitude of its reference counterpart (plus a
     small atol for scalar parameter gradients that are sums of cancelling terms)."""
     for path, g, w in zip(
-        jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got), jax.tree.leaves(want)
+        jax.tree_util.tree_leaves_with_path(want),
+        jax.tree.leaves(got),
+        jax.tree.leaves(want),
+        strict=True,
     ):
         if w.dtype == jax.dtypes.float0:
             continue
