@@ -5,7 +5,12 @@ ALiBi `(BiasFn, params)` bias for every implementation, unsharded and under thre
 `data` with Auto axes; 2 x 4 `data` x `fsdp` with Auto and with Explicit axes), and reports the
 per-device FLOPs of `compiled.cost_analysis()`, whether the program all-gathers, and the largest
 difference of the outputs and gradients (q, k, v, the ALiBi slopes) from the unsharded program.
-Per-row offsets and key lengths are checked the same way for the two looped kernels.
+Per-row offsets and key lengths are checked the same way for the two looped kernels, and so is
+`chunked` with one batch row per chunk (its `lax.scan` then runs over the batch rows).
+
+XLA's cost analysis counts a loop body once whatever its trip count, so the FLOP ratios are taken
+where the kernels' loops make one trip at these shapes (T = 32 is one blockwise tile; the 16 rows
+of the batch are one chunk of `chunked`, as are each device's 2).
 """
 
 import json
@@ -21,7 +26,7 @@ CODE = r"""
 import json
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-from posattn.attention import attention
+from posattn.attention import attention, chunked
 
 B, T, N, K, H = 16, 32, 4, 2, 16
 keys = jax.random.split(jax.random.key(0), 4)
@@ -72,12 +77,18 @@ for impl in ("reference", "xla", "chunked", "blockwise"):
         with jax.set_mesh(mesh):
             flops, gathers, got = run(impl, False, mesh)
         result[f"{impl}/{name}"] = dict(ratio=flops / flops1, gathers=gathers, diff=diff(got, want))
+data8 = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
 for impl in ("chunked", "blockwise"):
     _, _, want = run(impl, True)
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
-    with jax.set_mesh(mesh):
-        _, gathers, got = run(impl, True, mesh)
+    with jax.set_mesh(data8):
+        _, gathers, got = run(impl, True, data8)
     result[f"{impl}/per_row"] = dict(gathers=gathers, diff=diff(got, want))
+# chunked with one batch row per chunk: a lax.scan over the batch rows
+chunked.CHUNK_LOGITS = 1
+_, _, want = run("chunked", False)
+with jax.set_mesh(data8):
+    _, gathers, got = run("chunked", False, data8)
+result["chunked/row_chunks"] = dict(gathers=gathers, diff=diff(got, want))
 print("RESULT", json.dumps(result))
 """
 
@@ -104,3 +115,9 @@ def test_per_row_offsets_and_lengths_under_a_mesh(measured, impl):
     got = measured[f"{impl}/per_row"]
     assert not got["gathers"]
     assert got["diff"] < 1e-5, f"{impl}: relative difference {got['diff']}"
+
+
+def test_chunked_scan_over_batch_rows_does_not_gather(measured):
+    got = measured["chunked/row_chunks"]
+    assert not got["gathers"]
+    assert got["diff"] < 1e-5, f"relative difference {got['diff']}"
