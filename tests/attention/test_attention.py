@@ -1,8 +1,11 @@
 """The attention core: the reference against a loop-by-loop NumPy oracle, "xla" against the
-reference, validation errors, dtype rules and the "auto" rule. ("chunked" and "blockwise" against
-the reference, gradients included: tests/test_blockwise.py.)"""
+reference, validation errors, dtype rules, "cudnn"'s refusals and the "auto" rule per backend.
+("chunked" and "blockwise" against the reference, gradients included: test_chunked.py and
+test_blockwise.py; under a device mesh: test_partition.py.)"""
 
+import functools
 import logging
+import types
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +14,7 @@ import pytest
 from conftest import primitive_input_dtypes
 
 from posattn import attention as attn_lib
-from posattn.attention import attention
+from posattn.attention import attention, cudnn
 
 B, T, S, N, K, H = 2, 5, 7, 4, 2, 8
 
@@ -77,10 +80,16 @@ def test_reference_matches_numpy_loops(case, bias_kind):
     kw = CASES[case]
     np_bias = None
     if bias_kind == "array":
-        np_bias = lambda b, n, t, i: np.asarray(bias)[n, t]
+
+        def np_bias(b, n, t, i):
+            return np.asarray(bias)[n, t]
+
         arg = bias
     elif bias_kind == "fn":
-        np_bias = lambda b, n, t, i: -float(SLOPES[n]) * (i - np.arange(S))
+
+        def np_bias(b, n, t, i):
+            return -float(SLOPES[n]) * (i - np.arange(S))
+
         arg = (alibi_like, SLOPES)
     else:
         arg = None
@@ -235,7 +244,9 @@ def test_invalid_inputs_raise_clear_errors(bad, message):
 
 
 def test_auto_rule_and_logged_once(caplog):
-    spec = lambda B, T: jax.ShapeDtypeStruct((B, T, 8, 64), jnp.float32)
+    def spec(B, T):
+        return jax.ShapeDtypeStruct((B, T, 8, 64), jnp.float32)
+
     small, big = spec(1, 128), spec(1, 4096)
     assert attn_lib.choose_implementation(small, small, None) == "chunked"
     assert attn_lib.choose_implementation(big, big, None) == "blockwise"
@@ -279,3 +290,67 @@ def test_nope_is_permutation_equivariant(impl):
     out = attention(q, k, v, implementation=impl)
     permuted = attention(q[:, perm], k[:, perm], v[:, perm], implementation=impl)
     np.testing.assert_allclose(permuted, out[:, perm], rtol=1e-5, atol=1e-6)
+
+
+def test_cudnn_refuses_what_it_cannot_run():
+    """implementation="cudnn" raises a clear ValueError before any compute where cuDNN cannot
+    run: on this CPU, and on a GPU for dtypes, head dims and odd lengths it does not take."""
+    q, k, v, bias = _inputs()
+    with pytest.raises(ValueError, match="implementation='cudnn' needs a CUDA GPU.*'cpu'"):
+        attention(q, k, v, causal=True, implementation="cudnn")
+    reason = functools.partial(cudnn.unsupported_reason, causal=True, static_offset=0)
+
+    def spec(T=64, H=64, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct((2, T, 4, H), dtype)
+
+    assert reason(spec(), spec(), spec(), bias=None, backend="gpu") is None
+    assert reason(spec(), spec(), spec(), bias=None, backend="tpu").startswith("needs a CUDA GPU")
+    f32 = spec(dtype=jnp.float32)
+    assert "float16 or bfloat16" in reason(f32, f32, f32, bias=None, backend="gpu")
+    h12 = spec(H=12)
+    assert "head dim" in reason(h12, h12, h12, bias=None, backend="gpu")
+    odd = spec(T=63)
+    assert reason(odd, odd, odd, bias=None, backend="gpu") is None  # no bias: any length
+    assert "even" in reason(odd, odd, odd, bias=(alibi_like, SLOPES), backend="gpu")
+
+
+def test_auto_decides_per_backend(monkeypatch):
+    """CPU: the measured chunked/blockwise rule. GPU and TPU: never "chunked" (tuned on CPU);
+    "pallas" where that kernel exists for the inputs, else "cudnn" on a GPU where cuDNN takes the
+    inputs, else "blockwise"."""
+
+    def spec(B=2, T=256, H=64, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct((B, T, 8, H), dtype)
+
+    fn_bias = (alibi_like, SLOPES)
+    choose = functools.partial(attn_lib.choose_implementation, causal=True)
+    assert choose(spec(), spec(), fn_bias, backend="cpu") == "chunked"
+    no_kernel = types.SimpleNamespace(unsupported_reason=lambda q, k, **kw: "no kernel")
+    monkeypatch.setattr(attn_lib, "_pallas_module", lambda: no_kernel)
+    assert choose(spec(), spec(), fn_bias, backend="gpu") == "cudnn"
+    assert choose(spec(), spec(), None, backend="tpu") == "blockwise"
+    for bad in (spec(dtype=jnp.float32), spec(H=12), spec(T=255)):
+        assert choose(bad, bad, fn_bias, backend="gpu") == "blockwise"
+    # A bias cuDNN would need materialised past AUTO_CUDNN_MAX_BIAS elements: blockwise.
+    monkeypatch.setattr(attn_lib, "AUTO_CUDNN_MAX_BIAS", 8 * 256 * 256 - 1)
+    assert choose(spec(), spec(), fn_bias, backend="gpu") == "blockwise"
+    assert choose(spec(), spec(), None, backend="gpu") == "cudnn"  # no bias to materialise
+    # The fused kernel first where it exists for the inputs.
+    refuses = {"value": None}
+    fake = types.SimpleNamespace(unsupported_reason=lambda q, k, **kw: refuses["value"])
+    monkeypatch.setattr(attn_lib, "_pallas_module", lambda: fake)
+    assert choose(spec(), spec(), fn_bias, backend="gpu") == "pallas"
+    assert choose(spec(), spec(), fn_bias, backend="tpu") == "pallas"
+    refuses["value"] = "not for these inputs"
+    assert choose(spec(), spec(), None, backend="gpu") == "cudnn"
+    # The backend comes from jax.default_backend() when not given, and "auto" follows it.
+    monkeypatch.setattr(attn_lib, "_pallas_module", lambda: no_kernel)
+    monkeypatch.setattr(attn_lib, "_backend", lambda: "tpu")
+    assert attn_lib.choose_implementation(spec(), spec(), fn_bias) == "blockwise"
+    q, k, v, _ = _inputs(3)
+    np.testing.assert_allclose(
+        attention(q, k, v, bias=fn_bias, causal=True),
+        attention(q, k, v, bias=fn_bias, causal=True, implementation="reference"),
+        rtol=1e-5,
+        atol=1e-6,
+    )

@@ -347,3 +347,15 @@ def test_larger_shapes(name, dtype):
         _assert_close_params_by_scale(got, want, rtol=2e-5, atol=1e-5)
     else:
         _assert_close_params_by_scale(got, want, rtol=3e-2, atol=1e-2)
+
+
+def test_unsupported_reason_guards_what_auto_may_pick():
+    q = jax.ShapeDtypeStruct((2, 64, 4, 64), jnp.bfloat16)
+    long_k = jax.ShapeDtypeStruct((2, 65536, 4, 64), jnp.bfloat16)
+    fn_bias = (lambda p, qp, kp: -p[:, None, None] * (qp[:, None] - kp[None, :]), jnp.ones(4))
+    assert pallas_mod.unsupported_reason(q, q, bias=fn_bias, backend="gpu") is None
+    assert pallas_mod.unsupported_reason(q, q, bias=None, backend="tpu") is None
+    assert "materialised" in pallas_mod.unsupported_reason(q, q, bias=jnp.zeros((4, 64, 64)))
+    odd = (fn_bias[0], jnp.ones(12))
+    assert "power-of-two" in pallas_mod.unsupported_reason(q, q, bias=odd, backend="gpu")
+    assert "VMEM" in pallas_mod.unsupported_reason(q, long_k, bias=None, backend="tpu")

@@ -3,8 +3,8 @@
 Shape legend: B batch, T query length, S key length, N query heads, K key/value heads
 (N % K == 0; G = N // K query heads share each key/value head, K = 1 is multi-query), H head dim.
 
-Conventions (SPEC.md §1): query positions are `q_offset + arange(T)` (q_offset a scalar or one
-per batch row, e.g. a KV-cache decode step), key positions `arange(S)`; logits are
+Conventions (docs/attention.md): query positions are `q_offset + arange(T)` (q_offset a scalar or
+one per batch row, e.g. a KV-cache decode step), key positions `arange(S)`; logits are
 `scale * q.k + bias(i, j)`; `causal` hides keys j > i and `kv_lengths` hides keys j >= length.
 Softmax runs in float32 whatever the input dtype; the output keeps q's dtype; a query row that
 sees no key returns zeros, never NaN.
@@ -14,18 +14,26 @@ The bias is either a materialised float[N, T, S] array or a `(BiasFn, params)` p
 blockwise implementation evaluate the bias tile by tile (never holding [N, T, S]) while gradients
 still reach `params`. The core never knows which position family produced the bias.
 
-Implementations:
-  "reference"  materialises float32 logits [B, N, T, S]: the oracle, simple and obviously right.
-  "xla"        `jax.nn.dot_product_attention` with a materialised bias and an explicit mask.
-  "chunked"    each batch row's logits materialised, a few rows at a time, head-major, with a
-               hand-written backward (`posattn.attention.chunked`): the fast path at training lengths.
-  "blockwise"  tiled online softmax with a recomputing backward, memory linear in T
-               (`posattn.attention.blockwise`).
-  "auto"       picks "chunked" or "blockwise" by the rule in `choose_implementation`.
+The package:
+  masks.py      query positions, visibility masks, materialising a bias
+  reference.py  "reference" (the float32 oracle) and "xla" (`jax.nn.dot_product_attention`)
+  tiles.py      the FlashAttention-2 tile math (forward and backward equations, the guard for rows
+                that see no key, grouped-query reshapes) shared by chunked.py and blockwise.py
+  chunked.py    "chunked": each batch row's logits materialised, a few rows at a time, head-major,
+                with a hand-written backward: the fast path at training lengths on CPU
+  blockwise.py  "blockwise": tiled online softmax, recomputing backward, memory linear in T
+  cudnn.py      "cudnn": cuDNN's fused attention on a GPU, for the shapes and dtypes it takes
+  pallas.py     "pallas": the fused Pallas kernel evaluating the bias inside (GPU, TPU; interpret
+                mode on CPU), when present
+  partition.py  under a device mesh, every implementation runs per device over the batch
+
+"auto" picks per backend by the rule in `choose_implementation`.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import logging
 import math
 from collections.abc import Callable
@@ -35,23 +43,42 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posattn.attention import blockwise, chunked
+from posattn.attention import blockwise, chunked, cudnn, partition
+from posattn.attention.masks import materialize_bias, query_positions, visibility_mask
+from posattn.attention.reference import reference_attention, xla_attention
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "Bias",
+    "BiasFn",
+    "attention",
+    "choose_implementation",
+    "materialize_bias",
+    "query_positions",
+    "reference_attention",
+    "visibility_mask",
+    "xla_attention",
+]
 
 BiasFn = Callable[[Any, jax.Array, jax.Array], jax.Array]
 Bias = jax.Array | tuple[BiasFn, Any] | None
 
-IMPLEMENTATIONS = ("auto", "reference", "xla", "chunked", "blockwise", "pallas")
+IMPLEMENTATIONS = ("auto", "reference", "xla", "chunked", "blockwise", "cudnn", "pallas")
 
-# "auto" takes "chunked" while one head's logits T * S stay below AUTO_CHUNKED_MAX_HEAD_LOGITS and
-# "blockwise" from there. Measured on the 2-core Xeon of docs/attention.md (causal, ALiBi, forward
-# + backward; `benchmarks/train_throughput.py --crossover`): chunked is 1.5-3.6x faster than
-# blockwise up to T = S = 768 (4 heads of 32 at T 128-512 and B 16-64; 8 heads of 64 at T 512 and
-# 768), blockwise 1.7-2.6x faster from T = S = 1024 (its 512-tiles skip the causal upper half, and
-# one head's [T, S] logits, 4 MiB, no longer fit the 2 MiB L2).
+# "auto" on CPU takes "chunked" while one head's logits T * S stay below
+# AUTO_CHUNKED_MAX_HEAD_LOGITS and "blockwise" from there. Measured on the 2-core Xeon of
+# docs/attention.md (causal, ALiBi, forward + backward; `benchmarks/train_throughput.py
+# --crossover`): chunked is 1.5-3.6x faster than blockwise up to T = S = 768 (4 heads of 32 at
+# T 128-512 and B 16-64; 8 heads of 64 at T 512 and 768), blockwise 1.7-2.6x faster from
+# T = S = 1024 (its 512-tiles skip the causal upper half, and one head's [T, S] logits, 4 MiB, no
+# longer fit the 2 MiB L2).
 AUTO_CHUNKED_MAX_HEAD_LOGITS = 1024 * 1024
 # With per-row positions or lengths "chunked" materialises the bias for every row, [B, N, T, S]:
 # "auto" then also keeps B * N * T * S below this (32 MiB of float32), the limit "xla" had before.
 AUTO_BLOCKWISE_MIN_LOGITS = 8 * 1024 * 1024
+# On a GPU "auto" hands cuDNN a materialised bias only while it has at most this many elements
+# (1 GiB of bfloat16); past it, "blockwise" (which evaluates the bias per tile).
+AUTO_CUDNN_MAX_BIAS = 512 * 1024 * 1024
 
 _log = logging.getLogger(__name__)
 _logged_choices: set[tuple] = set()
@@ -71,6 +98,9 @@ def attention(
 ) -> jax.Array:
     """Multi-head (grouped-query) dot-product attention with an optional additive bias.
 
+    Under a device mesh (`jax.set_mesh`, or Explicit shardings) every implementation runs per
+    device on its batch rows (`posattn.attention.partition`).
+
     Args:
       q: float[B, T, N, H] queries.
       k: float[B, S, K, H] keys, N % K == 0.
@@ -86,17 +116,34 @@ def attention(
       float[B, T, N, H] in q's dtype.
     """
     _check_inputs(q, k, v, bias, q_offset, kv_lengths)
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"attention: unknown implementation {implementation!r}; "
+            f"allowed: {', '.join(IMPLEMENTATIONS)}"
+        )
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     # A Python-int offset (training, a prefill) is static: "chunked" then skips the keys above the
-    # causal diagonal tile by tile.
+    # causal diagonal tile by tile, and "cudnn" uses its own causal mask when it is 0.
     static_offset = int(q_offset) if isinstance(q_offset, (int, np.integer)) else None
     q_offset = jnp.asarray(q_offset, jnp.int32)
     if kv_lengths is not None:
         kv_lengths = jnp.asarray(kv_lengths, jnp.int32)
+    run = functools.partial(
+        _dispatch, implementation=implementation, causal=causal, static_offset=static_offset
+    )
+    return partition.over_batch(
+        run, q, k, v, bias=bias, q_offset=q_offset, kv_lengths=kv_lengths, scale=scale
+    )
+
+
+def _dispatch(q, k, v, bias, q_offset, kv_lengths, scale, *, implementation, causal, static_offset):
+    """One implementation on (the local rows of) q, k, v."""
     if implementation == "auto":
         per_row = jnp.ndim(q_offset) == 1 or kv_lengths is not None
-        implementation = choose_implementation(q, k, bias, per_row=per_row)
+        implementation = choose_implementation(
+            q, k, bias, per_row=per_row, causal=causal, static_offset=static_offset
+        )
     kwargs = dict(bias=bias, causal=causal, q_offset=q_offset, kv_lengths=kv_lengths, scale=scale)
     match implementation:
         case "reference":
@@ -104,41 +151,87 @@ def attention(
         case "xla":
             return xla_attention(q, k, v, **kwargs)
         case "chunked":
-            return chunked_path(q, k, v, static_offset=static_offset, **kwargs)
+            return chunked.attention_from_bias(q, k, v, static_offset=static_offset, **kwargs)
         case "blockwise":
             return blockwise.blockwise_attention(q, k, v, **kwargs)
+        case "cudnn":
+            return cudnn.cudnn_attention(q, k, v, static_offset=static_offset, **kwargs)
         case "pallas":
-            from posattn.attention import pallas
-
+            pallas = _pallas_module()
+            if static_offset is not None:
+                kwargs["q_offset"] = static_offset
             return pallas.pallas_attention(q, k, v, **kwargs)
-        case _:
-            raise ValueError(
-                f"attention: unknown implementation {implementation!r}; "
-                f"allowed: {', '.join(IMPLEMENTATIONS)}"
-            )
 
 
-def choose_implementation(q: jax.Array, k: jax.Array, bias: Bias, *, per_row: bool = False) -> str:
-    """The rule behind implementation="auto"; logs its choice once per shape and bias kind.
+def _backend() -> str:
+    """The backend "auto" decides for (a function so that tests can stand in another)."""
+    return jax.default_backend()
 
-    "chunked" while one head's logits T * S stay below AUTO_CHUNKED_MAX_HEAD_LOGITS (and, with
-    `per_row` positions or lengths, whose bias it materialises for every row, while B * N * T * S
-    stays below AUTO_BLOCKWISE_MIN_LOGITS), otherwise "blockwise", the only implementation whose
-    memory stays linear in T. "xla" is never faster than "chunked" in our measurements
-    (docs/attention.md). The bias kind does not change the choice. Pass `implementation=` to
-    override.
+
+def _pallas_module():
+    """posattn.attention.pallas, imported on first use (it pulls in jax.experimental.pallas)."""
+    return importlib.import_module("posattn.attention.pallas")
+
+
+def _pallas_supports(q, k, bias, *, causal, per_row) -> bool:
+    """Whether the fused Pallas kernel takes these inputs on this backend
+    (`pallas.unsupported_reason` says None)."""
+    reason = _pallas_module().unsupported_reason
+    return reason(q, k, bias=bias, causal=causal, per_row=per_row) is None
+
+
+def choose_implementation(
+    q: jax.Array,
+    k: jax.Array,
+    bias: Bias,
+    *,
+    per_row: bool = False,
+    causal: bool = False,
+    static_offset: int | None = 0,
+    backend: str | None = None,
+) -> str:
+    """The rule behind implementation="auto", per backend; logs its choice once per input kind.
+
+    CPU: "chunked" while one head's logits T * S stay below AUTO_CHUNKED_MAX_HEAD_LOGITS (and,
+    with `per_row` positions or lengths, whose bias it materialises for every row, while
+    B * N * T * S stays below AUTO_BLOCKWISE_MIN_LOGITS), otherwise "blockwise", the only
+    implementation whose memory stays linear in T. "xla" is never faster than "chunked" in our
+    measurements (docs/attention.md).
+
+    GPU and TPU: never a kernel tuned on CPU. "pallas" (the fused kernel that evaluates the bias
+    inside) where it exists for the inputs; else, on a GPU, "cudnn" where cuDNN takes the shapes
+    and dtypes (`posattn.attention.cudnn.unsupported_reason`) and its materialised bias stays at
+    most AUTO_CUDNN_MAX_BIAS elements; otherwise "blockwise".
+
+    q, k: arrays or shape/dtype structs (the rows one device sees). Pass `implementation=` to
+    `attention` to override.
     """
-    B, T, N, _ = q.shape
+    backend = _backend() if backend is None else backend
+    B, T, N, H = q.shape
     S = k.shape[1]
-    small = T * S < AUTO_CHUNKED_MAX_HEAD_LOGITS and (
-        not per_row or B * N * T * S < AUTO_BLOCKWISE_MIN_LOGITS
-    )
-    choice = "chunked" if small else "blockwise"
-    key = (q.shape, k.shape, str(q.dtype), _bias_kind(bias), per_row)
+    if backend == "cpu":
+        small = T * S < AUTO_CHUNKED_MAX_HEAD_LOGITS and (
+            not per_row or B * N * T * S < AUTO_BLOCKWISE_MIN_LOGITS
+        )
+        choice = "chunked" if small else "blockwise"
+    elif _pallas_supports(q, k, bias, causal=causal, per_row=per_row):
+        choice = "pallas"
+    else:
+        bias_rows = B if per_row and bias is not None else 1
+        bias_size = 0 if bias is None else bias_rows * N * T * S
+        cudnn_ok = (
+            cudnn.unsupported_reason(
+                q, k, k, bias=bias, causal=causal, static_offset=static_offset, backend=backend
+            )
+            is None
+        )
+        choice = "cudnn" if cudnn_ok and bias_size <= AUTO_CUDNN_MAX_BIAS else "blockwise"
+    key = (backend, q.shape, k.shape, str(q.dtype), _bias_kind(bias), per_row, causal)
     if key not in _logged_choices:
         _logged_choices.add(key)
         _log.info(
-            "attention(implementation='auto'): q %s, k %s, %s, bias %s%s -> %r",
+            "attention(implementation='auto') on %s: q %s, k %s, %s, bias %s%s -> %r",
+            backend,
             q.shape,
             k.shape,
             q.dtype,
@@ -147,112 +240,6 @@ def choose_implementation(q: jax.Array, k: jax.Array, bias: Bias, *, per_row: bo
             choice,
         )
     return choice
-
-
-# ----------------------------------------------------------------------------------------------
-# Materialised implementations.
-
-
-def reference_attention(q, k, v, *, bias, causal, q_offset, kv_lengths, scale):
-    """The oracle: every step written out in float32 on the full [B, N, T, S] logits."""
-    B, T, N, H = q.shape
-    S, K = k.shape[1], k.shape[2]
-    G = N // K
-    f32 = jnp.float32
-    # Repeat each key/value head for its G query heads: obviously right, costs memory.
-    k_rep = jnp.repeat(k.astype(f32), G, axis=2)  # (B, S, N, H)
-    v_rep = jnp.repeat(v.astype(f32), G, axis=2)  # (B, S, N, H)
-    logits = (
-        jnp.einsum("btnh,bsnh->bnts", q.astype(f32), k_rep, precision=jax.lax.Precision.HIGHEST)
-        * scale
-    )  # (B, N, T, S)
-    q_pos = _query_positions(q_offset, T)  # (B or 1, T)
-    if bias is not None:
-        logits = logits + materialize_bias(bias, q_pos, S)  # (B or 1, N, T, S) broadcasts
-    visible = visibility_mask(q_pos, S, causal=causal, kv_lengths=kv_lengths)  # (B|1, T, S)
-    logits = jnp.where(visible[:, None], logits, -jnp.inf)
-    row_max = jnp.max(logits, axis=-1, keepdims=True)
-    row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-    p = jnp.exp(logits - row_max)  # masked keys give exactly 0
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    probs = p / jnp.where(denom == 0.0, 1.0, denom)  # a row with no visible key stays all-zero
-    out = jnp.einsum("bnts,bsnh->btnh", probs, v_rep, precision=jax.lax.Precision.HIGHEST)
-    return out.astype(q.dtype)
-
-
-def xla_attention(q, k, v, *, bias, causal, q_offset, kv_lengths, scale):
-    """`jax.nn.dot_product_attention` with a materialised bias and an explicit boolean mask.
-
-    jax masks with a large finite negative number, so a query row with no visible key would
-    average all values; those rows are zeroed here.
-    """
-    B, T, N, H = q.shape
-    S = k.shape[1]
-    q_pos = _query_positions(q_offset, T)  # (B or 1, T)
-    bias4 = None if bias is None else materialize_bias(bias, q_pos, S)  # (B|1, N, T, S)
-    mask = None
-    row_visible = None
-    if causal or kv_lengths is not None:
-        visible = visibility_mask(q_pos, S, causal=causal, kv_lengths=kv_lengths)  # (B|1, T, S)
-        mask = visible[:, None]  # (B|1, 1, T, S)
-        row_visible = jnp.any(visible, axis=-1)  # (B|1, T)
-    dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
-    out = jax.nn.dot_product_attention(
-        q.astype(dtype), k.astype(dtype), v.astype(dtype), bias=bias4, mask=mask, scale=scale
-    )
-    if row_visible is not None:
-        out = jnp.where(row_visible[:, :, None, None], out, jnp.zeros((), out.dtype))
-    return out.astype(q.dtype)
-
-
-def chunked_path(q, k, v, *, bias, causal, q_offset, kv_lengths, scale, static_offset=None):
-    """`posattn.attention.chunked` on the bias materialised [B or 1, N, T, S] with -inf at hidden keys.
-
-    `static_offset`: q_offset as a Python int when it is one (the causal tiles are then static).
-    """
-    T, S = q.shape[1], k.shape[1]
-    q_pos = _query_positions(q_offset, T)  # (B or 1, T)
-    logit_bias = None if bias is None else materialize_bias(bias, q_pos, S)  # (B|1, N, T, S)
-    if causal or kv_lengths is not None:
-        visible = visibility_mask(q_pos, S, causal=causal, kv_lengths=kv_lengths)[
-            :, None
-        ]  # (B|1, 1, T, S)
-        logit_bias = jnp.where(visible, 0.0 if logit_bias is None else logit_bias, -jnp.inf)
-    return chunked.chunked_attention(
-        q,
-        k,
-        v,
-        logit_bias,
-        scale=scale,
-        bias_grad=bias is not None,
-        causal_offset=static_offset if causal else None,
-    )
-
-
-def materialize_bias(bias: Bias, q_pos: jax.Array, S: int) -> jax.Array:
-    """float32[B or 1, N, T, S] from either bias form; q_pos is int[B or 1, T]."""
-    if isinstance(bias, tuple):
-        fn, params = bias
-        k_pos = jnp.arange(S, dtype=jnp.int32)
-        per_row = jax.vmap(fn, in_axes=(None, 0, None))(params, q_pos, k_pos)
-        return per_row.astype(jnp.float32)  # (B|1, N, T, S)
-    return jnp.asarray(bias, jnp.float32)[None]  # (1, N, T, S)
-
-
-def visibility_mask(q_pos, S, *, causal, kv_lengths):
-    """bool[B or 1, T, S]: True where query (row) may attend to key (column)."""
-    k_pos = jnp.arange(S, dtype=jnp.int32)
-    visible = jnp.ones(q_pos.shape + (S,), bool)  # (B|1, T, S)
-    if causal:
-        visible = visible & (k_pos[None, None, :] <= q_pos[:, :, None])
-    if kv_lengths is not None:
-        visible = visible & (k_pos[None, None, :] < kv_lengths[:, None, None])
-    return visible
-
-
-def _query_positions(q_offset: jax.Array, T: int) -> jax.Array:
-    """int32[B or 1, T]: q_offset + arange(T), one row per batch element if q_offset is per-row."""
-    return jnp.atleast_1d(q_offset)[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
 
 
 # ----------------------------------------------------------------------------------------------

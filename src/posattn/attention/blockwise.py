@@ -19,7 +19,8 @@ max(kv_lengths) are skipped. The bounds are traced values (fori_loop over a whil
 compiled program does not grow with T.
 
 Grouped-query heads: q is viewed as [B, K, G, tq, H] and contracted against the [B, K, tk, H] key
-tile directly; K/V are never repeated.
+tile directly; K/V are never repeated. The tile equations (online softmax, gradients, the guard
+for rows that see no key) live in `posattn.attention.tiles`, shared with `chunked`.
 
 The bias is evaluated per tile: a `(BiasFn, params)` pair is called on the tile's positions (once
 per batch row when q_offset is per-row) and differentiated with `jax.vjp` per tile, its parameter
@@ -37,6 +38,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from posattn.attention import masks, tiles
 
 # Tile sizes: 256 to 512 were within noise of each other at T = 4096 on the 2-core Xeon of
 # docs/attention.md (8 heads, head dim 64), 1024 slower; 512 x 512 makes the fewest loop trips.
@@ -91,11 +94,8 @@ def blockwise_attention(
     G = N // K
     if scale is None:
         scale = 1.0 / math.sqrt(H)
-    if not isinstance(scale, (int, float, np.number)):
-        # A traced scale (e.g. swept under vmap) is folded into q so autodiff outside the
-        # custom_vjp carries its gradient; a Python scale stays static inside the kernel.
-        q = (q.astype(f32) * scale).astype(q.dtype)
-        scale = 1.0
+    # A traced scale (e.g. swept under vmap) is folded into q.
+    q, scale = tiles.fold_scale(q, scale)
     tq, tk = min(block_q, T), min(block_k, S)
     nq, nk = -(-T // tq), -(-S // tk)
     Tp, Sp = nq * tq, nk * tk
@@ -132,7 +132,7 @@ def blockwise_attention(
         kv_mask=kv_len is not None,
     )
 
-    qt = jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, 0)))
+    qt = tiles.group_heads(jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, 0))), K)
     qt = qt.reshape(B, nq, tq, K, G, H).transpose(1, 0, 3, 4, 2, 5)  # (nq, B, K, G, tq, H)
     kt = _tile_keys(k, nk, tk)  # (nk, B, K, tk, H)
     vt = _tile_keys(v, nk, tk)  # (nk, B, K, tk, H)
@@ -164,7 +164,7 @@ def _tile_bias(plan, params, offsets, i, j):
             return None
         case "fn":
             q_pos, k_pos = _tile_positions(plan, offsets, i, j)
-            b = jax.vmap(plan.bias_fn, in_axes=(None, 0, None))(params, q_pos, k_pos)
+            b = masks.evaluate_bias(plan.bias_fn, params, q_pos, k_pos)  # (B|1, N, tq, tk)
         case "array":
             b = params[i, j][None]  # (1, N, tq, tk)
     return b.astype(f32).reshape(b.shape[0], plan.K, plan.G, plan.tq, plan.tk)
@@ -173,13 +173,9 @@ def _tile_bias(plan, params, offsets, i, j):
 def _tile_mask(plan, offsets, kv_len, i, j):
     """bool[B or 1, 1, 1, tq, tk] (True = visible) or None when nothing is hidden."""
     q_pos, k_pos = _tile_positions(plan, offsets, i, j)
-    mask = None
-    if plan.causal:
-        mask = k_pos[None, None, :] <= q_pos[:, :, None]  # (B|1, tq, tk)
-    if plan.kv_mask:
-        valid = k_pos[None, None, :] < kv_len[:, None, None]  # (B|1, 1, tk)
-        mask = valid if mask is None else mask & valid
-    return None if mask is None else mask[:, None, None]
+    return tiles.tile_mask(
+        q_pos, k_pos, causal=plan.causal, kv_lengths=kv_len if plan.kv_mask else None
+    )
 
 
 def _scores(plan, q_i, k_j, bias_t, mask, *, keys_transposed=False):
@@ -188,13 +184,15 @@ def _scores(plan, q_i, k_j, bias_t, mask, *, keys_transposed=False):
     k_j is (B, K, tk, H), or (B, K, H, tk) with keys_transposed (the layout the CPU matmul wants,
     so the forward transposes K once instead of once per tile).
     """
-    spec = "bkgqh,bkhc->bkgqc" if keys_transposed else "bkgqh,bkch->bkgqc"
-    s = jnp.einsum(spec, q_i, k_j, preferred_element_type=f32) * plan.scale
-    if bias_t is not None:
-        s = s + bias_t
-    if mask is not None:
-        s = jnp.where(mask, s, -jnp.inf)
-    return s
+    return tiles.logits(
+        "query_major",
+        q_i,
+        k_j,
+        scale=plan.scale,
+        bias=bias_t,
+        mask=mask,
+        keys_transposed=keys_transposed,
+    )
 
 
 def _with_tile_mask(plan, offsets, kv_len, i, j, step, carry):
@@ -223,8 +221,8 @@ def _key_tile_end(plan, offsets, kv_len, i):
     """One past the last key tile that query tile i can see (traced int)."""
     end = jnp.int32(plan.nk)
     if plan.causal:
-        last_q = jnp.max(offsets) + (i + 1) * plan.tq - 1  # latest query position in the tile
-        end = jnp.clip(last_q // plan.tk + 1, 0, plan.nk)
+        key_end = tiles.causal_key_end(jnp.max(offsets), (i + 1) * plan.tq)
+        end = jnp.clip(-(-key_end // plan.tk), 0, plan.nk)
     if plan.kv_mask:
         end = jnp.minimum(end, -(-jnp.max(kv_len) // plan.tk))
     return end
@@ -234,10 +232,8 @@ def _query_tile_start(plan, offsets, j):
     """The first query tile that can see key tile j (traced int)."""
     if not plan.causal:
         return jnp.int32(0)
-    first_k = j * plan.tk
-    # ceil((first_k - max_offset - (tq - 1)) / tq), clipped to [0, nq]
-    start = -((jnp.max(offsets) + plan.tq - 1 - first_k) // plan.tq)
-    return jnp.clip(start, 0, plan.nq)
+    first_q = tiles.causal_query_start(jnp.max(offsets), j * plan.tk)
+    return jnp.clip(first_q // plan.tq, 0, plan.nq)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -259,7 +255,6 @@ def _forward(plan, qt, kt, vt, params, offsets, kv_len):
         q_i = qt[i]  # (B, K, G, tq, H)
 
         def step(carry, mask, j):
-            m, l, acc = carry
             s = _scores(
                 plan,
                 q_i,
@@ -268,29 +263,14 @@ def _forward(plan, qt, kt, vt, params, offsets, kv_len):
                 mask,
                 keys_transposed=True,
             )  # (B, K, G, tq, tk)
-            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all hidden so far: keep 0s
-            p = jnp.exp(s - m_safe[..., None])
-            alpha = jnp.exp(m - m_safe)
-            l = alpha * l + jnp.sum(p, axis=-1)
-            pv = jnp.einsum(
-                "bkgqc,bkch->bkgqh", p.astype(vt.dtype), vt[j], preferred_element_type=f32
-            )
-            return m_new, l, alpha[..., None] * acc + pv
+            return tiles.online_softmax_step(carry, s, vt[j])
 
         def key_tile(j, carry):
             return _with_tile_mask(plan, offsets, kv_len, i, j, partial(step, j=j), carry)
 
-        init = (
-            jnp.full((B, K, G, tq), -jnp.inf, f32),
-            jnp.zeros((B, K, G, tq), f32),
-            jnp.zeros((B, K, G, tq, H), f32),
-        )
-        m, l, acc = jax.lax.fori_loop(0, _key_tile_end(plan, offsets, kv_len, i), key_tile, init)
-        seen = l > 0.0
-        out = acc / jnp.where(seen, l, 1.0)[..., None]  # a row that saw nothing stays 0
-        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
-        return out.astype(qt.dtype), lse
+        init = tiles.softmax_init((B, K, G, tq), H)
+        state = jax.lax.fori_loop(0, _key_tile_end(plan, offsets, kv_len, i), key_tile, init)
+        return tiles.softmax_finish(state, qt.dtype)[0], tiles.log_sum_exp(state)
 
     return jax.lax.map(query_tile, jnp.arange(plan.nq, dtype=jnp.int32))
 
@@ -303,8 +283,7 @@ def _flash_fwd(plan, qt, kt, vt, params, offsets, kv_len):
 def _flash_bwd(plan, res, d_out):
     qt, kt, vt, params, offsets, kv_len, out, lse = res
     d_out = d_out.astype(qt.dtype)
-    # D_i = rowsum(dO * O), the softmax-Jacobian term of every tile in row i.
-    delta = jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1)  # (nq, B, K, G, tq)
+    delta = tiles.softmax_delta(d_out, out)  # (nq, B, K, G, tq)
     if plan.bias_kind == "fn":  # differentiate the floating-point leaves only
         floats, rebuild, cotangent = _split_float_leaves(params)
     match plan.bias_kind:
@@ -331,19 +310,20 @@ def _flash_bwd(plan, res, d_out):
                 case _:
                     bias_t = _tile_bias(plan, params, offsets, i, j)
             s = _scores(plan, q_i, k_j, bias_t, mask)
-            p = jnp.exp(s - lse[i][..., None])  # hidden keys and empty rows give exactly 0
-            dv = jnp.einsum(
-                "bkgqc,bkgqh->bkch", p.astype(do_i.dtype), do_i, preferred_element_type=f32
-            )
-            dp = jnp.einsum("bkgqh,bkch->bkgqc", do_i, v_j, preferred_element_type=f32)
-            ds = p * (dp - delta[i][..., None])  # d loss / d logits, (B, K, G, tq, tk)
-            ds_c = ds.astype(qt.dtype)
-            dq = plan.scale * jnp.einsum("bkgqc,bkch->bkgqh", ds_c, k_j, preferred_element_type=f32)
-            dk = plan.scale * jnp.einsum("bkgqc,bkgqh->bkch", ds_c, q_i, preferred_element_type=f32)
+            p = tiles.probabilities_from_lse("query_major", s, lse[i])  # hidden, empty rows: 0
+            dq, dk, dv, ds = tiles.tile_grads(
+                "query_major",
+                p=p,
+                q=q_i,
+                k=k_j,
+                v=v_j,
+                d_out=do_i,
+                delta=delta[i],
+                scale=plan.scale,
+            )  # ds: (B, K, G, tq, tk)
             d_bias = ()
             if bias_t is not None:
-                if bias_t.shape[0] == 1:
-                    ds = jnp.sum(ds, axis=0, keepdims=True)  # bias shared by the batch
+                ds = tiles.sum_to(ds, bias_t.shape)  # a bias shared by the batch
                 match plan.bias_kind:  # ds: (B|1, K, G, tq, tk), the bias tile's layout
                     case "fn":
                         d_bias = pull(ds)[0]
@@ -359,7 +339,7 @@ def _flash_bwd(plan, res, d_out):
             )
             match plan.bias_kind:
                 case "fn":
-                    d_params = [a + b for a, b in zip(d_params, d_bias)]
+                    d_params = [a + b for a, b in zip(d_params, d_bias, strict=True)]
                 case "array":
                     d_params = d_params.at[i, j].set(d_bias)
             return dq.at[i].add(dq_i), dk_j + dk, dv_j + dv, d_params
@@ -394,7 +374,9 @@ def _split_float_leaves(params):
 
     def rebuild(floats):
         it = iter(floats)
-        return jax.tree.unflatten(treedef, [next(it) if f else x for x, f in zip(leaves, is_float)])
+        return jax.tree.unflatten(
+            treedef, [next(it) if f else x for x, f in zip(leaves, is_float, strict=True)]
+        )
 
     def cotangent(d_floats):
         it = iter(d_floats)
@@ -404,8 +386,8 @@ def _split_float_leaves(params):
                 next(it).astype(jnp.result_type(x))
                 if f
                 else np.zeros(jnp.shape(x), jax.dtypes.float0)
-                for x, f in zip(leaves, is_float)
+                for x, f in zip(leaves, is_float, strict=True)
             ],
         )
 
-    return [x for x, f in zip(leaves, is_float) if f], rebuild, cotangent
+    return [x for x, f in zip(leaves, is_float, strict=True) if f], rebuild, cotangent

@@ -1,20 +1,21 @@
-"""Chunked attention: each batch row's logits materialised, a few rows at a time, hand-written backward.
+"""Chunked attention: each batch row's logits materialised, a few rows at a time, own backward.
 
 Shape legend: B batch, T query length, S key length, N query heads, K key/value heads, G = N // K
 query heads per key/value head, H head dim, R batch rows per chunk.
 
 The fast path at training lengths (T, S up to ~1k) on XLA:CPU. `posattn.attention` builds the
-additive logit bias (the position bias with -inf at hidden keys) and calls `chunked_attention`;
-this module only sees arrays.
+additive logit bias (the position bias with -inf at hidden keys, `attention_from_bias`) and
+`chunked_attention` only sees arrays.
 
 Forward: a `lax.scan` over chunks of R batch rows. Per chunk, in head-major layout,
 `s = scale q k^T + bias` ([R, K, G, T, S]), its row max and sum, `out = softmax(s) v`; the row max
 and 1 / row sum are the only extra residuals (no logits are kept).
 
-Backward (FlashAttention-2's equations, Dao 2023, Alg. 2, with the whole row as one tile): the
-probabilities are recomputed from the saved row max and 1 / row sum, `dV = P^T dO`, `dP = dO V^T`,
-`dS = P * (dP - D)` with `D = rowsum(P * dP)`, `dQ = scale dS K`, `dK = scale dS^T Q`, and the bias
-gradient is the sum of `dS` over the rows that share the bias.
+Backward (FlashAttention-2's equations, Dao 2023, Alg. 2, with the whole row as one tile; the
+equations live in `posattn.attention.tiles`): the probabilities are recomputed from the saved row
+max and 1 / row sum, `dV = P^T dO`, `dP = dO V^T`, `dS = P * (dP - D)` with `D = rowsum(P * dP)`,
+`dQ = scale dS K`, `dK = scale dS^T Q`, and the bias gradient is the sum of `dS` over the rows that
+share the bias.
 
 Why it is fast on XLA:CPU (measured at B 16, T = S 256, 4 heads of 32, ALiBi, causal, with
 development scripts that are not in the repository; docs/attention.md gives the numbers, and
@@ -26,8 +27,8 @@ development scripts that are not in the repository; docs/attention.md gives the 
   * the backward works on transposed logits [S, G*T]: XLA:CPU runs `A B` and `A B^T` on its fast
     library path but copies the operand of `A^T B` through a slow strided transpose, and in this
     layout dV, dK and dP are `A B` / `A B^T` while dQ is computed as (K^T dS^T)^T;
-  * sums over the rows of a chunk are unrolled adds and D uses `einsum`: XLA:CPU's reductions over
-    a short axis (the R rows, the 32 of a head) ran about 10x slower than these.
+  * sums over the rows of a chunk are unrolled adds: XLA:CPU's reductions over a short axis (the R
+    rows) ran about 10x slower than these.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from posattn.attention import masks, tiles
 
 # Logits per chunk: R batch rows with R * N * T * S <= CHUNK_LOGITS (4 MiB of float32, half the
 # 2 MiB-per-core L2 of both cores). 256Ki to 1Mi were within noise at B 16, T 256, 4 heads; 4Mi
@@ -60,6 +62,33 @@ class _Plan:
     per_row_bias: bool  # the bias has one slice per batch row (per-row offsets or lengths)
     bias_grad: bool  # compute the bias gradient (False: the bias is a constant mask)
     tiles: tuple[tuple[int, int, int], ...]  # (first query, end query, end key) of each query tile
+
+
+def attention_from_bias(
+    q, k, v, *, bias, causal, q_offset, kv_lengths, scale, static_offset=None
+) -> jax.Array:
+    """`chunked_attention` on the bias materialised [B or 1, N, T, S] with -inf at hidden keys:
+    the contract of `posattn.attention.attention`.
+
+    `static_offset`: q_offset as a Python int when it is one (the causal tiles are then static).
+    """
+    T, S = q.shape[1], k.shape[1]
+    q_pos = masks.query_positions(q_offset, T)  # (B or 1, T)
+    logit_bias = None if bias is None else masks.materialize_bias(bias, q_pos, S)  # (B|1,N,T,S)
+    if causal or kv_lengths is not None:
+        visible = masks.visibility_mask(q_pos, S, causal=causal, kv_lengths=kv_lengths)
+        logit_bias = jnp.where(
+            visible[:, None], 0.0 if logit_bias is None else logit_bias, -jnp.inf
+        )  # (B|1, N|1, T, S)
+    return chunked_attention(
+        q,
+        k,
+        v,
+        logit_bias,
+        scale=scale,
+        bias_grad=bias is not None,
+        causal_offset=static_offset if causal else None,
+    )
 
 
 def chunked_attention(
@@ -99,9 +128,7 @@ def chunked_attention(
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     G = N // K
-    if not isinstance(scale, (int, float, np.number)):
-        q = (q.astype(f32) * scale).astype(q.dtype)
-        scale = 1.0
+    q, scale = tiles.fold_scale(q, scale)
     chunk_logits = CHUNK_LOGITS if chunk_logits is None else chunk_logits
     rows = max(1, min(B, MAX_CHUNK_ROWS, chunk_logits // max(N * T * S, 1)))
     while B % rows:
@@ -118,8 +145,8 @@ def chunked_attention(
         bias_grad=bool(bias_grad) and bias is not None,
         tiles=_query_tiles(T, S, causal_offset, TILE_Q if tile_q is None else tile_q),
     )
-    out = _attend(plan, q.reshape(B, T, K, G, H), k, v, bias)  # (B, T, K, G, H)
-    return out.reshape(B, T, N, H)
+    out = _attend(plan, tiles.group_heads(q, K), k, v, bias)  # (B, T, K, G, H)
+    return tiles.ungroup_heads(out)
 
 
 def _query_tiles(T, S, causal_offset, tile_q):
@@ -127,15 +154,13 @@ def _query_tiles(T, S, causal_offset, tile_q):
     [a, b) needs keys [0, offset + b) only; otherwise one tile sees every key."""
     if causal_offset is None or T <= tile_q:
         return ((0, T, S),)
-    tiles = []
+    result = []
     for a in range(0, T, tile_q):
         b = min(a + tile_q, T)
-        end = min(S, max(causal_offset + b, 0))
-        if end > 0:
-            tiles.append((a, b, end))
-        else:  # no query of the tile sees a key: one key keeps the shapes non-empty (masked)
-            tiles.append((a, b, 1))
-    return tuple(tiles)
+        end = min(S, max(tiles.causal_key_end(causal_offset, b), 0))
+        # no query of the tile sees a key: one key keeps the shapes non-empty (masked)
+        result.append((a, b, end if end > 0 else 1))
+    return tuple(result)
 
 
 def _head_major(q, k, v):
@@ -166,16 +191,10 @@ def _forward(plan, q, k, v, bias):
     """
 
     def tile(q_c, k_c, v_c, b):
-        s = jnp.einsum("rkgth,rksh->rkgts", q_c, k_c, preferred_element_type=f32) * plan.scale
-        if b is not None:
-            s = s + b
-        m = jnp.max(s, axis=-1)  # (R, K, G, t)
-        m = jnp.where(m == -jnp.inf, 0.0, m)  # a row that sees no key keeps p = 0
-        p = jnp.exp(s - m[..., None])
-        l = jnp.sum(p, axis=-1)
-        o = jnp.einsum("rkgts,rksh->rkgth", p.astype(v_c.dtype), v_c, preferred_element_type=f32)
-        inv_l = 1.0 / jnp.where(l > 0.0, l, 1.0)  # a row that sees no key: o = 0, P = 0
-        return (o * inv_l[..., None]).astype(q_c.dtype), m, inv_l
+        s = tiles.logits("query_major", q_c, k_c, scale=plan.scale, bias=b)  # (R, K, G, t, s)
+        state = tiles.softmax_init(s.shape[:-1], v_c.shape[-1])
+        state = tiles.online_softmax_step(state, s, v_c)  # the whole row is one key tile
+        return tiles.softmax_finish(state, q_c.dtype)  # out, guarded m, 1 / l
 
     def chunk(_, xs):
         q_c, k_c, v_c, bias_c = xs  # (R, T, K, G, H), (R, S, K, H) x2, (R, K|1, G|1, T, S) or None
@@ -190,7 +209,7 @@ def _forward(plan, q, k, v, bias):
             )
             for a, e, end in plan.tiles
         ]
-        o, m, inv_l = (jnp.concatenate(x, axis=3) for x in zip(*outs))  # along T
+        o, m, inv_l = (jnp.concatenate(x, axis=3) for x in zip(*outs, strict=True))  # along T
         return None, (o.transpose(0, 3, 1, 2, 4), m, inv_l)
 
     xs = (
@@ -216,22 +235,11 @@ def _attend_bwd(plan, res, d_out):
 
     def tile(q_c, k_c, v_c, do_c, m_c, inv_l_c, b):
         """One query tile's dq (R, K, H, G, t), dk, dv (R, K, s, H) and dS^T (R, K, s, G, t)."""
-        s_t = jnp.einsum("rksh,rkgth->rksgt", k_c, q_c, preferred_element_type=f32) * plan.scale
-        if b is not None:
-            s_t = s_t + b
-        p_t = jnp.exp(s_t - m_c[:, :, None]) * inv_l_c[:, :, None]  # (R, K, s, G, t); hidden: 0
-        dv = jnp.einsum(
-            "rksgt,rkgth->rksh", p_t.astype(do_c.dtype), do_c, preferred_element_type=f32
+        s_t = tiles.logits("key_major", q_c, k_c, scale=plan.scale, bias=b)  # (R, K, s, G, t)
+        p_t = tiles.probabilities("key_major", s_t, m_c, inv_l_c)  # hidden keys: 0
+        return tiles.tile_grads(
+            "key_major", p=p_t, q=q_c, k=k_c, v=v_c, d_out=do_c, delta=None, scale=plan.scale
         )
-        dp_t = jnp.einsum("rksh,rkgth->rksgt", v_c, do_c, preferred_element_type=f32)
-        # D = rowsum(P * dP) (= rowsum(dO * O) in exact arithmetic) from this P, so that the
-        # rows of dS sum to zero to rounding; an einsum, where XLA:CPU's reduction was ~10x slower.
-        delta = jnp.einsum("rksgt,rksgt->rkgt", p_t, dp_t)  # (R, K, G, t)
-        ds_t = p_t * (dp_t - delta[:, :, None])  # d loss / d logits (transposed)
-        ds_c = ds_t.astype(q_c.dtype)
-        dk = plan.scale * jnp.einsum("rksgt,rkgth->rksh", ds_c, q_c, preferred_element_type=f32)
-        dq_t = plan.scale * jnp.einsum("rksh,rksgt->rkhgt", k_c, ds_c, preferred_element_type=f32)
-        return dq_t, dk, dv, ds_t
 
     def chunk(d_bias, xs):
         q_c, k_c, v_c, do_c, m_c, inv_l_c, bias_c = xs
@@ -256,10 +264,10 @@ def _attend_bwd(plan, res, d_out):
             dq.append(dq_t)
             dk, dv = dk.at[:, :, :end].add(dk_i), dv.at[:, :, :end].add(dv_i)
             if ds_rows is not None:
-                ds_rows = ds_rows.at[:, :, :end, :, a:e].set(_sum_to(ds_t, bias_c.shape))
+                ds_rows = ds_rows.at[:, :, :end, :, a:e].set(tiles.sum_to(ds_t, bias_c.shape))
             elif plan.bias_grad:
                 for r in range(plan.rows):  # unrolled: see the module docstring
-                    d_bias = d_bias.at[:, :end, :, a:e].add(_sum_to(ds_t[r], d_bias.shape))
+                    d_bias = d_bias.at[:, :end, :, a:e].add(tiles.sum_to(ds_t[r], d_bias.shape))
         dq = jnp.concatenate(dq, axis=-1).transpose(0, 4, 1, 3, 2)  # (R, T, K, G, H)
         dk, dv = dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3)  # (R, S, K, H)
         return d_bias, (dq, dk, dv, ds_rows)
@@ -283,16 +291,6 @@ def _attend_bwd(plan, res, d_out):
         _merge(dv).astype(v.dtype),
         d_bias,
     )
-
-
-def _sum_to(x, shape):
-    """Sums x over the axes where `shape` (same rank) has 1 (a bias shared by the heads)."""
-    axes = tuple(
-        i
-        for i, (a, b) in enumerate(zip(x.shape[-4:], shape[-4:]), start=x.ndim - 4)
-        if b == 1 and a != 1
-    )
-    return jnp.sum(x, axis=axes, keepdims=True) if axes else x
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)

@@ -113,6 +113,32 @@ def default_backend() -> str:
     return "interpret"
 
 
+# Mosaic loads a head's whole K and V into VMEM (16 MiB on TPU v4/v5e scoped by default); past
+# this many bytes of K plus V per head the TPU kernel is not offered by "auto".
+TPU_MAX_KV_BYTES = 8 * 1024 * 1024
+
+
+def unsupported_reason(q, k, *, bias, causal=False, per_row=False, backend=None) -> str | None:
+    """Why `pallas_attention` should not run these inputs on this backend (None: it can).
+
+    `posattn.attention.choose_implementation` asks this before "auto" picks "pallas".
+    """
+    del causal, per_row  # every mask and offset form is supported
+    backend = default_backend() if backend is None else backend
+    if bias is not None and not isinstance(bias, tuple):
+        return "a materialised [N, T, S] bias (the kernel takes a (BiasFn, params) pair)"
+    if backend == "gpu" and bias is not None:
+        sizes = [int(np.prod(jnp.shape(x))) for x in jax.tree.leaves(bias[1])]
+        if any(n & (n - 1) for n in sizes):
+            return f"bias parameter sizes {sizes}: Triton loads only power-of-two blocks"
+    if backend == "tpu":
+        S, H = k.shape[1], k.shape[3]
+        kv_bytes = 2 * S * max(16, pl.next_power_of_2(H)) * jnp.dtype(k.dtype).itemsize
+        if kv_bytes > TPU_MAX_KV_BYTES:
+            return f"K and V of one head take {kv_bytes} bytes > {TPU_MAX_KV_BYTES} of VMEM"
+    return None
+
+
 def pallas_attention(
     q: jax.Array,
     k: jax.Array,

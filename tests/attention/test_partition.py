@@ -1,0 +1,123 @@
+"""Attention under a device mesh: every implementation splits its work over the batch.
+
+One subprocess with 8 simulated CPU devices compiles forward + backward of `attention` with an
+ALiBi `(BiasFn, params)` bias for every implementation, unsharded and under three meshes (8-way
+`data` with Auto axes; 2 x 4 `data` x `fsdp` with Auto and with Explicit axes), and reports the
+per-device FLOPs of `compiled.cost_analysis()`, whether the program all-gathers, and the largest
+difference of the outputs and gradients (q, k, v, the ALiBi slopes) from the unsharded program.
+Per-row offsets and key lengths are checked the same way for the two looped kernels, and so is
+`chunked` with one batch row per chunk (its `lax.scan` then runs over the batch rows).
+
+XLA's cost analysis counts a loop body once whatever its trip count, so the FLOP ratios are taken
+where the kernels' loops make one trip at these shapes (T = 32 is one blockwise tile; the 16 rows
+of the batch are one chunk of `chunked`, as are each device's 2).
+"""
+
+import json
+
+import pytest
+from conftest import run_python
+
+IMPLEMENTATIONS = ("reference", "xla", "chunked", "blockwise")
+MESHES = ("data8_auto", "data2xfsdp4_auto", "data2xfsdp4_explicit")
+D = 8
+
+CODE = r"""
+import json
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from posattn.attention import attention, chunked
+
+B, T, N, K, H = 16, 32, 4, 2, 16
+keys = jax.random.split(jax.random.key(0), 4)
+q = jax.random.normal(keys[0], (B, T, N, H))
+k = jax.random.normal(keys[1], (B, T, K, H))
+v = jax.random.normal(keys[2], (B, T, K, H))
+d_out = jax.random.normal(keys[3], (B, T, N, H))
+slopes = jnp.array([0.5, 0.25, 0.125, 0.0625])
+offsets = jnp.arange(B, dtype=jnp.int32) % 5
+lengths = T - jnp.arange(B, dtype=jnp.int32)
+
+def alibi(slopes, q_pos, k_pos):
+    return -slopes[:, None, None] * jnp.abs(q_pos[:, None] - k_pos[None, :]).astype(jnp.float32)
+
+def step(impl, per_row):
+    def loss(q, k, v, d_out, slopes, offsets, lengths):
+        kw = dict(q_offset=offsets, kv_lengths=lengths) if per_row else {}
+        out = attention(q, k, v, bias=(alibi, slopes), causal=True, implementation=impl, **kw)
+        return jnp.sum(out * d_out), out
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 4), has_aux=True))
+
+def run(impl, per_row, mesh=None):
+    args = [q, k, v, d_out, slopes, offsets, lengths]
+    if mesh is not None:
+        rows = NamedSharding(mesh, P(mesh.axis_names))
+        args = [jax.device_put(x, rows if x.shape[:1] == (B,) else NamedSharding(mesh, P()))
+                for x in args]
+    compiled = step(impl, per_row).lower(*args).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    grads, out = compiled(*args)
+    values = [np.asarray(x) for x in (out, *grads)]
+    return float(cost["flops"]), "all-gather" in compiled.as_text(), values
+
+def diff(a, b):
+    return max(float(np.max(np.abs(x - y)) / (np.max(np.abs(y)) + 1e-6)) for x, y in zip(a, b))
+
+meshes = {
+    "data8_auto": ((8,), ("data",), AxisType.Auto),
+    "data2xfsdp4_auto": ((2, 4), ("data", "fsdp"), AxisType.Auto),
+    "data2xfsdp4_explicit": ((2, 4), ("data", "fsdp"), AxisType.Explicit),
+}
+result = {}
+for impl in ("reference", "xla", "chunked", "blockwise"):
+    flops1, _, want = run(impl, False)
+    for name, (shape, names, kind) in meshes.items():
+        mesh = jax.make_mesh(shape, names, axis_types=(kind,) * len(names))
+        with jax.set_mesh(mesh):
+            flops, gathers, got = run(impl, False, mesh)
+        result[f"{impl}/{name}"] = dict(ratio=flops / flops1, gathers=gathers, diff=diff(got, want))
+data8 = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+for impl in ("chunked", "blockwise"):
+    _, _, want = run(impl, True)
+    with jax.set_mesh(data8):
+        _, gathers, got = run(impl, True, data8)
+    result[f"{impl}/per_row"] = dict(gathers=gathers, diff=diff(got, want))
+# chunked with one batch row per chunk: a lax.scan over the batch rows
+chunked.CHUNK_LOGITS = 1
+_, _, want = run("chunked", False)
+with jax.set_mesh(data8):
+    _, gathers, got = run("chunked", False, data8)
+result["chunked/row_chunks"] = dict(gathers=gathers, diff=diff(got, want))
+print("RESULT", json.dumps(result))
+"""
+
+
+@pytest.fixture(scope="module")
+def measured():
+    out = run_python(CODE, devices=D, timeout=900)
+    line = next(x for x in out.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :])
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_every_implementation_partitions_over_the_batch(measured, impl, mesh):
+    got = measured[f"{impl}/{mesh}"]
+    assert got["ratio"] <= 1.15 / D, f"{impl} under {mesh}: per-device FLOP ratio {got['ratio']}"
+    assert not got["gathers"], f"{impl} under {mesh}: the compiled program all-gathers"
+    # Outputs and gradients (q, k, v, the ALiBi slopes, psum'd over the batch) equal unsharded.
+    assert got["diff"] < 1e-5, f"{impl} under {mesh}: relative difference {got['diff']}"
+
+
+@pytest.mark.parametrize("impl", ["chunked", "blockwise"])
+def test_per_row_offsets_and_lengths_under_a_mesh(measured, impl):
+    got = measured[f"{impl}/per_row"]
+    assert not got["gathers"]
+    assert got["diff"] < 1e-5, f"{impl}: relative difference {got['diff']}"
+
+
+def test_chunked_scan_over_batch_rows_does_not_gather(measured):
+    got = measured["chunked/row_chunks"]
+    assert not got["gathers"]
+    assert got["diff"] < 1e-5, f"relative difference {got['diff']}"
