@@ -38,7 +38,7 @@ import platform
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import ml_collections
@@ -227,8 +227,7 @@ def restore_model(train_config, fam_dir: pathlib.Path, *, attention_impl: str):
 # Evaluating one model (a family, or RoPE under one scaling).
 
 
-@dataclasses.dataclass(frozen=True)
-class EvalText:
+class EvalText(NamedTuple):
     """The held-out tokens and the plan every row scores (`posattn.eval.heldout`)."""
 
     val: np.ndarray

@@ -38,8 +38,10 @@ from posattn.nn import layers
 __all__ = ["attention_probabilities", "attention_stats"]
 
 
-def _probabilities(attn: layers.Attention, q: jax.Array, k: jax.Array) -> jax.Array:
-    """Reference softmax probabilities float32[B, N, T, S] of one layer (q at positions 0..T-1)."""
+def _probabilities(attn: layers.Attention, q: jax.Array, k: jax.Array, start: int = 0) -> jax.Array:
+    """Reference softmax probabilities float32[B, N, T - start, S] of one layer for the queries
+    q[:, start:] (q at positions 0..T-1)."""
+    q = q[:, start:]
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     f32 = jnp.float32
@@ -48,7 +50,7 @@ def _probabilities(attn: layers.Attention, q: jax.Array, k: jax.Array) -> jax.Ar
         jnp.einsum("btnh,bsnh->bnts", q.astype(f32), k_rep, precision=jax.lax.Precision.HIGHEST)
         * attn.scale
     )  # (B, N, T, S)
-    q_pos = jnp.arange(T, dtype=jnp.int32)[None]  # (1, T)
+    q_pos = jnp.arange(start, start + T, dtype=jnp.int32)[None]  # (1, T)
     if attn.bias is not None:
         logits = logits + attention_lib.materialize_bias(attn.bias(), q_pos, S)
     visible = attention_lib.visibility_mask(q_pos, S, causal=attn.causal, kv_lengths=None)
@@ -58,6 +60,12 @@ def _probabilities(attn: layers.Attention, q: jax.Array, k: jax.Array) -> jax.Ar
 
 def attention_probabilities(graphdef, params, constants, tokens: jax.Array) -> list[jax.Array]:
     """Each layer's attention probabilities float32[B, N, T, T] for tokens int[B, T]."""
+    return _per_layer(graphdef, params, constants, tokens, start=0, reduce=lambda p: p)
+
+
+def _per_layer(graphdef, params, constants, tokens, *, start: int, reduce) -> list:
+    """`reduce(probabilities of queries start..T-1)` of each layer, layer by layer (only what
+    `reduce` returns stays alive, not every layer's [B, N, T, S] probabilities)."""
     model = nnx.merge(graphdef, params, constants)
     T = tokens.shape[1]
     positions = layers.token_positions(0, T)
@@ -68,7 +76,8 @@ def attention_probabilities(graphdef, params, constants, tokens: jax.Array) -> l
         attn = block.attn
         h = block.attn_norm(x)
         own = attn.project_kv(h, positions, seq_len=T) if attn.owns_kv else kv
-        out.append(_probabilities(attn, attn.project_q(h, positions, seq_len=T), own[0]))
+        q = attn.project_q(h, positions, seq_len=T)
+        out.append(reduce(_probabilities(attn, q, own[0], start)))
         x, kv = block(x, kv=kv)
     return out
 
@@ -82,13 +91,14 @@ def _compiled(graphdef, train_len: int):
         j = jnp.arange(T)[None, :]  # (1, S)
         offset = (i - j).astype(jnp.float32)  # (q, S)
         far = (i - j >= train_len).astype(jnp.float32)
-        rows = []
-        for p in attention_probabilities(graphdef, params, constants, tokens):
-            p = p[:, :, T - q :]  # (B, N, q, S)
+
+        def reduce(p):  # (B, N, q, S): the last q queries only
             ent = -jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1.0)), 0.0), -1)
             dist = jnp.sum(p * jnp.maximum(offset, 0.0), -1)
             mass = jnp.sum(p * far, -1)
-            rows.append(jnp.stack([x.mean(axis=(0, 2)) for x in (ent, dist, mass)]))  # (3, N)
+            return jnp.stack([x.mean(axis=(0, 2)) for x in (ent, dist, mass)])  # (3, N)
+
+        rows = _per_layer(graphdef, params, constants, tokens, start=T - q, reduce=reduce)
         return jnp.stack(rows)  # (Y, 3, N)
 
     return jax.jit(stats)
