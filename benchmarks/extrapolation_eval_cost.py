@@ -10,15 +10,18 @@ second call (compiled), and prints the ratio (b) / (a). Record `lscpu` model nam
 """
 
 import argparse
+import dataclasses
 import importlib.util
 import pathlib
 import time
 
 import jax
+from flax import nnx
 
 from posattn import config as config_lib
 from posattn.eval import attention_stats, retrieval, scoring
 from posattn.eval import lengths as evaluate
+from posattn.nn.model import TransformerLM
 from posattn.train import data, steps
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -52,19 +55,34 @@ def main():
     lengths = exp.eval_lengths(config)
     cfg = config_lib.validate(exp.family_config(config, args.family))
     graphdef, params, constants = steps.init_model(cfg, jax.random.key(0))
+    # The previous evaluation read with attention_impl "auto"; the current one with eval's (as
+    # the experiment's restore_model does).
+    eval_cfg = dataclasses.replace(cfg, attention_impl=config.eval.attention_impl)
+    eval_graphdef = nnx.graphdef(
+        nnx.eval_shape(lambda: TransformerLM(eval_cfg, rngs=nnx.Rngs(params=0)))
+    )
     corpus = data.load_corpus(config.data.corpus)
     text = exp.eval_text(config, corpus, lengths)
     L, ev = config.data.seq_len, config.eval
-    model = (graphdef, params, constants)
+    assert cfg.attention_impl == "auto", cfg.attention_impl  # the model section's setting
+    model = (eval_graphdef, params, constants)
     batch_tokens = exp._batch_tokens(config, lengths)
 
     def old():
         for length in lengths:
             evaluate.nll_by_position(
-                *model, corpus.val, length=length, max_tokens=8 * 16 * L, batch_size=8
+                graphdef,
+                params,
+                constants,
+                corpus.val,
+                length=length,
+                max_tokens=8 * 16 * L,
+                batch_size=8,
             )
         evaluate.passkey_accuracy(
-            *model,
+            graphdef,
+            params,
+            constants,
             lengths=lengths,
             depths=[0, 0.25, 0.5, 0.75, 1],
             samples=4,
@@ -73,7 +91,15 @@ def main():
             batch_size=8,
         )
         evaluate.copy_accuracy(
-            *model, corpus.val, lengths=lengths, samples=8, segment=12, seed=0, batch_size=8
+            graphdef,
+            params,
+            constants,
+            corpus.val,
+            lengths=lengths,
+            samples=8,
+            segment=12,
+            seed=0,
+            batch_size=8,
         )
 
     parts = {

@@ -835,6 +835,7 @@ def plots(results: dict, workdir: pathlib.Path) -> None:
             )
         ax.set(xscale="log", xlabel="eval length (tokens)", title=title, ylim=(None, top))
         ax.set_xticks(lengths, [str(x) for x in lengths])
+        ax.set_xticks([], minor=True)
         ax.axvline(L, color="gray", lw=0.8)
     axes[0].set_ylabel(f"loss ({results['loss_unit']}), 95% interval")
     axes[0].legend(fontsize=7, ncol=2)
@@ -957,8 +958,9 @@ def attention_figure(results: dict, path: pathlib.Path, style) -> None:
             ax.axvline(L, color="gray", lw=0.8)
             if m == 0:
                 ax.set_title(f"layer {layer} (mean over heads)")
+            ax.set_xticks(lengths, [str(x) for x in lengths])
+            ax.set_xticks([], minor=True)
             if m == 2:
-                ax.set_xticks(lengths, [str(x) for x in lengths])
                 ax.set_xlabel("eval length")
     axes[0, -1].legend(fontsize=6, ncol=2)
     fig.suptitle(f"Attention per layer, last min(T, L) queries of {block['windows']} windows")
