@@ -82,6 +82,9 @@ def get_config(arg=None):
         seed=0,
     )
     config.families = FAMILIES
+    # Training seeds per family (from train.seed on); > 1 trains them as one vmap program
+    # (posattn.sweep) and reports mean ± standard error over seeds. The record runs 3.
+    config.seeds = 1
     config.rope_scalings = ("linear", "ntk", "dynamic", "yarn")  # extra rows rope+<kind>
     config.eval = ml_collections.ConfigDict(
         dict(

@@ -66,6 +66,7 @@ def get_config(arg=None):
         seed=0,
     )
     config.families = FAMILIES
+    config.seeds = 1  # training seeds per family (one vmap program each when > 1)
     config.rope_scalings = ("linear", "ntk", "dynamic", "yarn")
     config.eval = ml_collections.ConfigDict(
         dict(

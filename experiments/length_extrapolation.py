@@ -138,6 +138,9 @@ def check_experiment(config: ml_collections.ConfigDict) -> None:
             f"config.eval.attention_impl={config.eval.attention_impl!r}; allowed: {', '.join(IMPLEMENTATIONS)}"
         )
     check_evaluation(config, lengths)
+    seeds = config.get("seeds", 1)
+    if not (isinstance(seeds, int) and seeds >= 1):
+        raise fail(f"config.seeds={seeds!r} must be a positive integer (seeds per family)")
     if config.passkey.enabled:
         need = probes.passkey_min_length(config.passkey.digits) - 1
         if lengths[0] < need:
@@ -164,12 +167,17 @@ def family_config(config: ml_collections.ConfigDict, family: str) -> ml_collecti
     return out
 
 
+# Evaluation keys that change how a row's cached per-file sums are combined or computed, not
+# what they are: a change reuses `eval.json`.
+_NOT_IN_SUMS = ("batch_size", "bootstrap", "reference")
+
+
 def _eval_settings(config, lengths) -> dict:
     """Everything an evaluation result depends on besides the trained parameters."""
     return {
         "lengths": lengths,
         "rope_scalings": list(config.rope_scalings),
-        **{f"eval.{k}": v for k, v in config.eval.to_dict().items() if k != "batch_size"},
+        **{f"eval.{k}": v for k, v in config.eval.to_dict().items() if k not in _NOT_IN_SUMS},
         **{f"passkey.{k}": v for k, v in config.passkey.to_dict().items()},
         **{f"copy.{k}": v for k, v in config.copy.to_dict().items()},
         **{f"induction.{k}": v for k, v in config.induction.to_dict().items()},
@@ -414,6 +422,131 @@ def _evaluate_family(config, family, fam_dir, text, lengths, train_config) -> di
 
 
 # ----------------------------------------------------------------------------------------------
+# Several seeds of one family: one vmap program through the sweep machinery.
+
+
+def seed_list(config: ml_collections.ConfigDict) -> list[int]:
+    """The training seeds of every family: `seeds` consecutive ones from `train.seed`."""
+    return [int(config.train.seed) + k for k in range(int(config.get("seeds", 1)))]
+
+
+def _train_seeds(config, family: str, fam_dir: pathlib.Path):
+    """Trains `config.seeds` seeds of one family as one `jax.vmap` program (`posattn.sweep`, in
+    `fam_dir/seeds/`; resumable, a finished one is not retrained) and restores each seed's final
+    parameters on one device.
+
+    Returns:
+      (training info, graphdef-free members [(params, constants)] in seed order, validated cfg).
+    """
+    from posattn.sweep import plan as sweep_plan
+    from posattn.sweep import run as sweep_run
+    from posattn.train.checkpoint import Checkpointer
+
+    train_config = family_config(config, family)
+    sweep_config = ml_collections.ConfigDict(train_config.to_dict())
+    sweep_config.sweep = ml_collections.ConfigDict(
+        {"continuous": {"train": {"seed": tuple(seed_list(config))}}, "eval_lengths": ()}
+    )
+    start = time.perf_counter()
+    records = sweep_run.run_sweep(sweep_config, fam_dir / "seeds")
+    seconds = round(time.perf_counter() - start, 1)
+    if len(records) != len(seed_list(config)):
+        raise Interrupted(f"the seed sweep in {fam_dir / 'seeds'} stopped early; rerun to resume")
+    program = sweep_plan.plan(sweep_config)[0]
+    K = len(program.members)
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    one = sweep_run._abstract_member(program)
+    abstract = {
+        "members": jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((K, *x.shape), x.dtype, sharding=device), one
+        ),
+        "alive": jax.ShapeDtypeStruct((K,), np.bool_, sharding=device),
+    }
+    ckpt = Checkpointer(fam_dir / "seeds" / "programs" / "p0" / "checkpoints")
+    try:
+        restored = ckpt.restore_latest(abstract)
+    finally:
+        ckpt.close()
+    steps_ = int(train_config.train.steps)
+    if restored is None or int(restored[1]["step"]) != steps_:
+        raise Interrupted(f"{fam_dir / 'seeds'} holds no finished seed sweep; rerun to resume")
+    state = jax.device_get(restored[0]["members"])
+    members = [
+        jax.tree.map(lambda x, k=k: x[k], (state["params"], state["constants"])) for k in range(K)
+    ]
+    info = {
+        "seconds": seconds,
+        "final_train_loss": float(np.mean([r["final_train_loss"] for r in records])),
+        "final_train_loss_seeds": [r["final_train_loss"] for r in records],
+        "seeds": seed_list(config),
+        "steps": steps_,
+    }
+    return info, members, config_lib.validate(train_config)
+
+
+def _mean_grids(grids: list) -> list:
+    """Elementwise mean of [length][cell] grids over seeds (None stays None)."""
+    out = []
+    for rows in zip(*grids, strict=True):
+        out.append(
+            [
+                None if any(v is None for v in cells) else float(np.mean(cells))
+                for cells in zip(*rows, strict=True)
+            ]
+        )
+    return out
+
+
+def combine_seeds(per_seed: list[dict[str, dict]]) -> dict[str, dict]:
+    """One row per name from each seed's rows: the loss sums of every seed (`seed_scores`,
+    `seed_curves`), probe grids averaged over seeds, attention statistics of the first seed."""
+    out = {}
+    for name, first in per_seed[0].items():
+        row = dict(first)
+        seeds = [rows[name] for rows in per_seed]
+        row["seed_scores"] = [r["scores"] for r in seeds]
+        row["seed_curves"] = [r["curve"] for r in seeds] if first.get("curve") else None
+        for key in ("passkey", "induction"):
+            if key in first:
+                row[key] = {k: _mean_grids([r[key][k] for r in seeds]) for k in first[key]}
+        if "passkey" in first:
+            row["passkey_grid"] = row["passkey"]["acc"]
+        if "copy_acc" in first:
+            row["copy_acc"] = _mean_grids([[[v] for v in r["copy_acc"]] for r in seeds])
+            row["copy_acc"] = [v[0] for v in row["copy_acc"]]
+        out[name] = row
+    return out
+
+
+def _evaluate_seeds(config, family, fam_dir, text, lengths, members, cfg) -> dict[str, dict]:
+    """Each seed's rows (cached in `fam_dir/eval.json` with the seeds), combined."""
+    cache = fam_dir / "eval.json"
+    settings = {**_eval_settings(config, lengths), "plan": text.plan.fingerprint}
+    settings["trained"] = {
+        "seeds": seed_list(config),
+        **json.loads(config_lib.to_json(family_config(config, family))),
+    }
+    if cache.exists():
+        saved = json.loads(cache.read_text())
+        if saved.get("settings") == settings:
+            return saved["rows"]
+    start = time.perf_counter()
+    cfg = dataclasses.replace(cfg, attention_impl=config.eval.attention_impl)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(params=0))))
+    per_seed = []
+    for params, constants in members:
+        rows = {family: _evaluate_model((graphdef, params, constants), text, config, lengths)}
+        if family == "rope" and config.rope_scalings:
+            rows.update(_rope_rows(cfg, params, rows[family], text, config, lengths))
+        per_seed.append(rows)
+    rows = combine_seeds(per_seed)
+    for row in rows.values():
+        row["eval_seconds"] = round(time.perf_counter() - start, 1)
+    cache.write_text(json.dumps({"settings": settings, "rows": rows}) + "\n")
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
 # The run.
 
 
@@ -440,12 +573,18 @@ def run(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[s
         fam_dir = workdir / family
         train_config = family_config(config, family)
         _say(f"{family}: training ({train_config.train.steps} steps at L={config.data.seq_len})")
-        training[family] = _train(train_config, fam_dir)
+        if len(seed_list(config)) > 1:
+            training[family], members, cfg = _train_seeds(config, family, fam_dir)
+        else:
+            training[family] = _train(train_config, fam_dir)
         _say(
             f"{family}: trained in {training[family]['seconds']} s, last step's train loss "
             f"{training[family]['final_train_loss']:.4f}; evaluating at {lengths}"
         )
-        new = _evaluate_family(config, family, fam_dir, text, lengths, train_config)
+        if len(seed_list(config)) > 1:
+            new = _evaluate_seeds(config, family, fam_dir, text, lengths, members, cfg)
+        else:
+            new = _evaluate_family(config, family, fam_dir, text, lengths, train_config)
         for name, row in new.items():
             _say(
                 f"{name}: loss {fmt_list(plain_losses(row))} "
@@ -502,8 +641,12 @@ def plain_losses(row: dict, key: str = "") -> list[float | None]:
 
 
 def _seeds_of(row: dict) -> list[list[dict] | None]:
-    """Per length, the score dicts of every seed (one seed per row here)."""
-    return [None if s is None else [s] for s in row["scores"]]
+    """Per length, the score dicts of every seed (`seed_scores` when several were trained)."""
+    per_seed = row.get("seed_scores") or [row["scores"]]
+    return [
+        None if any(seed[i] is None for seed in per_seed) else [seed[i] for seed in per_seed]
+        for i in range(len(per_seed[0]))
+    ]
 
 
 def evaluation_blocks(config, text: EvalText, lengths, rows: dict[str, dict]):
@@ -553,7 +696,7 @@ def evaluation_blocks(config, text: EvalText, lengths, rows: dict[str, dict]):
             "eval_len": lengths[-1],
             "bins": ev.per_position_bins,
             "curves": {
-                n: summary.summarize_curve([r["curve"]], weights)
+                n: summary.summarize_curve(r.get("seed_curves") or [r["curve"]], weights)
                 for n, r in rows.items()
                 if r.get("curve")
             },
@@ -649,27 +792,27 @@ def _table(title: str, lengths, rows: dict[str, list], fmt: str) -> list[str]:
     return lines + [""]
 
 
-def _cell(value, ci=None, fmt=".4f") -> str:
+def _cell(value, ci=None, fmt=".4f", se=None) -> str:
     if value is None:
         return "null"
-    if ci is None:
-        return format(value, fmt)
-    return f"{value:{fmt}} [{ci[0]:{fmt}}, {ci[1]:{fmt}}]"
+    text = format(value, fmt) + ("" if se is None else f" ± {se:.4f}")
+    return text if ci is None else f"{text} [{ci[0]:{fmt}}, {ci[1]:{fmt}}]"
 
 
 def _ci_table(title: str, lengths, rows: dict[str, tuple[list, list]], fmt=".4f") -> list[str]:
-    """A table of value [low, high] per length (rows: name -> (values, intervals))."""
+    """A table of value [± seed standard error] [low, high] per length (rows: name -> (values,
+    intervals[, standard errors]))."""
     lines = [
         f"### {title}",
         "",
         "| row | " + " | ".join(str(x) for x in lengths) + " |",
         "|---|" + "---:|" * len(lengths),
     ]
-    for name, (values, cis) in rows.items():
+    for name, (values, cis, *ses) in rows.items():
         cis = cis or [None] * len(values)
-        lines.append(
-            f"| {name} | " + " | ".join(_cell(v, c, fmt) for v, c in zip(values, cis)) + " |"
-        )
+        ses = (ses[0] if ses else None) or [None] * len(values)
+        cells = [_cell(v, c, fmt, e) for v, c, e in zip(values, cis, ses, strict=True)]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 
@@ -678,8 +821,9 @@ def _seed_note(fams: dict) -> str:
     if seeds == {1}:
         return "One training seed per row: no seed interval (the bracket is over text only)."
     return (
-        f"{'/'.join(str(x) for x in sorted(seeds))} training seeds per row: each number is the "
-        "mean over seeds; `loss_seeds` and `loss_se` (standard error over seeds) are in "
+        f"{'/'.join(str(x) for x in sorted(seeds))} training seeds per row: each loss is the "
+        "mean over seeds ± its standard error over seeds, then the interval over text; paired "
+        "differences pair seed k of one row with seed k of the other; `loss_seeds` in "
         "results.json."
     )
 
@@ -714,7 +858,7 @@ def markdown(results: dict) -> str:
     out += _ci_table(
         "Loss (nats), non-overlapping windows (every position of a window read from scratch)",
         lengths,
-        {n: (f["loss"], f.get("loss_ci")) for n, f in fams.items()},
+        {n: (f["loss"], f.get("loss_ci"), f.get("loss_se")) for n, f in fams.items()},
     )
     out += _ci_table(
         "Change from L (paired: same units, same replicates)",

@@ -321,3 +321,38 @@ def test_paper_config_builds_a_247m_class_model_for_every_family():
         assert 245e6 < count < 260e6, (family, count)
     long = config_lib.load_config(f"{ROOT / 'configs' / 'extrapolation_paper.py'}:1024")
     assert long.data.seq_len == 1024 and experiment.eval_lengths(long)[-1] == 16 * 1024
+
+
+def test_seeds_train_as_one_sweep_program_and_report_mean_and_spread(tmp_path):
+    experiment = _experiment()
+    args = [
+        "--config.families=('alibi',)",
+        "--config.rope_scalings=()",
+        "--config.seeds=2",
+        "--config.data.seq_len=32",
+        "--config.model.max_len=32",
+        "--config.model.d_model=32",
+        "--config.train.steps=4",
+        "--config.train.warmup_steps=1",
+        "--config.train.checkpoint_every=4",
+        "--config.data.passkey_fraction=0.0",
+        "--config.eval.multiples=(1,2)",
+        "--config.eval.max_tokens=128",
+        "--config.eval.sliding_tokens=0",
+        "--config.eval.sliding_stride=32",
+        "--config.eval.bootstrap=20",
+        "--config.eval.attention_windows=0",
+        "--config.passkey.enabled=False",
+        "--config.induction.enabled=False",
+    ]
+    assert experiment.main([*args, "--workdir", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    row = results["families"]["alibi"]
+    assert (tmp_path / "alibi" / "seeds" / "sweep.json").exists()  # trained by posattn.sweep
+    seeds = row["loss_seeds"][0]
+    assert len(seeds) == 2 and seeds[0] != seeds[1]
+    assert row["loss"][0] == pytest.approx(np.mean(seeds))
+    assert row["loss_se"][0] == pytest.approx(np.std(seeds, ddof=1) / np.sqrt(2))
+    assert row["loss_sliding"] == [None, None] and results["training"]["alibi"]["seeds"] == [0, 1]
+    assert "±" in (tmp_path / "results.md").read_text()
+    assert experiment.main(["--config.seeds=0", "--workdir", str(tmp_path / "x")]) == 2
