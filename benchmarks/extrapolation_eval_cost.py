@@ -111,6 +111,7 @@ def main():
             train_len=L,
             batch_tokens=batch_tokens,
             curve_bins=ev.per_position_bins,
+            sliding_max_tokens=ev.sliding_max_tokens,
         ),
         "passkey": lambda: retrieval.passkey_scores(
             *model,

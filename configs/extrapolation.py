@@ -20,10 +20,12 @@ What the numbers are and why (experiments/README.md has the measured times and t
     round-robin over the held-out files, the same bytes at every length, under two protocols
     (non-overlapping windows, plus positions >= L alone; sliding windows of stride L scoring each
     window's last L positions, as Press et al. 2022), each number with a 95% interval from a
-    bootstrap over files. `eval.max_tokens` / `eval.sliding_tokens` are the scored bytes per
-    length: 32k / 4k here (32 files; 64 sliding blocks) to keep the default near its 15
-    minutes, 256k each in the record (`--config.eval.max_tokens=262144
-    --config.eval.sliding_tokens=262144`: every file long enough for a 16L chunk).
+    bootstrap over files. `eval.max_tokens` is the scored bytes per length of the first
+    protocol, `eval.sliding_tokens` the sliding protocol's at L and `eval.sliding_max_tokens` the
+    bytes its windows may read per length (so 16L scores 1/16 of L's blocks): 32k / 32k / 32k
+    here to keep the default near its 15 minutes, 256k each in the record
+    (`--config.eval.max_tokens=262144 --config.eval.sliding_tokens=262144
+    --config.eval.sliding_max_tokens=262144`: 256 chunks from all 72 files long enough for 16L).
   * probes, 32 samples a cell, scored by loss and accuracy: a 4-digit passkey among distractor
     numbers at depths 0 and 1; induction (a random 8-letter string repeated after a gap of L/2
     or 4L bytes of held-out text); attention entropy / distance / mass beyond L on 4 windows.
@@ -94,7 +96,10 @@ def get_config(arg=None):
             # drawn round-robin over the held-out files, the same tokens at every length. The
             # record sets 256 * 1024 (experiments/README.md); this default fits the 15 minutes.
             max_tokens=32 * 16 * L,
-            sliding_tokens=4 * 16 * L,  # scored tokens per length, sliding protocol
+            # Sliding protocol: blocks of `sliding_stride` scored tokens (all of them scored at L),
+            # at most `sliding_max_tokens` tokens read per length (a window of T reads T).
+            sliding_tokens=512 * L,
+            sliding_max_tokens=512 * L,
             sliding_stride=L,  # tokens scored per sliding window (<= L)
             bootstrap=1000,  # replicates of the bootstrap over held-out files (95% intervals)
             reference="alibi",  # paired differences of every row against this one

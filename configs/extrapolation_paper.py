@@ -77,6 +77,7 @@ def get_config(arg=None):
             # ~250k-token val split gives what it holds (results.json records `eval_bytes`).
             max_tokens=256 * 1024,
             sliding_tokens=256 * 1024,
+            sliding_max_tokens=256 * 1024,
             sliding_stride=L,
             bootstrap=1000,
             reference="alibi",

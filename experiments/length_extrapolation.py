@@ -86,7 +86,7 @@ def check_evaluation(config: ml_collections.ConfigDict, lengths: list[int]) -> N
     for key in ("max_tokens", "batch_size", "per_position_bins", "bootstrap", "sliding_stride"):
         if not (isinstance(ev[key], int) and ev[key] > 0):
             raise fail(f"config.eval.{key}={ev[key]!r} must be a positive integer")
-    for key in ("sliding_tokens", "attention_windows"):
+    for key in ("sliding_tokens", "sliding_max_tokens", "attention_windows"):
         if not (isinstance(ev[key], int) and ev[key] >= 0):
             raise fail(f"config.eval.{key}={ev[key]!r} must be an integer >= 0")
     if ev.sliding_stride > min(config.data.seq_len, lengths[0]):
@@ -292,6 +292,7 @@ def _evaluate_model(model, text: EvalText, config, lengths, *, only: list[int] |
         batch_tokens=batch_tokens,
         curve_bins=ev.per_position_bins,
         curve_length=lengths[-1],
+        sliding_max_tokens=int(ev.sliding_max_tokens),
     )
     curve = next((s.pop("curve") for s in scores if s is not None and "curve" in s), None)
     as_lists = lambda s: None if s is None else {k: _to_list(v) for k, v in s.items()}
@@ -660,7 +661,10 @@ def evaluation_blocks(config, text: EvalText, lengths, rows: dict[str, dict]):
     weights = intervals.bootstrap_weights(
         text.plan.num_units, replicates=int(ev.bootstrap), seed=int(ev.seed)
     )
-    stats = {name: summary.summarize_row(_seeds_of(row), weights) for name, row in rows.items()}
+    stats = {
+        name: summary.summarize_row(_seeds_of(row), weights, block_units=text.plan.block_units)
+        for name, row in rows.items()
+    }
     reference = ev.reference if ev.reference in rows else None
     paired = {}
     if reference:
@@ -688,6 +692,7 @@ def evaluation_blocks(config, text: EvalText, lengths, rows: dict[str, dict]):
             "chunks": int(text.plan.chunk_starts.size),
             "sliding_blocks": int(text.plan.block_ends.size),
             "sliding_stride": int(ev.sliding_stride),
+            "sliding_max_tokens": int(ev.sliding_max_tokens),
             "bootstrap": {"replicates": int(ev.bootstrap), "level": 0.95, "blocked_by": text.unit},
             "plan": text.plan.fingerprint,
             "paired": {"reference": reference, "minus_reference": paired},
@@ -867,6 +872,16 @@ def markdown(results: dict) -> str:
         "+.4f",
     )
     out += _ci_table(
+        "Change from L, sliding windows (paired on the blocks both lengths scored)",
+        lengths,
+        {
+            n: (f["delta_L_sliding"], f["delta_L_sliding_ci"])
+            for n, f in fams.items()
+            if "delta_L" in f
+        },
+        "+.4f",
+    )
+    out += _ci_table(
         f"Loss over positions >= L = {L} only (non-overlapping windows)",
         lengths,
         {
@@ -878,8 +893,11 @@ def markdown(results: dict) -> str:
     if any(v is not None for f in fams.values() for v in f.get("loss_sliding", [])):
         out += _ci_table(
             f"Loss, sliding windows (stride {ev['sliding_stride']}: each scored token has "
-            f"T - {ev['sliding_stride']} .. T - 1 tokens of context; {ev['sliding_blocks']} blocks "
-            f"from {ev['units_scored_sliding']} units, scored tokens per length {sliding})",
+            f"T - {ev['sliding_stride']} .. T - 1 tokens of context; at most "
+            f"{ev['sliding_max_tokens'] or 'all'} tokens read a length, so a long length scores the "
+            f"first of the {ev['sliding_blocks']} blocks from {ev['units_scored_sliding']} units; "
+            f"scored tokens per length {sliding}; changes between lengths are paired on the "
+            "blocks both scored)",
             lengths,
             {n: (f["loss_sliding"], f["loss_sliding_ci"]) for n, f in fams.items()},
         )

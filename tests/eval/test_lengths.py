@@ -6,7 +6,7 @@ import pytest
 from conftest import small_config
 
 from posattn import config as config_lib
-from posattn.eval import heldout, scoring
+from posattn.eval import heldout, intervals, scoring, summary
 from posattn.eval import lengths as evaluate
 from posattn.train import data, steps
 
@@ -77,3 +77,35 @@ def test_windows_per_pass_and_curve_edges():
     assert scoring.windows_per_pass(64, 8192) == 128 and scoring.windows_per_pass(9000, 10) == 1
     edges = scoring.curve_edges(1024, 32)
     assert edges[0] == 0 and edges[-1] == 1024 and np.all(np.diff(edges) > 0)
+
+
+def test_sliding_windows_capped_per_length_score_a_prefix_of_the_blocks(plan_and_tokens):
+    plan, tokens = plan_and_tokens
+    model = _model("rope")
+    capped, full = (
+        scoring.score_lengths(
+            *model,
+            tokens,
+            plan,
+            lengths=[16, 64],
+            train_len=16,
+            batch_tokens=64,
+            curve_bins=4,
+            sliding_max_tokens=cap,
+        )
+        for cap in (128, 0)
+    )
+    # 128 tokens a length: 8 windows of 16 (all 5 blocks), 2 windows of 64 (the first 2 blocks).
+    assert [len(r["sliding_block_sums"]) for r in capped] == [5, 2]
+    assert [len(r["sliding_block_sums"]) for r in full] == [5, 5]
+    np.testing.assert_allclose(
+        capped[1]["sliding_block_sums"], full[1]["sliding_block_sums"][:2], rtol=1e-6
+    )
+    assert capped[1]["sliding_count"].sum() == 2 * 16
+    units = plan.block_units
+    weights = intervals.bootstrap_weights(plan.num_units, replicates=50, seed=0)
+    row = summary.summarize_row([[r] for r in capped], weights, block_units=units)
+    # The change from the first length is taken on the first 2 blocks at both lengths.
+    a, b = (np.sum(r["sliding_block_sums"][:2]) for r in (capped[1], full[0]))
+    assert row["delta_L_sliding"][1] == pytest.approx((a - b) / 32, rel=1e-9)
+    assert row["eval_bytes_sliding"] == [80, 32]

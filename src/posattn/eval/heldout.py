@@ -20,11 +20,13 @@ samples. So:
   read from scratch, so every length scores the same target tokens (exactly, when T divides the
   longest length; otherwise the first `(max_len // T) * T` of each chunk).
 * Sliding protocol (Press et al. 2022, §B "sliding window evaluation"): *blocks* of `stride`
-  target tokens with at least `max_len - stride` tokens of the same unit before them. At length
-  T the window is the T tokens that end at the block, and only its last `stride` predictions
-  are scored: every length scores the same blocks, each from a context of T - stride .. T - 1
-  tokens. At the longest length the sliding window of a block is a chunk-shaped window whose
-  last `stride` positions are scored.
+  target tokens with at least `max_len - stride` tokens of the same unit before them, kept in the
+  round-robin order of the draw. At length T the window is the T tokens that end at a block, and
+  only its last `stride` predictions are scored, so every scored token has T - stride .. T - 1
+  tokens of context. A window of T costs T tokens for `stride` scored ones, so a length may take
+  only the first blocks of the list (`sliding(..., max_windows)`): the blocks a long length
+  scores are a prefix of those a short one scores, still spread over the units, and a change
+  between two lengths is measured on their common prefix (`posattn.eval.summary`).
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ class EvalPlan:
     chunk_starts: np.ndarray  # int64[C], first token of each chunk of max_len + 1 tokens
     chunk_units: np.ndarray  # int64[C]
     block_ends: np.ndarray  # int64[Bk], one past the last target token of each sliding block
-    block_units: np.ndarray  # int64[Bk]
+    block_units: np.ndarray  # int64[Bk] (blocks in round-robin order: any prefix is spread)
     num_units: int
     fingerprint: str  # a hash of the tokens the plan reads (equal plans score equal tokens)
 
@@ -127,18 +129,23 @@ class EvalPlan:
         index = starts.reshape(-1, 1) + np.arange(length + 1)  # (W, T+1)
         return np.asarray(tokens[index], np.int32), np.repeat(self.chunk_units, per_chunk)
 
-    def sliding(self, tokens: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray, int]:
-        """Sliding windows int32[Bk, length + 1] ending at each block, their units, and how many
-        trailing positions of each window are scored (min(stride, length))."""
+    def sliding(
+        self, tokens: np.ndarray, length: int, max_windows: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray, int]:
+        """Sliding windows int32[k, length + 1] ending at the first k = min(blocks, max_windows)
+        blocks, their units int64[k], and how many trailing positions of each window are scored
+        (min(stride, length))."""
         if length > self.max_len:
             raise ValueError(f"length={length} exceeds the plan's longest length {self.max_len}")
-        index = (self.block_ends - length - 1)[:, None] + np.arange(length + 1)  # (Bk, T+1)
-        return np.asarray(tokens[index], np.int32), self.block_units, min(self.stride, length)
+        ends = self.block_ends[: max_windows if max_windows is not None else None]
+        index = (ends - length - 1)[:, None] + np.arange(length + 1)  # (k, T+1)
+        units = self.block_units[: ends.size]
+        return np.asarray(tokens[index], np.int32), units, min(self.stride, length)
 
 
 def _spread(candidates: list[np.ndarray], count: int, rng: np.random.Generator):
     """Up to `count` candidates taken round-robin over units in a random order (shuffled within
-    each unit). Returns (chosen values int64[n], their units int64[n]), sorted by value."""
+    each unit). Returns (chosen values int64[n], their units int64[n]) in the order taken."""
     order = rng.permutation(len(candidates))  # the units' turn within a round
     rank_of_unit = np.empty(len(candidates), np.int64)
     rank_of_unit[order] = np.arange(len(candidates))
@@ -152,9 +159,7 @@ def _spread(candidates: list[np.ndarray], count: int, rng: np.random.Generator):
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     values, units, keys = (np.concatenate(x) for x in (values, units, keys))
     take = np.argsort(keys, kind="stable")[:count]
-    values, units = values[take], units[take]
-    back = np.argsort(values, kind="stable")
-    return values[back].astype(np.int64), units[back].astype(np.int64)
+    return values[take].astype(np.int64), units[take].astype(np.int64)
 
 
 def make_plan(
@@ -173,8 +178,8 @@ def make_plan(
       max_len: the longest eval length.
       tokens: target tokens per length for the non-overlapping protocol (rounded up to whole
         chunks: `ceil(tokens / max_len)` chunks of `max_len` targets).
-      sliding_tokens: target tokens per length for the sliding protocol (`ceil(/ stride)`
-        blocks); 0 for none.
+      sliding_tokens: target tokens of the sliding protocol (`ceil(/ stride)` blocks, all of
+        them scored at a length whose windows are not capped); 0 for none.
       stride: the sliding protocol's stride (tokens scored per window), 1 .. max_len.
       seed: the draw.
 

@@ -9,9 +9,10 @@ the summed NLL and the token count of every unit for:
   alone (`beyond_sum`, `beyond_count`; None at T <= L): the latter separates extrapolation from
   the early-token effect (the mean over a window of T improves with T merely because the
   low-context positions become a smaller share of it);
-* the sliding protocol (`sliding_sum`, `sliding_count`): every scored token has T - stride ..
-  T - 1 tokens of context, so a family that uses more context improves with T and one that only
-  tolerates it stays level;
+* the sliding protocol (`sliding_sum`, `sliding_count`, and per block `sliding_block_sums`):
+  every scored token has T - stride .. T - 1 tokens of context, so a family that uses more
+  context improves with T and one that only tolerates it stays level; at most
+  `sliding_max_tokens // T` windows a length (the first blocks of the plan's list);
 * at the longest length, the per-position curve in log-spaced bins (`curve`: sums and counts per
   unit and bin), so that each bin gets an interval too.
 
@@ -69,6 +70,7 @@ def score_lengths(
     batch_tokens: int,
     curve_bins: int,
     curve_length: int | None = None,
+    sliding_max_tokens: int = 0,
 ) -> list[dict | None]:
     """Per-unit NLL sums of one model at each length (None where it cannot read the length).
 
@@ -82,10 +84,13 @@ def score_lengths(
       curve_bins: bins of the per-position curve.
       curve_length: the length whose per-position curve is kept (default: the longest of
         `lengths`).
+      sliding_max_tokens: tokens read per length by the sliding protocol (windows x T; at
+        least one window); 0 reads every block at every length.
 
     Returns:
       One dict per length with float64[U] arrays `sum`, `count`, `beyond_sum`, `beyond_count`
-      (None when T <= L), `sliding_sum`, `sliding_count` (None without sliding blocks), and at
+      (None when T <= L), `sliding_sum`, `sliding_count`, `sliding_block_sums` (float64[k], the
+      first k blocks in plan order; None without sliding blocks), and at
       `curve_length` `curve` = {"edges": int[G + 1], "sum": [U, G], "count": [U, G]}.
     """
     cfg = lengths_lib.model_config_of(graphdef, params, constants)
@@ -116,11 +121,13 @@ def score_lengths(
                 "count": _by_unit(np.broadcast_to(widths, binned.shape), units, U),
             }
         if plan.block_ends.size:
-            slide, s_units, scored = plan.sliding(tokens, length)
+            cap = max(1, sliding_max_tokens // length) if sliding_max_tokens else None
+            slide, s_units, scored = plan.sliding(tokens, length, cap)
             s_nll = _nll(graphdef, params, constants, slide, batch_tokens)[:, -scored:]
-            row["sliding_sum"] = _by_unit(s_nll.sum(axis=1), s_units, U)
+            row["sliding_block_sums"] = s_nll.sum(axis=1)  # (k,)
+            row["sliding_sum"] = _by_unit(row["sliding_block_sums"], s_units, U)
             row["sliding_count"] = _by_unit(np.full(len(s_units), float(scored)), s_units, U)
         else:
-            row["sliding_sum"] = row["sliding_count"] = None
+            row["sliding_sum"] = row["sliding_count"] = row["sliding_block_sums"] = None
         out.append(row)
     return out

@@ -35,7 +35,8 @@ def _stack(scores: Sequence[dict], key: str) -> tuple[np.ndarray, np.ndarray] | 
 def _replicates(sums, counts, weights) -> np.ndarray:
     """The seed-mean loss of each replicate: float64[R]."""
     num = weights @ sums.T  # (R, P)
-    return (num / (weights @ counts)[:, None]).mean(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):  # a replicate may draw no scored unit
+        return (num / (weights @ counts)[:, None]).mean(axis=1)
 
 
 def _ci(values: np.ndarray, level: float) -> list[float]:
@@ -73,10 +74,42 @@ def _protocol(per_length, key, weights, level, base_index=0) -> dict[str, list]:
     return out
 
 
+def _prefix(scores: Sequence[dict], k: int, block_units: np.ndarray, num_units: int):
+    """(sums float64[P, U], counts float64[U]) of the first k sliding blocks of each seed."""
+    units = block_units[:k]
+    per_block = np.sum(scores[0]["sliding_count"]) / len(scores[0]["sliding_block_sums"])
+    sums = np.stack(
+        [np.bincount(units, np.asarray(s["sliding_block_sums"][:k]), num_units) for s in scores]
+    )
+    return sums, np.bincount(units, minlength=num_units) * per_block
+
+
+def _sliding_delta(per_length, block_units, num_units, weights, level) -> tuple[list, list]:
+    """Change of the sliding loss from the first length, on the blocks both lengths scored (a
+    longer length may score only a prefix of the blocks)."""
+    deltas, cis = [], []
+    base = per_length[0]
+    for scores in per_length:
+        if (
+            scores is None
+            or base is None
+            or any(s.get("sliding_block_sums") is None for s in (*scores, *base))
+        ):
+            deltas.append(None)
+            cis.append(None)
+            continue
+        k = min(len(scores[0]["sliding_block_sums"]), len(base[0]["sliding_block_sums"]))
+        (a, ca), (b, cb) = (_prefix(x, k, block_units, num_units) for x in (scores, base))
+        deltas.append(float(np.mean(a.sum(axis=1) / ca.sum() - b.sum(axis=1) / cb.sum())))
+        cis.append(_ci(_replicates(a, ca, weights) - _replicates(b, cb, weights), level))
+    return deltas, cis
+
+
 def summarize_row(
     per_length: Sequence[Sequence[dict] | None],
     weights: np.ndarray,
     *,
+    block_units: np.ndarray | None = None,
     level: float = 0.95,
 ) -> dict[str, list]:
     """Per-length numbers of one row.
@@ -85,6 +118,8 @@ def summarize_row(
       per_length: for each length, the `score_lengths` dicts of every seed (None where the model
         cannot read the length).
       weights: int[R, U] from `intervals.bootstrap_weights` (shared by every row).
+      block_units: int[Bk], the unit of each sliding block in plan order; with it the sliding
+        change from the first length is taken on the blocks both lengths scored.
       level: interval coverage.
 
     Returns:
@@ -96,6 +131,10 @@ def summarize_row(
     plain = _protocol(per_length, "", weights, level)
     beyond = _protocol(per_length, "beyond_", weights, level)
     slide = _protocol(per_length, "sliding_", weights, level)
+    if block_units is not None:
+        slide["delta"], slide["delta_ci"] = _sliding_delta(
+            per_length, np.asarray(block_units), weights.shape[1], weights, level
+        )
     return {
         "loss": plain["loss"],
         "loss_ci": plain["ci"],
