@@ -1,6 +1,7 @@
 """Cost of the length-extrapolation evaluation of one row, against the previous evaluation.
 
-    PYTHONPATH=src python benchmarks/extrapolation_eval_cost.py [--family alibi] [--config.key=value ...]
+    PYTHONPATH=src python benchmarks/extrapolation_eval_cost.py [--family alibi] \
+        [--config.key=value ...]
 
 Times, in one process on one (untrained: cost does not depend on the weights) model of the
 experiment's config: (a) the previous evaluation (the first 8192 held-out bytes at each length,

@@ -295,7 +295,10 @@ def _evaluate_model(model, text: EvalText, config, lengths, *, only: list[int] |
         sliding_max_tokens=int(ev.sliding_max_tokens),
     )
     curve = next((s.pop("curve") for s in scores if s is not None and "curve" in s), None)
-    as_lists = lambda s: None if s is None else {k: _to_list(v) for k, v in s.items()}
+
+    def as_lists(s):
+        return None if s is None else {k: _to_list(v) for k, v in s.items()}
+
     out = {
         "eval_len": todo,
         "scores": [as_lists(s) for s in scores],
@@ -894,7 +897,8 @@ def markdown(results: dict) -> str:
         out += _ci_table(
             f"Loss, sliding windows (stride {ev['sliding_stride']}: each scored token has "
             f"T - {ev['sliding_stride']} .. T - 1 tokens of context; at most "
-            f"{ev['sliding_max_tokens'] or 'all'} tokens read a length, so a long length scores the "
+            f"{ev['sliding_max_tokens'] or 'all'} tokens read a length, so a long length scores "
+            "the "
             f"first of the {ev['sliding_blocks']} blocks from {ev['units_scored_sliding']} units; "
             f"scored tokens per length {sliding}; changes between lengths are paired on the "
             "blocks both scored)",
@@ -911,10 +915,13 @@ def markdown(results: dict) -> str:
         )
     if results["passkey"]:
         pk = results["passkey"]
-        mean = lambda grid: [None if any(x is None for x in r) else float(np.mean(r)) for r in grid]
+
+        def mean(grid):
+            return [None if any(x is None for x in r) else float(np.mean(r)) for r in grid]
+
         out += _table(
-            f"Passkey exact match ({pk['digits']} digits, distractors {pk['distractors']}, mean over "
-            f"depths {pk['depths']}, {pk['samples']} samples a cell)",
+            f"Passkey exact match ({pk['digits']} digits, distractors {pk['distractors']}, "
+            f"mean over depths {pk['depths']}, {pk['samples']} samples a cell)",
             lengths,
             {n: f["passkey_acc"] for n, f in fams.items()},
             ".2f",
@@ -977,20 +984,23 @@ def plots(results: dict, workdir: pathlib.Path) -> None:
         ("loss_beyond_L", "loss_beyond_L_ci", f"positions >= L = {L} only"),
         ("loss_sliding", "loss_sliding_ci", "sliding windows"),
     )
-    for ax, (key, ci_key, title) in zip(axes, panels):
+    for ax, (key, ci_key, title) in zip(axes, panels, strict=True):
         for name, f in fams.items():
             pts = [
                 (x, y, c)
-                for x, y, c in zip(f["eval_len"], f.get(key, []), f.get(ci_key, []))
+                for x, y, c in zip(f["eval_len"], f[key], f[ci_key], strict=True)
                 if y is not None
             ]
             if not pts:
                 continue
-            xs, ys, cis = zip(*pts)
+            xs, ys, cis = zip(*pts, strict=True)
             ax.errorbar(
                 xs,
                 ys,
-                yerr=[[y - c[0] for y, c in zip(ys, cis)], [c[1] - y for y, c in zip(ys, cis)]],
+                yerr=[
+                    [y - c[0] for y, c in zip(ys, cis, strict=True)],
+                    [c[1] - y for y, c in zip(ys, cis, strict=True)],
+                ],
                 label=name,
                 capsize=2,
                 **style(name),
@@ -1009,7 +1019,7 @@ def plots(results: dict, workdir: pathlib.Path) -> None:
     for name, c in pp["curves"].items():
         x = np.add(c["position"], 1)
         ax.plot(x, c["loss"], label=name, **style(name))
-        lo, hi = zip(*c["ci"])
+        lo, hi = zip(*c["ci"], strict=True)
         ax.fill_between(x, lo, hi, color=colors[name], alpha=0.15, lw=0)
     ax.set(
         xscale="log",
@@ -1027,11 +1037,13 @@ def plots(results: dict, workdir: pathlib.Path) -> None:
         fig, axes = plt.subplots(
             1, len(lengths), figsize=(3.2 * len(lengths), 3.6), sharey=True, squeeze=False
         )
-        for a, (ax, length) in enumerate(zip(axes[0], lengths)):
+        for a, (ax, length) in enumerate(zip(axes[0], lengths, strict=True)):
             for name, grid in ind["loss"].items():
-                pts = [(g + 1, y) for g, y in zip(ind["gaps"], grid[a]) if y is not None]
+                pts = [
+                    (g + 1, y) for g, y in zip(ind["gaps"], grid[a], strict=True) if y is not None
+                ]
                 if pts:
-                    ax.plot(*zip(*pts), label=name, **style(name))
+                    ax.plot(*zip(*pts, strict=True), label=name, **style(name))
             ax.axhline(ind["chance_loss"], color="gray", lw=0.8, ls=":")
             ax.axvline(L + 1, color="gray", lw=0.8)
             ax.set(xscale="log", xlabel="gap + 1 (bytes)", title=f"length {length}")
@@ -1111,11 +1123,11 @@ def attention_figure(results: dict, path: pathlib.Path, style) -> None:
             for name, per_length in block["rows"].items():
                 pts = [
                     (x, float(np.mean(s[key][layer])))
-                    for x, s in zip(lengths, per_length)
+                    for x, s in zip(lengths, per_length, strict=True)
                     if s is not None
                 ]
                 if pts:
-                    ax.plot(*zip(*pts), label=name, **style(name))
+                    ax.plot(*zip(*pts, strict=True), label=name, **style(name))
             ax.set(xscale="log", ylabel=label if layer == 0 else None)
             ax.axvline(L, color="gray", lw=0.8)
             if m == 0:

@@ -243,7 +243,7 @@ def test_end_to_end_files_schema_and_rerun_skips(tmp_path, capsys):
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["train_len"] == 32 and results["corpus"] == "stdlib"
     assert set(results["families"]) == {"learned", "rope", "rope+yarn"}
-    for name, row in results["families"].items():
+    for row in results["families"].values():
         assert set(row) == ROW_KEYS
         assert row["eval_len"] == [32, 64]
         assert all(isinstance(x, float) and 0 < x < 10 for x in row["loss"] if x is not None)

@@ -193,14 +193,16 @@ def make_plan(
         raise ValueError(f"tokens={tokens!r} must be >= 1 and sliding_tokens >= 0")
     rng = np.random.default_rng(np.random.SeedSequence([seed, 0x5E1D]))
     lo, hi = held.spans[:, 0], held.spans[:, 1]
-    chunks = [np.arange(a, b - max_len, max_len) for a, b in zip(lo, hi)]  # chunk in [a, b)
+    chunks = [
+        np.arange(a, b - max_len, max_len) for a, b in zip(lo, hi, strict=True)
+    ]  # chunk in [a, b)
     chunk_starts, chunk_units = _spread(chunks, -(-tokens // max_len), rng)
     if chunk_starts.size == 0:
         raise ValueError(
             f"no held-out unit holds {max_len + 1} tokens (the longest eval length + 1); "
             "use shorter eval lengths or a corpus with longer held-out files"
         )
-    blocks = [np.arange(a + max_len + 1, b + 1, stride) for a, b in zip(lo, hi)]
+    blocks = [np.arange(a + max_len + 1, b + 1, stride) for a, b in zip(lo, hi, strict=True)]
     count = -(-sliding_tokens // stride)
     block_ends, block_units = _spread(blocks, count, rng) if count else (np.zeros(0, np.int64),) * 2
     digest = hashlib.sha256()

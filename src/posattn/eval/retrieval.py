@@ -47,12 +47,14 @@ def _score(
     batch = windows_per_pass(seqs.shape[1] - 1, batch_tokens)
     nll, pred = map(
         np.concatenate,
-        zip(*lengths_lib._run(graphdef, params, constants, seqs, batch)),
+        zip(*lengths_lib._run(graphdef, params, constants, seqs, batch), strict=True),
     )  # (n, T) each
     rows = np.arange(len(seqs))
-    loss = np.array([nll[r, w].mean() for r, w in zip(rows, where)])
-    hit = np.array([(pred[r, w] == t).mean() for r, w, t in zip(rows, where, targets)])
-    exact = np.array([np.all(pred[r, w] == t) for r, w, t in zip(rows, where, targets)])
+    loss = np.array([nll[r, w].mean() for r, w in zip(rows, where, strict=True)])
+    hit = np.array([(pred[r, w] == t).mean() for r, w, t in zip(rows, where, targets, strict=True)])
+    exact = np.array(
+        [np.all(pred[r, w] == t) for r, w, t in zip(rows, where, targets, strict=True)]
+    )
     return loss, hit, exact
 
 
@@ -150,7 +152,7 @@ def induction_scores(
                 made.append(probes.induction_sample(rng, background, span=span, gap=int(gaps[g])))
         scored = [slice(m.repeat.start + 1, m.repeat.stop) for m in made]
         where = [probes.target_positions(w) for w in scored]
-        targets = [m.tokens[w] for m, w in zip(made, scored)]
+        targets = [m.tokens[w] for m, w in zip(made, scored, strict=True)]
         loss, hit, _ = _score(
             graphdef,
             params,

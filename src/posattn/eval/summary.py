@@ -172,7 +172,7 @@ def paired_difference(
       {"delta": [float | None], "ci": [[low, high] | None]} over lengths.
     """
     out = {"delta": [], "ci": []}
-    for sa, sb in zip(a, b):
+    for sa, sb in zip(a, b, strict=True):
         stack_a = None if sa is None else _stack(sa, key)
         stack_b = None if sb is None else _stack(sb, key)
         if stack_a is None or stack_b is None or stack_a[0].shape != stack_b[0].shape:
@@ -206,5 +206,5 @@ def summarize_curve(curves: Sequence[dict], weights: np.ndarray, *, level: float
         )
         loss.append(point)
         ci.append(interval)
-    position = [float((a + b - 1) / 2) for a, b in zip(edges[:-1], edges[1:])]
+    position = [float((a + b - 1) / 2) for a, b in zip(edges[:-1], edges[1:], strict=True)]
     return {"position": position, "loss": loss, "ci": ci}
