@@ -7,7 +7,9 @@ Times, in one process on one (untrained: cost does not depend on the weights) mo
 experiment's config: (a) the previous evaluation (the first 8192 held-out bytes at each length,
 8 windows per pass, passkey 5 depths x 4 samples, copy 8 samples) and (b) the current one with the
 config's `eval`, `passkey`, `induction` keys, each part separately, first call (compiles) and
-second call (compiled), and prints the ratio (b) / (a). Record `lscpu` model name beside numbers.
+second call (compiled), and prints the ratio (b) / (a); then one forward pass at the longest
+length with attention "auto" against `eval.attention_impl`. Record `lscpu` model name beside
+numbers.
 """
 
 import argparse
@@ -155,6 +157,21 @@ def main():
         f"current evaluation: first {total[0]:.1f} s ({total[0] / base[0]:.2f}x the previous), "
         f"second {total[1]:.1f} s ({total[1] / base[1]:.2f}x)"
     )
+
+    # The attention implementation alone: one pass of `eval.batch_size` windows of the longest
+    # length, "auto" (the model's) against eval.attention_impl, best of 5 after compiling.
+    T = lengths[-1]
+    windows, _ = text.plan.windows(text.val, T)
+    rows = windows[: ev.batch_size]
+    for name, gd in (("auto", graphdef), (config.eval.attention_impl, eval_graphdef)):
+
+        def one_pass(gd=gd):
+            out = evaluate.token_stats(gd, params, constants, rows[:, :-1], rows[:, 1:], chunk=T)
+            jax.block_until_ready(out)
+
+        one_pass()
+        best = min(_timed(one_pass)[1] for _ in range(5))
+        print(f"forward pass at T = {T}, {ev.batch_size} windows, attention {name!r}: {best:.3f} s")
 
 
 if __name__ == "__main__":
