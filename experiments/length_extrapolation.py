@@ -47,7 +47,7 @@ import platform
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import ml_collections
@@ -57,8 +57,8 @@ from flax import nnx
 from posattn import cli, families
 from posattn import config as config_lib
 from posattn.attention import IMPLEMENTATIONS
+from posattn.eval import attention_stats, heldout, intervals, probes, retrieval, scoring, summary
 from posattn.eval import lengths as evaluate
-from posattn.eval import probes
 from posattn.nn.model import TransformerLM
 from posattn.train import NonFiniteLossError, WorkdirBusyError, restore_trained, train_and_evaluate
 from posattn.train import data as data_lib
@@ -97,6 +97,47 @@ def eval_lengths(config: ml_collections.ConfigDict) -> list[int]:
     return [int(m * config.data.seq_len) for m in config.eval.multiples]
 
 
+def induction_gaps(config: ml_collections.ConfigDict) -> list[int]:
+    """`induction.gaps` if given, else `induction.gap_multiples` x the training length."""
+    if config.induction.gaps:
+        return [int(x) for x in config.induction.gaps]
+    return [int(round(m * config.data.seq_len)) for m in config.induction.gap_multiples]
+
+
+def check_evaluation(config: ml_collections.ConfigDict, lengths: list[int]) -> None:
+    """Validates the evaluation keys (`eval`, `passkey`, `induction`) before any compute."""
+    fail = config_lib.ConfigError
+    ev = config.eval
+    for key in ("max_tokens", "batch_size", "per_position_bins", "bootstrap", "sliding_stride"):
+        if not (isinstance(ev[key], int) and ev[key] > 0):
+            raise fail(f"config.eval.{key}={ev[key]!r} must be a positive integer")
+    for key in ("sliding_tokens", "sliding_max_tokens", "attention_windows"):
+        if not (isinstance(ev[key], int) and ev[key] >= 0):
+            raise fail(f"config.eval.{key}={ev[key]!r} must be an integer >= 0")
+    if ev.sliding_stride > min(config.data.seq_len, lengths[0]):
+        raise fail(
+            f"config.eval.sliding_stride={ev.sliding_stride} must be at most the training length "
+            f"and the shortest eval length ({min(config.data.seq_len, lengths[0])}): the sliding "
+            "protocol scores the last `stride` positions of each window"
+        )
+    if config.induction.enabled:
+        ind = config.induction
+        gaps = induction_gaps(config)
+        if not (isinstance(ind.span, int) and ind.span >= 2):
+            raise fail(f"config.induction.span={ind.span!r} must be an integer >= 2")
+        if not (isinstance(ind.samples, int) and ind.samples >= 1):
+            raise fail(f"config.induction.samples={ind.samples!r} must be a positive integer")
+        if not gaps or any(g < 0 for g in gaps) or 2 * ind.span + gaps[0] > lengths[-1] + 1:
+            raise fail(
+                f"induction gaps {gaps} (config.induction.gaps / gap_multiples) must be >= 0 and "
+                f"the smallest must fit the longest length: 2 * span + gap <= {lengths[-1] + 1}"
+            )
+    if config.passkey.enabled and not (
+        isinstance(config.passkey.samples, int) and config.passkey.samples >= 1
+    ):
+        raise fail(f"config.passkey.samples={config.passkey.samples!r} must be a positive integer")
+
+
 def check_experiment(config: ml_collections.ConfigDict) -> None:
     """Validates the experiment's own sections (the training sections are validated by load_config)."""
     fail = config_lib.ConfigError
@@ -121,9 +162,10 @@ def check_experiment(config: ml_collections.ConfigDict) -> None:
         raise fail(
             f"config.eval.attention_impl={config.eval.attention_impl!r}; allowed: {', '.join(IMPLEMENTATIONS)}"
         )
-    for key in ("max_tokens", "batch_size", "per_position_bins"):
-        if not (isinstance(config.eval[key], int) and config.eval[key] > 0):
-            raise fail(f"config.eval.{key}={config.eval[key]!r} must be a positive integer")
+    check_evaluation(config, lengths)
+    seeds = config.get("seeds", 1)
+    if not (isinstance(seeds, int) and seeds >= 1):
+        raise fail(f"config.seeds={seeds!r} must be a positive integer (seeds per family)")
     if config.passkey.enabled:
         need = probes.passkey_min_length(config.passkey.digits) - 1
         if lengths[0] < need:
@@ -150,14 +192,20 @@ def family_config(config: ml_collections.ConfigDict, family: str) -> ml_collecti
     return out
 
 
+# Evaluation keys that change how a row's cached per-file sums are combined or computed, not
+# what they are: a change reuses `eval.json`.
+_NOT_IN_SUMS = ("batch_size", "bootstrap", "reference")
+
+
 def _eval_settings(config, lengths) -> dict:
     """Everything an evaluation result depends on besides the trained parameters."""
     return {
         "lengths": lengths,
         "rope_scalings": list(config.rope_scalings),
-        **{f"eval.{k}": v for k, v in config.eval.to_dict().items() if k != "batch_size"},
+        **{f"eval.{k}": v for k, v in config.eval.to_dict().items() if k not in _NOT_IN_SUMS},
         **{f"passkey.{k}": v for k, v in config.passkey.to_dict().items()},
         **{f"copy.{k}": v for k, v in config.copy.to_dict().items()},
+        **{f"induction.{k}": v for k, v in config.induction.to_dict().items()},
     }
 
 
@@ -257,28 +305,91 @@ def restore_model(train_config, fam_dir: pathlib.Path, *, attention_impl: str):
 # Evaluating one model (a family, or RoPE under one scaling).
 
 
-def _evaluate_model(model, corpus, config, lengths, *, only: list[int] | None = None) -> dict:
-    """Loss, per-position curve, passkey and copy accuracy at `only` (default: every length)."""
+class EvalText(NamedTuple):
+    """The held-out tokens and the plan every row scores (`posattn.eval.heldout`)."""
+
+    val: np.ndarray
+    plan: heldout.EvalPlan
+    unit: str
+
+
+def eval_text(config: ml_collections.ConfigDict, corpus, lengths: list[int]) -> EvalText:
+    """Draws the chunks and sliding blocks every length of every row scores."""
+    ev = config.eval
+    held = heldout.held_out_units(corpus, block=2 * (max(lengths) + 1))
+    plan = heldout.make_plan(
+        held,
+        max_len=max(lengths),
+        tokens=int(ev.max_tokens),
+        sliding_tokens=int(ev.sliding_tokens),
+        stride=int(ev.sliding_stride),
+        seed=int(ev.seed),
+    )
+    return EvalText(held.tokens, plan, held.unit)
+
+
+def _batch_tokens(config, lengths) -> int:
+    """Tokens per forward pass: `eval.batch_size` windows of the longest length."""
+    return int(config.eval.batch_size) * max(lengths)
+
+
+def _nan_to_none(grid) -> list:
+    return [[None if np.isnan(x) else float(x) for x in row] for row in np.asarray(grid)]
+
+
+def _attention_windows(text: EvalText, length: int, count: int) -> np.ndarray:
+    """`count` windows of `length` inputs from distinct chunks (the first of each chunk)."""
+    windows, _ = text.plan.windows(text.val, length)
+    per_chunk = text.plan.max_len // length
+    return windows[::per_chunk][:count, :-1]
+
+
+def _evaluate_model(model, text: EvalText, config, lengths, *, only: list[int] | None = None):
+    """Per-unit loss sums (both protocols), per-position curve, probes and attention statistics
+    at `only` (default: every length)."""
     graphdef, params, constants = model
     todo = lengths if only is None else only
-    ev = config.eval
-    loss, curve = [], None
-    for length in todo:
-        per_pos = evaluate.nll_by_position(
-            graphdef,
-            params,
-            constants,
-            corpus.val,
-            length=length,
-            max_tokens=ev.max_tokens,
-            batch_size=ev.batch_size,
-        )
-        loss.append(None if per_pos is None else float(per_pos.mean()))
-        if length == lengths[-1] and per_pos is not None:
-            curve = bin_curve(per_pos, ev.per_position_bins)
-    out = {"eval_len": todo, "loss": loss, "per_position": curve}
+    ev, L = config.eval, int(config.data.seq_len)
+    batch_tokens = _batch_tokens(config, lengths)
+    scores = scoring.score_lengths(
+        graphdef,
+        params,
+        constants,
+        text.val,
+        text.plan,
+        lengths=todo,
+        train_len=L,
+        batch_tokens=batch_tokens,
+        curve_bins=ev.per_position_bins,
+        curve_length=lengths[-1],
+        sliding_max_tokens=int(ev.sliding_max_tokens),
+    )
+    curve = next((s.pop("curve") for s in scores if s is not None and "curve" in s), None)
+
+    def as_lists(s):
+        return None if s is None else {k: _to_list(v) for k, v in s.items()}
+
+    out = {
+        "eval_len": todo,
+        "scores": [as_lists(s) for s in scores],
+        "curve": as_lists(curve),
+    }
+    if ev.attention_windows:
+        cfg = evaluate.model_config_of(graphdef, params, constants)
+        out["attention"] = [
+            attention_stats.attention_stats(
+                graphdef,
+                params,
+                constants,
+                _attention_windows(text, length, ev.attention_windows),
+                train_len=L,
+            )
+            if evaluate.max_length(cfg) is None or length <= evaluate.max_length(cfg)
+            else None
+            for length in todo
+        ]
     if config.passkey.enabled:
-        acc = evaluate.passkey_accuracy(
+        grids = retrieval.passkey_scores(
             graphdef,
             params,
             constants,
@@ -287,15 +398,31 @@ def _evaluate_model(model, corpus, config, lengths, *, only: list[int] | None = 
             samples=config.passkey.samples,
             digits=config.passkey.digits,
             seed=ev.seed,
-            batch_size=ev.batch_size,
+            batch_tokens=batch_tokens,
+            distractors=bool(config.passkey.distractors),
         )
-        out["passkey_grid"] = [[None if np.isnan(x) else float(x) for x in row] for row in acc]
+        out["passkey"] = {k: _nan_to_none(v) for k, v in grids.items()}
+        out["passkey_grid"] = out["passkey"]["acc"]
+    if config.induction.enabled:
+        grids = retrieval.induction_scores(
+            graphdef,
+            params,
+            constants,
+            text.val,
+            lengths=todo,
+            gaps=induction_gaps(config),
+            span=config.induction.span,
+            samples=config.induction.samples,
+            seed=ev.seed,
+            batch_tokens=batch_tokens,
+        )
+        out["induction"] = {k: _nan_to_none(v) for k, v in grids.items()}
     if config.copy.enabled:
         out["copy_acc"] = evaluate.copy_accuracy(
             graphdef,
             params,
             constants,
-            corpus.val,
+            text.val,
             lengths=todo,
             samples=config.copy.samples,
             segment=config.copy.segment,
@@ -305,40 +432,53 @@ def _evaluate_model(model, corpus, config, lengths, *, only: list[int] | None = 
     return out
 
 
-def _rope_rows(cfg, params, plain: dict, corpus, config, lengths) -> dict[str, dict]:
+def _to_list(value):
+    return value.tolist() if isinstance(value, np.ndarray) else value
+
+
+_PER_LENGTH = ("scores", "attention", "copy_acc")  # lists over lengths
+_GRIDS = ("passkey", "induction")  # dicts of [length][cell] grids
+
+
+def _rope_rows(cfg, params, plain: dict, text, config, lengths) -> dict[str, dict]:
     """rope+<kind> rows: plain RoPE up to L, the trained params under each scaling past it."""
     L = config.data.seq_len
     rows = {}
     for kind in config.rope_scalings:
-        row = {k: list(v) if isinstance(v, list) else v for k, v in plain.items()}
-        row["per_position"] = None
+        row = json.loads(json.dumps(plain))  # a deep copy: the <= L entries are plain RoPE's
+        row["curve"] = None
         for i, length in enumerate(lengths):
             scaling = evaluate.rope_scaling_row(kind, train_len=L, eval_len=length)
             if scaling is None:
                 continue  # <= L: the plain RoPE numbers
             graphdef, constants = evaluate.with_rope_scaling(cfg, scaling)
             one = _evaluate_model(
-                (graphdef, params, constants), corpus, config, lengths, only=[length]
+                (graphdef, params, constants), text, config, lengths, only=[length]
             )
-            row["loss"][i] = one["loss"][0]
-            if "passkey_grid" in one:
-                row["passkey_grid"][i] = one["passkey_grid"][0]
-            if "copy_acc" in one:
-                row["copy_acc"][i] = one["copy_acc"][0]
+            for key in _PER_LENGTH:
+                if key in one:
+                    row[key][i] = one[key][0]
+            for key in _GRIDS:
+                if key in one:
+                    for name, grid in one[key].items():
+                        row[key][name][i] = grid[0]
+            if "passkey" in one:
+                row["passkey_grid"] = row["passkey"]["acc"]
             if length == lengths[-1]:
-                row["per_position"] = one["per_position"]
+                row["curve"] = one["curve"]
         rows[f"rope+{kind}"] = row
     return rows
 
 
 def _evaluate_family(
-    config, family, fam_dir, corpus, lengths, train_config, code: dict, *, reuse: bool = False
+    config, family, fam_dir, text, lengths, train_config, code: dict, *, reuse: bool = False
 ) -> tuple[dict[str, dict], dict]:
     """(rows, the code that evaluated them): from eval.json when it holds these settings and was
     made by this code (or by any code, with `reuse`), else evaluated now."""
     cache = fam_dir / "eval.json"
     settings = {
         **_eval_settings(config, lengths),
+        "plan": text.plan.fingerprint,
         "trained": json.loads(config_lib.to_json(train_config)),
     }
     settings = json.loads(json.dumps(settings))  # as eval.json holds them (tuples as lists)
@@ -352,9 +492,136 @@ def _evaluate_family(
     cfg, graphdef, params, constants = restore_model(
         train_config, fam_dir, attention_impl=config.eval.attention_impl
     )
-    rows = {family: _evaluate_model((graphdef, params, constants), corpus, config, lengths)}
+    rows = {family: _evaluate_model((graphdef, params, constants), text, config, lengths)}
+    rows[family]["eval_seconds"] = round(time.perf_counter() - start, 1)
     if family == "rope" and config.rope_scalings:
-        rows.update(_rope_rows(cfg, params, rows[family], corpus, config, lengths))
+        rows.update(_rope_rows(cfg, params, rows[family], text, config, lengths))
+        for row in rows.values():
+            row["eval_seconds"] = round(time.perf_counter() - start, 1)
+    cache.write_text(json.dumps({"settings": settings, "code": code, "rows": rows}) + "\n")
+    return rows, code
+
+
+# ----------------------------------------------------------------------------------------------
+# Several seeds of one family: one vmap program through the sweep machinery.
+
+
+def seed_list(config: ml_collections.ConfigDict) -> list[int]:
+    """The training seeds of every family: `seeds` consecutive ones from `train.seed`."""
+    return [int(config.train.seed) + k for k in range(int(config.get("seeds", 1)))]
+
+
+def _train_seeds(config, family: str, fam_dir: pathlib.Path, code: dict):
+    """Trains `config.seeds` seeds of one family as one `jax.vmap` program (`posattn.sweep`, in
+    `fam_dir/seeds/`; resumable, a finished one is not retrained) and restores each seed's final
+    parameters on one device.
+
+    Returns:
+      (training info, graphdef-free members [(params, constants)] in seed order, validated cfg).
+    """
+    from posattn.sweep import plan as sweep_plan
+    from posattn.sweep import run as sweep_run
+    from posattn.train.checkpoint import Checkpointer
+
+    train_config = family_config(config, family)
+    sweep_config = ml_collections.ConfigDict(train_config.to_dict())
+    sweep_config.sweep = ml_collections.ConfigDict(
+        {"continuous": {"train": {"seed": tuple(seed_list(config))}}, "eval_lengths": ()}
+    )
+    start = time.perf_counter()
+    records = sweep_run.run_sweep(sweep_config, fam_dir / "seeds")
+    seconds = round(time.perf_counter() - start, 1)
+    if len(records) != len(seed_list(config)):
+        raise Interrupted(f"the seed sweep in {fam_dir / 'seeds'} stopped early; rerun to resume")
+    program = sweep_plan.plan(sweep_config)[0]
+    K = len(program.members)
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    one = sweep_run._abstract_member(program)
+    abstract = {
+        "members": jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((K, *x.shape), x.dtype, sharding=device), one
+        ),
+        "alive": jax.ShapeDtypeStruct((K,), np.bool_, sharding=device),
+    }
+    ckpt = Checkpointer(fam_dir / "seeds" / "programs" / "p0" / "checkpoints")
+    try:
+        restored = ckpt.restore_latest(abstract)
+    finally:
+        ckpt.close()
+    steps_ = int(train_config.train.steps)
+    if restored is None or int(restored[1]["step"]) != steps_:
+        raise Interrupted(f"{fam_dir / 'seeds'} holds no finished seed sweep; rerun to resume")
+    state = jax.device_get(restored[0]["members"])
+    members = [
+        jax.tree.map(lambda x, k=k: x[k], (state["params"], state["constants"])) for k in range(K)
+    ]
+    info = {
+        "seconds": seconds,
+        "final_train_loss": float(np.mean([r["final_train_loss"] for r in records])),
+        "final_train_loss_seeds": [r["final_train_loss"] for r in records],
+        "seeds": seed_list(config),
+        "steps": steps_,
+        "code": code,
+    }
+    return info, members, config_lib.validate(train_config)
+
+
+def _mean_grids(grids: list) -> list:
+    """Elementwise mean of [length][cell] grids over seeds (None stays None)."""
+    out = []
+    for rows in zip(*grids, strict=True):
+        out.append(
+            [
+                None if any(v is None for v in cells) else float(np.mean(cells))
+                for cells in zip(*rows, strict=True)
+            ]
+        )
+    return out
+
+
+def combine_seeds(per_seed: list[dict[str, dict]]) -> dict[str, dict]:
+    """One row per name from each seed's rows: the loss sums of every seed (`seed_scores`,
+    `seed_curves`), probe grids averaged over seeds, attention statistics of the first seed."""
+    out = {}
+    for name, first in per_seed[0].items():
+        row = dict(first)
+        seeds = [rows[name] for rows in per_seed]
+        row["seed_scores"] = [r["scores"] for r in seeds]
+        row["seed_curves"] = [r["curve"] for r in seeds] if first.get("curve") else None
+        for key in ("passkey", "induction"):
+            if key in first:
+                row[key] = {k: _mean_grids([r[key][k] for r in seeds]) for k in first[key]}
+        if "passkey" in first:
+            row["passkey_grid"] = row["passkey"]["acc"]
+        if "copy_acc" in first:
+            row["copy_acc"] = _mean_grids([[[v] for v in r["copy_acc"]] for r in seeds])
+            row["copy_acc"] = [v[0] for v in row["copy_acc"]]
+        out[name] = row
+    return out
+
+
+def _evaluate_seeds(config, family, fam_dir, text, lengths, members, cfg) -> dict[str, dict]:
+    """Each seed's rows (cached in `fam_dir/eval.json` with the seeds), combined."""
+    cache = fam_dir / "eval.json"
+    settings = {**_eval_settings(config, lengths), "plan": text.plan.fingerprint}
+    settings["trained"] = {
+        "seeds": seed_list(config),
+        **json.loads(config_lib.to_json(family_config(config, family))),
+    }
+    if cache.exists():
+        saved = json.loads(cache.read_text())
+        if saved.get("settings") == settings:
+            return saved["rows"]
+    start = time.perf_counter()
+    cfg = dataclasses.replace(cfg, attention_impl=config.eval.attention_impl)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(params=0))))
+    per_seed = []
+    for params, constants in members:
+        rows = {family: _evaluate_model((graphdef, params, constants), text, config, lengths)}
+        if family == "rope" and config.rope_scalings:
+            rows.update(_rope_rows(cfg, params, rows[family], text, config, lengths))
+        per_seed.append(rows)
+    rows = combine_seeds(per_seed)
     for row in rows.values():
         row["eval_seconds"] = round(time.perf_counter() - start, 1)
     cache.write_text(json.dumps({"settings": settings, "code": code, "rows": rows}) + "\n")
@@ -382,11 +649,14 @@ def run(
     lengths = eval_lengths(config)
     corpus = data_lib.load_corpus(config.data.corpus)
     data_lib.check_length(corpus, max(lengths), split="val")
-    if config.passkey.enabled and corpus.val.dtype != np.uint8:
+    probing = [k for k in ("passkey", "induction", "copy") if config[k].enabled]
+    if probing and corpus.val.dtype != np.uint8:
         raise config_lib.ConfigError(
-            f"config.passkey.enabled: the probes are bytes, corpus {corpus.name!r} holds "
-            "token ids; set config.passkey.enabled=False and config.copy.enabled=False"
+            f"config.{probing[0]}.enabled: the probes are bytes, corpus {corpus.name!r} holds "
+            "token ids; set config.passkey.enabled, config.induction.enabled and "
+            "config.copy.enabled to False"
         )
+    text = eval_text(config, corpus, lengths)
     provenance = _provenance()  # the code as the run starts, not as it is when the run ends
     code = {
         "commit": provenance["commit"],
@@ -404,14 +674,21 @@ def run(
         fam_dir = workdir / family
         train_config = family_config(config, family)
         _say(f"{family}: training ({train_config.train.steps} steps at L={config.data.seq_len})")
-        training[family] = _train(train_config, fam_dir, code, reuse=reuse)
+        if len(seed_list(config)) > 1:
+            training[family], members, cfg = _train_seeds(config, family, fam_dir, code)
+        else:
+            training[family] = _train(train_config, fam_dir, code, reuse=reuse)
         _say(
             f"{family}: trained in {training[family]['seconds']} s, last step's train loss "
             f"{training[family]['final_train_loss']:.4f}; evaluating at {lengths}"
         )
-        new, evaluated_by = _evaluate_family(
-            config, family, fam_dir, corpus, lengths, train_config, code, reuse=reuse
-        )
+        if len(seed_list(config)) > 1:
+            new = _evaluate_seeds(config, family, fam_dir, text, lengths, members, cfg)
+            evaluated_by = code
+        else:
+            new, evaluated_by = _evaluate_family(
+                config, family, fam_dir, text, lengths, train_config, code, reuse=reuse
+            )
         for name in new:
             origins[name] = {
                 "trained": training[family].get("code") or {},
@@ -419,13 +696,18 @@ def run(
             }
         for name, row in new.items():
             _say(
-                f"{name}: loss {fmt_list(row['loss'])}"
+                f"{name}: loss {fmt_list(plain_losses(row))} "
+                f"(sliding {fmt_list(plain_losses(row, 'sliding_'))}; eval {row['eval_seconds']} s)"
                 + (f", passkey {fmt_list(passkey_by_length(row))}" if "passkey_grid" in row else "")
             )
         rows.update(new)
     results = _assemble(
         config, corpus, lengths, rows, training, time.perf_counter() - begin, provenance, origins
     )
+    blocks, stats = evaluation_blocks(config, text, lengths, rows)
+    results.update(blocks)
+    for name, row_stats in stats.items():  # loss (mean over seeds), loss_ci, loss_seeds, ...
+        results["families"][name].update(row_stats)
     (workdir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (workdir / "results.md").write_text(markdown(results))
     plots(results, workdir)
@@ -438,13 +720,9 @@ def run(
 def _assemble(
     config, corpus, lengths, rows, training, seconds, provenance, origins=None
 ) -> dict[str, Any]:
-    fams = {}
+    fams = {name: {"eval_len": lengths, "loss": plain_losses(row)} for name, row in rows.items()}
     for name, row in rows.items():
-        fams[name] = {
-            "eval_len": lengths,
-            "loss": row["loss"],
-            "passkey_acc": passkey_by_length(row) if "passkey_grid" in row else None,
-        }
+        fams[name]["passkey_acc"] = passkey_by_length(row) if "passkey_grid" in row else None
     return {
         "train_len": int(config.data.seq_len),
         "corpus": corpus.name,
@@ -452,20 +730,7 @@ def _assemble(
         # Extra keys (the three above are the contract; readers ignore the others).
         "corpus_sha256": corpus.sha256,
         "loss_unit": "nats per token (byte)" if corpus.val.dtype == np.uint8 else "nats per token",
-        "passkey": {
-            "depths": list(config.passkey.depths),
-            "digits": config.passkey.digits,
-            "samples": config.passkey.samples,
-            "acc": {n: r["passkey_grid"] for n, r in rows.items() if "passkey_grid" in r},
-        }
-        if config.passkey.enabled
-        else None,
         "copy_acc": {n: r["copy_acc"] for n, r in rows.items() if "copy_acc" in r} or None,
-        "per_position": {
-            "eval_len": lengths[-1],
-            "bins": config.eval.per_position_bins,
-            "curves": {n: r["per_position"] for n, r in rows.items() if r.get("per_position")},
-        },
         "training": {
             n: {k: v for k, v in t.items() if k not in ("config", "code")}
             for n, t in training.items()
@@ -481,6 +746,118 @@ def _assemble(
         "row_provenance": origins or {},
         "python_version": platform.python_version(),
     }
+
+
+def plain_losses(row: dict, key: str = "") -> list[float | None]:
+    """One seed's mean loss per length from a row's per-unit sums (no interval)."""
+    return [
+        None
+        if s is None or s.get(f"{key}sum") is None
+        else float(np.sum(s[f"{key}sum"]) / np.sum(s[f"{key}count"]))
+        for s in row["scores"]
+    ]
+
+
+def _seeds_of(row: dict) -> list[list[dict] | None]:
+    """Per length, the score dicts of every seed (`seed_scores` when several were trained)."""
+    per_seed = row.get("seed_scores") or [row["scores"]]
+    return [
+        None if any(seed[i] is None for seed in per_seed) else [seed[i] for seed in per_seed]
+        for i in range(len(per_seed[0]))
+    ]
+
+
+def evaluation_blocks(config, text: EvalText, lengths, rows: dict[str, dict]):
+    """The top-level evaluation, per-position, probe and attention blocks of results.json, and
+    each row's per-length statistics with intervals (from the rows' per-unit sums).
+
+    Returns:
+      (blocks, {row name: `summary.summarize_row` lists}).
+    """
+    ev = config.eval
+    weights = intervals.bootstrap_weights(
+        text.plan.num_units, replicates=int(ev.bootstrap), seed=int(ev.seed)
+    )
+    stats = {
+        name: summary.summarize_row(_seeds_of(row), weights, block_units=text.plan.block_units)
+        for name, row in rows.items()
+    }
+    reference = ev.reference if ev.reference in rows else None
+    paired = {}
+    if reference:
+        for name, row in rows.items():
+            if name != reference:
+                paired[name] = {
+                    key or "all": summary.paired_difference(
+                        _seeds_of(row), _seeds_of(rows[reference]), weights, key=key
+                    )
+                    for key in ("", "beyond_", "sliding_")
+                }
+    L = int(config.data.seq_len)
+    out = {
+        "evaluation": {
+            "protocols": {
+                "non_overlapping": "windows of T read from scratch, every position scored",
+                "beyond_L": "the same windows, positions >= L only",
+                "sliding": f"windows of T ending at each block, the last {ev.sliding_stride} "
+                "positions scored",
+            },
+            "unit": text.unit,
+            "units": text.plan.num_units,
+            "units_scored": int(np.unique(text.plan.chunk_units).size),
+            "units_scored_sliding": int(np.unique(text.plan.block_units).size),
+            "chunks": int(text.plan.chunk_starts.size),
+            "sliding_blocks": int(text.plan.block_ends.size),
+            "sliding_stride": int(ev.sliding_stride),
+            "sliding_max_tokens": int(ev.sliding_max_tokens),
+            "bootstrap": {"replicates": int(ev.bootstrap), "level": 0.95, "blocked_by": text.unit},
+            "plan": text.plan.fingerprint,
+            "paired": {"reference": reference, "minus_reference": paired},
+        },
+        "per_position": {
+            "eval_len": lengths[-1],
+            "bins": ev.per_position_bins,
+            "curves": {
+                n: summary.summarize_curve(r.get("seed_curves") or [r["curve"]], weights)
+                for n, r in rows.items()
+                if r.get("curve")
+            },
+        },
+        "passkey": None,
+        "induction": None,
+        "attention_stats": None,
+    }
+    if config.passkey.enabled:
+        out["passkey"] = {
+            "depths": list(config.passkey.depths),
+            "digits": config.passkey.digits,
+            "distractors": bool(config.passkey.distractors),
+            "samples": config.passkey.samples,
+            "chance_loss": float(np.log(10)),
+            **{
+                key: {n: r["passkey"][key] for n, r in rows.items() if "passkey" in r}
+                for key in ("acc", "digit_acc", "loss")
+            },
+        }
+    if config.induction.enabled:
+        out["induction"] = {
+            "gaps": induction_gaps(config),
+            "span": config.induction.span,
+            "samples": config.induction.samples,
+            "chance_loss": float(np.log(26)),
+            **{
+                key: {n: r["induction"][key] for n, r in rows.items() if "induction" in r}
+                for key in ("loss", "acc", "se")
+            },
+        }
+    if ev.attention_windows:
+        out["attention_stats"] = {
+            "windows": int(ev.attention_windows),
+            "queries": f"the last min(T, {L}) of each window",
+            "beyond": f"keys at distance >= {L}",
+            "rows": {n: r["attention"] for n, r in rows.items() if "attention" in r},
+        }
+    return out, stats
 
 
 def _provenance() -> dict[str, Any]:
@@ -530,22 +907,6 @@ def code_sha256(root: pathlib.Path = ROOT) -> str:
 # Tables and plots.
 
 
-def bin_curve(per_position: np.ndarray, bins: int) -> dict[str, list[float]]:
-    """Mean NLL over log-spaced runs of positions (about `bins` of them; each as wide as the ones
-    before it, so late positions average many predictions and stay readable on a log axis).
-
-    Returns {"position": the mean position of each run, "loss": its mean NLL}.
-    """
-    edges = (
-        np.unique(np.geomspace(1, per_position.size + 1, bins + 1).astype(int)) - 1
-    )  # over positions 0..T
-    parts = [np.arange(a, b) for a, b in zip(edges[:-1], edges[1:])]
-    return {
-        "position": [float(p.mean()) for p in parts],
-        "loss": [float(per_position[p].mean()) for p in parts],
-    }
-
-
 def passkey_by_length(row: dict) -> list[float | None]:
     """Passkey accuracy per length, averaged over depths (None where the model cannot run)."""
     return [
@@ -574,10 +935,55 @@ def _table(title: str, lengths, rows: dict[str, list], fmt: str) -> list[str]:
     return lines + [""]
 
 
+def _cell(value, ci=None, fmt=".4f", se=None) -> str:
+    if value is None:
+        return "null"
+    text = format(value, fmt) + ("" if se is None else f" ± {se:.4f}")
+    return text if ci is None else f"{text} [{ci[0]:{fmt}}, {ci[1]:{fmt}}]"
+
+
+def _ci_table(title: str, lengths, rows: dict[str, tuple[list, list]], fmt=".4f") -> list[str]:
+    """A table of value [± seed standard error] [low, high] per length (rows: name -> (values,
+    intervals[, standard errors]))."""
+    lines = [
+        f"### {title}",
+        "",
+        "| row | " + " | ".join(str(x) for x in lengths) + " |",
+        "|---|" + "---:|" * len(lengths),
+    ]
+    for name, (values, cis, *ses) in rows.items():
+        cis = cis or [None] * len(values)
+        ses = (ses[0] if ses else None) or [None] * len(values)
+        cells = [_cell(v, c, fmt, e) for v, c, e in zip(values, cis, ses, strict=True)]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def _seed_note(fams: dict) -> str:
+    seeds = {len(s) for f in fams.values() for s in f.get("loss_seeds", []) if s}
+    if seeds == {1}:
+        return "One training seed per row: no seed interval (the bracket is over text only)."
+    return (
+        f"{'/'.join(str(x) for x in sorted(seeds))} training seeds per row: each loss is the "
+        "mean over seeds ± its standard error over seeds, then the interval over text; paired "
+        "differences pair seed k of one row with seed k of the other; `loss_seeds` in "
+        "results.json."
+    )
+
+
 def markdown(results: dict) -> str:
-    """results.md: the loss table (families x lengths), passkey and copy accuracy, provenance."""
+    """results.md: loss with intervals under both protocols, positions >= L, paired differences,
+    the probes, training and provenance."""
     fams, lengths = results["families"], next(iter(results["families"].values()))["eval_len"]
-    prov, L = results["provenance"], results["train_len"]
+    prov, L, ev = results["provenance"], results["train_len"], results["evaluation"]
+
+    def per_length(key):  # the first row that reads each length
+        return [
+            next((f[key][i] for f in fams.values() if f.get(key) and f[key][i] is not None), None)
+            for i in range(len(lengths))
+        ]
+
+    scored, sliding = per_length("eval_bytes"), per_length("eval_bytes_sliding")
     out = [
         f"# Length extrapolation: trained at L = {L}, corpus {results['corpus']}",
         "",
@@ -585,24 +991,96 @@ def markdown(results: dict) -> str:
         f"{prov['date']}, {prov['machine']}, {prov['cpu_count']} CPUs, {', '.join(prov['devices'])}; "
         f"total {results['timing']['total_seconds']:.0f} s.",
         "",
-        f"Loss: mean next-token cross-entropy, {results['loss_unit']}, non-overlapping held-out windows; "
-        "`null`: the model cannot read that length (learned table).",
+        f"Loss: mean next-token cross-entropy, {results['loss_unit']}; `null`: the model cannot "
+        f"read that length (learned table). Text: {ev['chunks']} chunks of {lengths[-1]} tokens "
+        f"from {ev['units_scored']} of the {ev['units']} held-out units ({ev['unit']}), the same "
+        f"tokens at every length; scored tokens per length {scored}. Brackets: 95% intervals, "
+        f"bootstrap over units ({ev['bootstrap']['replicates']} replicates). {_seed_note(fams)}",
         "",
         corpus_sentence(results),
         "",
     ]
     out += _other_code_lines(results)
-    out += _table(
-        "Loss (nats) by eval length", lengths, {n: f["loss"] for n, f in fams.items()}, ".4f"
+    out += _ci_table(
+        "Loss (nats), non-overlapping windows (every position of a window read from scratch)",
+        lengths,
+        {n: (f["loss"], f.get("loss_ci"), f.get("loss_se")) for n, f in fams.items()},
     )
+    out += _ci_table(
+        "Change from L (paired: same units, same replicates)",
+        lengths,
+        {n: (f["delta_L"], f["delta_L_ci"]) for n, f in fams.items() if "delta_L" in f},
+        "+.4f",
+    )
+    out += _ci_table(
+        "Change from L, sliding windows (paired on the blocks both lengths scored)",
+        lengths,
+        {
+            n: (f["delta_L_sliding"], f["delta_L_sliding_ci"])
+            for n, f in fams.items()
+            if "delta_L" in f
+        },
+        "+.4f",
+    )
+    out += _ci_table(
+        f"Loss over positions >= L = {L} only (non-overlapping windows)",
+        lengths,
+        {
+            n: (f["loss_beyond_L"], f["loss_beyond_L_ci"])
+            for n, f in fams.items()
+            if "loss_beyond_L" in f
+        },
+    )
+    if any(v is not None for f in fams.values() for v in f.get("loss_sliding", [])):
+        out += _ci_table(
+            f"Loss, sliding windows (stride {ev['sliding_stride']}: each scored token has "
+            f"T - {ev['sliding_stride']} .. T - 1 tokens of context; at most "
+            f"{ev['sliding_max_tokens'] or 'all'} tokens read a length, so a long length scores "
+            "the "
+            f"first of the {ev['sliding_blocks']} blocks from {ev['units_scored_sliding']} units; "
+            f"scored tokens per length {sliding}; changes between lengths are paired on the "
+            "blocks both scored)",
+            lengths,
+            {n: (f["loss_sliding"], f["loss_sliding_ci"]) for n, f in fams.items()},
+        )
+    paired = ev["paired"]
+    if paired["reference"]:
+        out += _ci_table(
+            f"Paired difference from {paired['reference']} (non-overlapping; negative: lower loss)",
+            lengths,
+            {n: (d["all"]["delta"], d["all"]["ci"]) for n, d in paired["minus_reference"].items()},
+            "+.4f",
+        )
     if results["passkey"]:
+        pk = results["passkey"]
+
+        def mean(grid):
+            return [None if any(x is None for x in r) else float(np.mean(r)) for r in grid]
+
         out += _table(
-            f"Passkey exact-match accuracy ({results['passkey']['digits']} digits, mean over depths "
-            f"{results['passkey']['depths']})",
+            f"Passkey exact match ({pk['digits']} digits, distractors {pk['distractors']}, "
+            f"mean over depths {pk['depths']}, {pk['samples']} samples a cell)",
             lengths,
             {n: f["passkey_acc"] for n, f in fams.items()},
             ".2f",
         )
+        out += _table(
+            f"Passkey loss per digit (nats; chance ln 10 = {pk['chance_loss']:.2f})",
+            lengths,
+            {n: mean(g) for n, g in pk["loss"].items()},
+            ".3f",
+        )
+    if results["induction"]:
+        ind = results["induction"]
+        for at in sorted({0, len(lengths) - 1}):
+            out += _table(
+                f"Induction loss per letter (nats; chance ln 26 = {ind['chance_loss']:.2f}) at "
+                f"length {lengths[at]}, by gap (bytes between the copies; {ind['span']} letters, "
+                f"{ind['samples']} samples a cell)",
+                ind["gaps"],
+                {n: g[at] for n, g in ind["loss"].items()},
+                ".3f",
+            )
     if results["copy_acc"]:
         out += _table(
             "Copy accuracy (repeated random-letter segment)", lengths, results["copy_acc"], ".2f"
@@ -654,7 +1132,9 @@ def _other_code_lines(results: dict) -> list[str]:
 
 
 def plots(results: dict, workdir: pathlib.Path) -> None:
-    """loss_vs_length.png, per_position.png, passkey_heatmap.png (and copy_vs_length.png)."""
+    """loss_vs_length.png (three panels: non-overlapping, positions >= L, sliding; 95%
+    intervals), per_position.png (with interval bands), passkey_heatmap.png, induction.png,
+    attention_stats.png (and copy_vs_length.png)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -667,37 +1147,84 @@ def plots(results: dict, workdir: pathlib.Path) -> None:
     finite = [v for f in fams.values() for v in f["loss"][:1] if v is not None]
     top = 2.5 * max(finite) if finite else None
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, f in fams.items():
-        pts = [(x, y) for x, y in zip(f["eval_len"], f["loss"]) if y is not None]
-        if pts:
-            ax.plot(*zip(*pts), label=name, **style(name))
-    ax.set(
-        xscale="log",
-        xlabel="eval length (tokens)",
-        ylabel=f"loss ({results['loss_unit']})",
-        title=f"Held-out loss vs length, trained at L = {L}",
-        ylim=(None, top),
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8), sharey=True)
+    panels = (
+        ("loss", "loss_ci", "non-overlapping windows"),
+        ("loss_beyond_L", "loss_beyond_L_ci", f"positions >= L = {L} only"),
+        ("loss_sliding", "loss_sliding_ci", "sliding windows"),
     )
-    ax.set_xticks(lengths, [str(x) for x in lengths])
-    ax.axvline(L, color="gray", lw=0.8)
-    ax.legend(fontsize=7, ncol=2)
+    for ax, (key, ci_key, title) in zip(axes, panels, strict=True):
+        for name, f in fams.items():
+            pts = [
+                (x, y, c)
+                for x, y, c in zip(f["eval_len"], f[key], f[ci_key], strict=True)
+                if y is not None
+            ]
+            if not pts:
+                continue
+            xs, ys, cis = zip(*pts, strict=True)
+            ax.errorbar(
+                xs,
+                ys,
+                yerr=[
+                    [y - c[0] for y, c in zip(ys, cis, strict=True)],
+                    [c[1] - y for y, c in zip(ys, cis, strict=True)],
+                ],
+                label=name,
+                capsize=2,
+                **style(name),
+            )
+        ax.set(xscale="log", xlabel="eval length (tokens)", title=title, ylim=(None, top))
+        ax.set_xticks(lengths, [str(x) for x in lengths])
+        ax.set_xticks([], minor=True)
+        ax.axvline(L, color="gray", lw=0.8)
+    axes[0].set_ylabel(f"loss ({results['loss_unit']}), 95% interval")
+    axes[0].legend(fontsize=7, ncol=2)
+    fig.suptitle(f"Held-out loss vs length, trained at L = {L}")
     fig.tight_layout(), fig.savefig(workdir / "loss_vs_length.png", dpi=120), plt.close(fig)
 
     pp = results["per_position"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, c in pp["curves"].items():
-        ax.plot(np.add(c["position"], 1), c["loss"], label=name, **style(name))
+        x = np.add(c["position"], 1)
+        ax.plot(x, c["loss"], label=name, **style(name))
+        lo, hi = zip(*c["ci"], strict=True)
+        ax.fill_between(x, lo, hi, color=colors[name], alpha=0.15, lw=0)
     ax.set(
         xscale="log",
         xlabel="tokens of context (position + 1; log-spaced bins)",
-        ylabel="mean loss in bin",
+        ylabel="mean loss in bin (95% interval)",
         ylim=(None, top),
         title=f"Per-position loss, windows of {pp['eval_len']} (L = {L})",
     )
     ax.axvline(L, color="gray", lw=0.8)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout(), fig.savefig(workdir / "per_position.png", dpi=120), plt.close(fig)
+
+    if results["induction"]:
+        ind = results["induction"]
+        fig, axes = plt.subplots(
+            1, len(lengths), figsize=(3.2 * len(lengths), 3.6), sharey=True, squeeze=False
+        )
+        for a, (ax, length) in enumerate(zip(axes[0], lengths, strict=True)):
+            for name, grid in ind["loss"].items():
+                pts = [
+                    (g + 1, y) for g, y in zip(ind["gaps"], grid[a], strict=True) if y is not None
+                ]
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), label=name, **style(name))
+            ax.axhline(ind["chance_loss"], color="gray", lw=0.8, ls=":")
+            ax.axvline(L + 1, color="gray", lw=0.8)
+            ax.set(xscale="log", xlabel="gap + 1 (bytes)", title=f"length {length}")
+        axes[0, 0].set_ylabel("loss on the repeat (nats/letter)")
+        axes[0, -1].legend(fontsize=6, ncol=2)
+        fig.suptitle(
+            f"Induction: random {ind['span']}-letter string repeated after a gap (L = {L})"
+        )
+        fig.tight_layout(), fig.savefig(workdir / "induction.png", dpi=120), plt.close(fig)
+
+    if results["attention_stats"]:
+        attention_figure(results, workdir / "attention_stats.png", style)
 
     if results["passkey"]:
         grids = results["passkey"]["acc"]
@@ -742,6 +1269,45 @@ def plots(results: dict, workdir: pathlib.Path) -> None:
         ax.axvline(L, color="gray", lw=0.8)
         ax.legend(fontsize=7, ncol=2)
         fig.tight_layout(), fig.savefig(workdir / "copy_vs_length.png", dpi=120), plt.close(fig)
+
+
+def attention_figure(results: dict, path: pathlib.Path, style) -> None:
+    """attention_stats.png: entropy, mean distance and mass beyond L (mean over heads) vs length,
+    one column per layer."""
+    import matplotlib.pyplot as plt
+
+    block, L = results["attention_stats"], results["train_len"]
+    lengths = next(iter(results["families"].values()))["eval_len"]
+    first = next(s for r in block["rows"].values() for s in r if s is not None)
+    layers_ = len(first["entropy"])
+    names = (
+        ("entropy", "entropy (nats)"),
+        ("distance", "mean distance (tokens)"),
+        ("mass_beyond_L", f"mass on keys >= {L} away"),
+    )
+    fig, axes = plt.subplots(3, layers_, figsize=(4.5 * layers_, 9), squeeze=False, sharex=True)
+    for m, (key, label) in enumerate(names):
+        for layer in range(layers_):
+            ax = axes[m, layer]
+            for name, per_length in block["rows"].items():
+                pts = [
+                    (x, float(np.mean(s[key][layer])))
+                    for x, s in zip(lengths, per_length, strict=True)
+                    if s is not None
+                ]
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), label=name, **style(name))
+            ax.set(xscale="log", ylabel=label if layer == 0 else None)
+            ax.axvline(L, color="gray", lw=0.8)
+            if m == 0:
+                ax.set_title(f"layer {layer} (mean over heads)")
+            ax.set_xticks(lengths, [str(x) for x in lengths])
+            ax.set_xticks([], minor=True)
+            if m == 2:
+                ax.set_xlabel("eval length")
+    axes[0, -1].legend(fontsize=6, ncol=2)
+    fig.suptitle(f"Attention per layer, last min(T, L) queries of {block['windows']} windows")
+    fig.tight_layout(), fig.savefig(path, dpi=110), plt.close(fig)
 
 
 def _say(message: str) -> None:

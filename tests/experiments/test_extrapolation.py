@@ -199,13 +199,42 @@ MINUTE = [
     "--config.data.passkey_fraction=0.25",
     "--config.eval.multiples=(1,2)",
     "--config.eval.max_tokens=256",
+    "--config.eval.sliding_tokens=128",
+    "--config.eval.sliding_stride=16",
+    "--config.eval.bootstrap=50",
+    "--config.eval.attention_windows=2",
     "--config.eval.batch_size=4",
     "--config.eval.per_position_bins=8",
     "--config.passkey.samples=2",
     "--config.passkey.depths=(0.0,1.0)",
+    "--config.passkey.digits=3",
+    "--config.induction.samples=2",
+    "--config.induction.span=4",
+    "--config.induction.gap_multiples=(0,1)",
+    "--config.copy.enabled=True",
     "--config.copy.samples=2",
     "--config.copy.segment=6",
 ]
+
+ROW_KEYS = {
+    "eval_len",
+    "loss",
+    "passkey_acc",
+    "loss_ci",
+    "loss_seeds",
+    "loss_se",
+    "delta_L",
+    "delta_L_ci",
+    "eval_bytes",
+    "loss_beyond_L",
+    "loss_beyond_L_ci",
+    "loss_sliding",
+    "loss_sliding_ci",
+    "loss_sliding_seeds",
+    "delta_L_sliding",
+    "delta_L_sliding_ci",
+    "eval_bytes_sliding",
+}
 
 
 def test_end_to_end_files_schema_and_rerun_skips(tmp_path, capsys):
@@ -214,11 +243,25 @@ def test_end_to_end_files_schema_and_rerun_skips(tmp_path, capsys):
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["train_len"] == 32 and results["corpus"] == "stdlib"
     assert set(results["families"]) == {"learned", "rope", "rope+yarn"}
-    for name, row in results["families"].items():
-        assert set(row) == {"eval_len", "loss", "passkey_acc"}
+    for row in results["families"].values():
+        assert set(row) == ROW_KEYS
         assert row["eval_len"] == [32, 64]
         assert all(isinstance(x, float) and 0 < x < 10 for x in row["loss"] if x is not None)
         assert len(row["passkey_acc"]) == 2
+        for loss, ci, seeds in zip(row["loss"], row["loss_ci"], row["loss_seeds"], strict=True):
+            if loss is not None:
+                assert ci[0] <= loss <= ci[1] and seeds == [loss]
+        assert row["loss_beyond_L"][0] is None  # at L there is no position >= L
+        assert row["eval_bytes"][0] == 256 and row["eval_bytes_sliding"][0] == 128
+    rope = results["families"]["rope"]
+    assert rope["loss_beyond_L"][1] is not None and rope["loss_sliding"][1] is not None
+    assert results["evaluation"]["units_scored"] == 256 // 64  # 4 chunks of 64 from 4 files
+    assert results["evaluation"]["paired"]["reference"] is None  # no alibi row here
+    assert set(results["passkey"]["loss"]) == set(results["families"])
+    assert results["induction"]["gaps"] == [0, 32] and results["induction"]["loss"]["rope"][1][1]
+    stats = results["attention_stats"]["rows"]["rope"]
+    assert stats[0]["mass_beyond_L"] == [[0.0] * 4] * 2  # at L no key is L away
+    assert stats[1]["mass_beyond_L"][0][0] > 0 and stats[1]["entropy"][0][0] > 0
     assert results["families"]["learned"]["loss"][1] is None  # past its table: no number
     assert results["families"]["learned"]["passkey_acc"][1] is None
     assert all(x is not None for x in results["families"]["rope"]["loss"])
@@ -228,6 +271,7 @@ def test_end_to_end_files_schema_and_rerun_skips(tmp_path, capsys):
     assert results["families"]["rope+yarn"]["loss"][1] != results["families"]["rope"]["loss"][1]
     curve = results["per_position"]["curves"]["rope"]
     assert 3 <= len(curve["loss"]) <= 8 and curve["position"] == sorted(curve["position"])
+    assert all(lo <= y <= hi for y, (lo, hi) in zip(curve["loss"], curve["ci"], strict=True))
     assert results["provenance"]["commit"] and results["config"]["data"]["seq_len"] == 32
     md = (tmp_path / "results.md").read_text()
     assert "| learned |" in md and "null" in md
@@ -236,6 +280,8 @@ def test_end_to_end_files_schema_and_rerun_skips(tmp_path, capsys):
         "per_position.png",
         "passkey_heatmap.png",
         "copy_vs_length.png",
+        "induction.png",
+        "attention_stats.png",
     ):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
     metrics = (tmp_path / "rope" / "metrics.jsonl").read_text()
@@ -317,6 +363,9 @@ def test_bad_settings_fail_before_compute(tmp_path):
     assert experiment.main(["--config.passkey.digits=40", "--workdir", str(tmp_path)]) == 2
     assert experiment.main(["--config.eval.attention_impl=flash", "--workdir", str(tmp_path)]) == 2
     assert experiment.main(["--config.model.attention_impl=flash", "--workdir", str(tmp_path)]) == 2
+    assert experiment.main(["--config.eval.sliding_stride=65", "--workdir", str(tmp_path)]) == 2
+    assert experiment.main(["--config.eval.max_tokens=0", "--workdir", str(tmp_path)]) == 2
+    assert experiment.main(["--config.induction.gaps=(2000,)", "--workdir", str(tmp_path)]) == 2
     assert not any(tmp_path.iterdir())
 
 
@@ -336,3 +385,38 @@ def test_paper_config_builds_a_247m_class_model_for_every_family():
         assert 245e6 < count < 260e6, (family, count)
     long = config_lib.load_config(f"{ROOT / 'configs' / 'extrapolation_paper.py'}:1024")
     assert long.data.seq_len == 1024 and experiment.eval_lengths(long)[-1] == 16 * 1024
+
+
+def test_seeds_train_as_one_sweep_program_and_report_mean_and_spread(tmp_path):
+    experiment = _experiment()
+    args = [
+        "--config.families=('alibi',)",
+        "--config.rope_scalings=()",
+        "--config.seeds=2",
+        "--config.data.seq_len=32",
+        "--config.model.max_len=32",
+        "--config.model.d_model=32",
+        "--config.train.steps=4",
+        "--config.train.warmup_steps=1",
+        "--config.train.checkpoint_every=4",
+        "--config.data.passkey_fraction=0.0",
+        "--config.eval.multiples=(1,2)",
+        "--config.eval.max_tokens=128",
+        "--config.eval.sliding_tokens=0",
+        "--config.eval.sliding_stride=32",
+        "--config.eval.bootstrap=20",
+        "--config.eval.attention_windows=0",
+        "--config.passkey.enabled=False",
+        "--config.induction.enabled=False",
+    ]
+    assert experiment.main([*args, "--workdir", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    row = results["families"]["alibi"]
+    assert (tmp_path / "alibi" / "seeds" / "sweep.json").exists()  # trained by posattn.sweep
+    seeds = row["loss_seeds"][0]
+    assert len(seeds) == 2 and seeds[0] != seeds[1]
+    assert row["loss"][0] == pytest.approx(np.mean(seeds))
+    assert row["loss_se"][0] == pytest.approx(np.std(seeds, ddof=1) / np.sqrt(2))
+    assert row["loss_sliding"] == [None, None] and results["training"]["alibi"]["seeds"] == [0, 1]
+    assert "±" in (tmp_path / "results.md").read_text()
+    assert experiment.main(["--config.seeds=0", "--workdir", str(tmp_path / "x")]) == 2

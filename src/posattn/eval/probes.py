@@ -20,6 +20,15 @@ The filler contains no digit and no `=`, and the query repeats the needle's pref
 exactly "find the earlier `passkey=` and copy what follows": retrieval across the window, which a
 two-layer model can solve with an induction head (Olsson et al. 2022) keyed on the unique `=`.
 
+With `distractors=True` (the evaluation's form) the filler also holds sentences with numbers of
+the key's length ("Room 4821 is free. "), so "copy the digits in the window" no longer solves it:
+only the digits after the earlier `passkey=` are the answer.
+
+Induction (Olsson et al. 2022, the repeated-random-tokens test): a random string of letters
+written into real text and repeated after a gap of g bytes; the loss on the repeat (all but its
+first byte) measures in-context retrieval continuously, by gap and by window length, before a
+model copies perfectly (chance: ln 26 nats per letter).
+
 Copy (the seeds' second probe): a segment of random lowercase letters is written somewhere in a
 window of real text and repeated at the window's end. Random letters cannot be predicted from the
 language itself (chance is 1/26), so the score measures copying from the earlier occurrence.
@@ -37,12 +46,15 @@ __all__ = [
     "NEEDLE_PREFIX",
     "TRAIN_DIGITS",
     "CopySample",
+    "InductionSample",
     "PasskeySample",
     "copy_sample",
+    "induction_sample",
     "passkey_min_length",
     "passkey_sample",
     "score_copy",
     "score_passkey",
+    "target_positions",
 ]
 
 # The landmark-attention filler sentences (no digits, so the key is the only number in a window).
@@ -53,6 +65,7 @@ NEEDLE_PREFIX = b"passkey="
 TRAIN_DIGITS = 5  # the longest key of the passkeys mixed into training batches (1..5 digits)
 _ASCII_DIGITS = np.frombuffer(b"0123456789", np.uint8)
 _ASCII_LOWER = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", np.uint8)
+_DISTRACTOR = (b"Room ", b" is free. ")  # a filler sentence around a random number
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +90,12 @@ def passkey_min_length(digits: int) -> int:
 
 
 def passkey_sample(
-    rng: np.random.Generator, *, length: int, depth: float, digits: int = 5
+    rng: np.random.Generator,
+    *,
+    length: int,
+    depth: float,
+    digits: int = 5,
+    distractors: bool = False,
 ) -> PasskeySample:
     """A passkey sequence of exactly `length` bytes whose last `digits` bytes are the answer.
 
@@ -88,6 +106,8 @@ def passkey_sample(
       depth: 0 (needle first) .. 1 (needle right before the query), the fraction of the filler
         that precedes the needle.
       digits: the key's length.
+      distractors: one filler sentence in three (at random) is "Room <number> is free. " with a
+        random number of `digits` digits, so the key is not the only number in the window.
 
     Returns:
       The sample; raises ValueError when `length` cannot hold the needle and the query.
@@ -108,11 +128,69 @@ def passkey_sample(
     query = np.concatenate([np.frombuffer(NEEDLE_PREFIX, np.uint8), key])
     n_fill = length - needle.size - query.size
     phase = int(rng.integers(len(FILLER)))
-    reps = (phase + n_fill) // len(FILLER) + 1
-    filler = np.frombuffer(FILLER * reps, np.uint8)[phase : phase + n_fill]  # (n_fill,)
+    if distractors:
+        filler = _distractor_filler(rng, phase + n_fill, digits)[phase:]  # (n_fill,)
+    else:
+        reps = (phase + n_fill) // len(FILLER) + 1
+        filler = np.frombuffer(FILLER * reps, np.uint8)[phase : phase + n_fill]  # (n_fill,)
     at = int(round(depth * n_fill))
     tokens = np.concatenate([filler[:at], needle, filler[at:], query])
     return PasskeySample(tokens=tokens, answer=slice(length - digits, length), needle_at=at)
+
+
+def _distractor_filler(rng: np.random.Generator, size: int, digits: int) -> np.ndarray:
+    """`size` bytes of filler sentences, one in three (at random) a number sentence."""
+    sentences = [x + b". " for x in FILLER.split(b". ") if x.strip()]
+    parts, total = [], 0
+    while total < size:
+        if rng.random() < 1 / 3:
+            number = rng.choice(_ASCII_DIGITS, size=digits).tobytes()
+            part = _DISTRACTOR[0] + number + _DISTRACTOR[1]
+        else:
+            part = sentences[int(rng.integers(len(sentences)))]
+        parts.append(part)
+        total += len(part)
+    return np.frombuffer(b"".join(parts), np.uint8)[:size]
+
+
+@dataclasses.dataclass(frozen=True)
+class InductionSample:
+    tokens: np.ndarray  # uint8[n]
+    source: slice  # the random string's first occurrence
+    repeat: slice  # its repetition at the end, `gap` bytes after the source; [1:] is scored
+    gap: int
+
+
+def induction_sample(
+    rng: np.random.Generator, background: np.ndarray, *, span: int, gap: int
+) -> InductionSample:
+    """`background` (real text) with a random lowercase string of `span` letters written so that
+    its repeat ends the sequence and `gap` bytes of text separate the two copies.
+
+    Args:
+      rng: picks the letters.
+      background: uint8[n] real text; the result has the same length.
+      span: letters in the string (>= 2: the repeat's first letter is not scored).
+      gap: bytes between the end of the first copy and the start of the repeat (>= 0).
+    """
+    n = background.size
+    if span < 2 or gap < 0 or n < 2 * span + gap:
+        raise ValueError(
+            f"induction span={span} (>= 2) and gap={gap} (>= 0) need 2 * span + gap <= {n} bytes"
+        )
+    letters = rng.choice(_ASCII_LOWER, size=span)
+    tokens = np.array(background, np.uint8, copy=True)
+    first = n - 2 * span - gap
+    tokens[first : first + span] = letters
+    tokens[n - span :] = letters
+    return InductionSample(
+        tokens=tokens, source=slice(first, first + span), repeat=slice(n - span, n), gap=gap
+    )
+
+
+def target_positions(where: slice) -> np.ndarray:
+    """The prediction positions int[k] of the tokens `where` (token j is predicted at j - 1)."""
+    return np.arange(where.start - 1, where.stop - 1)
 
 
 def copy_sample(rng: np.random.Generator, background: np.ndarray, *, segment: int) -> CopySample:

@@ -1,0 +1,127 @@
+"""Attention diagnostics per layer and head: entropy, mean attended distance, mass beyond L.
+
+Shape legend: B windows, T window length, N query heads, K key/value heads, H head dim,
+Y layers.
+
+What a family does past its training length shows in where its heads look. For each layer and
+head this computes, from the reference attention probabilities p[i, j] (the full softmax, as
+`posattn.attention.reference_attention` writes it) on a few held-out windows:
+
+* `entropy`: -sum_j p log p (nats); log(i + 1) for a uniform head (NoPE-like dilution), 0 for a
+  head that looks at one key;
+* `distance`: sum_j p[i, j] (i - j), the mean attended distance in tokens;
+* `mass_beyond_L`: sum over keys with i - j >= L of p[i, j], the attention on distances no
+  training window contained (a causal window of L tokens has offsets 0 .. L - 1).
+
+Each is averaged over the window's last `min(T, L)` queries (positions T - L .. T - 1): the
+same number of queries at every length, each with at least T - L keys before it, so a length's
+numbers describe queries that have the whole window behind them.
+
+The q/k of each layer are taken from the model's own modules (`Attention.project_q`,
+`project_kv`, the layer's `PositionBias`), so every family (RoPE rotation and its scalings,
+additive biases, absolute embeddings) is measured as the model computes it; the layers then run
+as in `TransformerLM.hidden`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from posattn import attention as attention_lib
+from posattn.nn import layers
+
+__all__ = ["attention_probabilities", "attention_stats"]
+
+
+def _probabilities(attn: layers.Attention, q: jax.Array, k: jax.Array, start: int = 0) -> jax.Array:
+    """Reference softmax probabilities float32[B, N, T - start, S] of one layer for the queries
+    q[:, start:] (q at positions 0..T-1)."""
+    q = q[:, start:]
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    f32 = jnp.float32
+    k_rep = jnp.repeat(k.astype(f32), N // K, axis=2)  # (B, S, N, H)
+    logits = (
+        jnp.einsum("btnh,bsnh->bnts", q.astype(f32), k_rep, precision=jax.lax.Precision.HIGHEST)
+        * attn.scale
+    )  # (B, N, T, S)
+    q_pos = jnp.arange(start, start + T, dtype=jnp.int32)[None]  # (1, T)
+    if attn.bias is not None:
+        logits = logits + attention_lib.materialize_bias(attn.bias(), q_pos, S)
+    visible = attention_lib.visibility_mask(q_pos, S, causal=attn.causal, kv_lengths=None)
+    logits = jnp.where(visible[:, None], logits, -jnp.inf)
+    return jax.nn.softmax(logits, axis=-1)  # (B, N, T, S); masked keys exactly 0
+
+
+def attention_probabilities(graphdef, params, constants, tokens: jax.Array) -> list[jax.Array]:
+    """Each layer's attention probabilities float32[B, N, T, T] for tokens int[B, T]."""
+    return _per_layer(graphdef, params, constants, tokens, start=0, reduce=lambda p: p)
+
+
+def _per_layer(graphdef, params, constants, tokens, *, start: int, reduce) -> list:
+    """`reduce(probabilities of queries start..T-1)` of each layer, layer by layer (only what
+    `reduce` returns stays alive, not every layer's [B, N, T, S] probabilities)."""
+    model = nnx.merge(graphdef, params, constants)
+    T = tokens.shape[1]
+    positions = layers.token_positions(0, T)
+    x, kv, out = model.embed_tokens(tokens), None, []
+    for i, block in enumerate(model.blocks):
+        if i % model.cfg.kv_share == 0:
+            kv = None
+        attn = block.attn
+        h = block.attn_norm(x)
+        own = attn.project_kv(h, positions, seq_len=T) if attn.owns_kv else kv
+        q = attn.project_q(h, positions, seq_len=T)
+        out.append(reduce(_probabilities(attn, q, own[0], start)))
+        x, kv = block(x, kv=kv)
+    return out
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled(graphdef, train_len: int):
+    def stats(params, constants, tokens):
+        T = tokens.shape[1]
+        q = min(T, train_len)
+        i = jnp.arange(T - q, T)[:, None]  # (q, 1) query positions
+        j = jnp.arange(T)[None, :]  # (1, S)
+        offset = (i - j).astype(jnp.float32)  # (q, S)
+        far = (i - j >= train_len).astype(jnp.float32)
+
+        def reduce(p):  # (B, N, q, S): the last q queries only
+            ent = -jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1.0)), 0.0), -1)
+            dist = jnp.sum(p * jnp.maximum(offset, 0.0), -1)
+            mass = jnp.sum(p * far, -1)
+            return jnp.stack([x.mean(axis=(0, 2)) for x in (ent, dist, mass)])  # (3, N)
+
+        rows = _per_layer(graphdef, params, constants, tokens, start=T - q, reduce=reduce)
+        return jnp.stack(rows)  # (Y, 3, N)
+
+    return jax.jit(stats)
+
+
+def attention_stats(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    constants: nnx.State,
+    windows: np.ndarray,
+    *,
+    train_len: int,
+) -> dict[str, list[list[float]]]:
+    """Per layer and head, averaged over `windows` int[B, T] (see the module docstring).
+
+    Returns:
+      {"entropy", "distance", "mass_beyond_L"}: each a list (layers) of lists (heads) of floats.
+    """
+    if train_len < 1:
+        raise ValueError(f"train_len={train_len!r} must be >= 1")
+    values = np.asarray(
+        _compiled(graphdef, int(train_len))(params, constants, jnp.asarray(windows, jnp.int32)),
+        np.float64,
+    )  # (Y, 3, N)
+    names = ("entropy", "distance", "mass_beyond_L")
+    return {name: values[:, n].tolist() for n, name in enumerate(names)}

@@ -1,0 +1,88 @@
+"""Attention statistics per layer and head against closed forms, and the probabilities against
+the layer's own attention output."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import small_config
+from flax import nnx
+
+from posattn import config as config_lib
+from posattn import positions
+from posattn.eval import attention_stats
+from posattn.nn import layers
+from posattn.train import steps
+
+
+def _model(position, **extra):
+    cfg = config_lib.validate(small_config(model__position=position, model__max_len=64, **extra))
+    return cfg, *steps.init_model(cfg, jax.random.key(0))
+
+
+def _zero_queries(params):
+    """Every query 0: logits are the position bias alone (uniform attention without one)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: jnp.zeros_like(x) if "wq" in jax.tree_util.keystr(path) else x, params
+    )
+
+
+def _closed_form(p, L):
+    """entropy, distance, mass beyond L of probabilities p[T, T] over the last min(T, L) rows."""
+    T = p.shape[0]
+    i = np.arange(T)[:, None]
+    j = np.arange(T)[None, :]
+    rows = slice(T - min(T, L), T)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ent = -np.where(p > 0, p * np.log(p), 0.0).sum(-1)
+    dist = (p * np.maximum(i - j, 0)).sum(-1)
+    mass = (p * (i - j >= L)).sum(-1)
+    return ent[rows].mean(), dist[rows].mean(), mass[rows].mean()
+
+
+@pytest.mark.parametrize("position", ["nope", "alibi"])
+def test_stats_match_closed_forms(position):
+    cfg, graphdef, params, constants = _model(position)
+    params = _zero_queries(params)
+    T, L = 48, 16
+    windows = np.random.default_rng(0).integers(0, 256, size=(2, T))
+    stats = attention_stats.attention_stats(graphdef, params, constants, windows, train_len=L)
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    if position == "nope":
+        slopes = np.zeros(cfg.num_heads)
+    else:
+        slopes = np.asarray(positions.alibi_slopes(cfg.num_heads), np.float64)
+    for head, m in enumerate(slopes):
+        logits = np.where(j <= i, -m * (i - j), -np.inf)
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        want = _closed_form(p, L)
+        for layer in range(cfg.num_layers):
+            got = [stats[k][layer][head] for k in ("entropy", "distance", "mass_beyond_L")]
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_probabilities_reproduce_each_layers_attention():
+    cfg, graphdef, params, constants = _model("rope", model__num_kv_heads=2)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, size=(2, 24)), jnp.int32)
+    probs = attention_stats.attention_probabilities(graphdef, params, constants, tokens)
+    model = nnx.merge(graphdef, params, constants)
+    x = model.embed_tokens(tokens)
+    pos = layers.token_positions(0, 24)
+    for layer, block in enumerate(model.blocks):
+        h = block.attn_norm(x)
+        k, v = block.attn.project_kv(h, pos, seq_len=24)
+        q = block.attn.project_q(h, pos, seq_len=24)
+        want = block.attn.attend(q, k, v, q_offset=0, kv_lengths=None)  # (B, T, D)
+        v_rep = jnp.repeat(v, cfg.num_heads // cfg.num_kv_heads, axis=2)  # (B, S, N, H)
+        out = jnp.einsum("bnts,bsnh->btnh", probs[layer], v_rep)
+        got = layers.dense(out.reshape(2, 24, -1), block.attn.wo[...].reshape(-1, cfg.d_model))
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        assert probs[layer].shape == (2, cfg.num_heads, 24, 24)
+        x, _ = block(x)
+
+
+def test_bad_train_len():
+    _, graphdef, params, constants = _model("nope")
+    with pytest.raises(ValueError, match="train_len"):
+        attention_stats.attention_stats(graphdef, params, constants, np.zeros((1, 8)), train_len=0)
