@@ -58,6 +58,10 @@ def base() -> ml_collections.ConfigDict:
             eval_batches=4,
             fsdp=1,  # size of the fsdp mesh axis (1 = pure data parallel)
             distributed=False,  # call jax.distributed.initialize() (pods, SLURM); env vars also work
+            # Seeing where time goes (docs/training.md):
+            profile_steps=(),  # (first, count): a jax.profiler trace under WORKDIR/profile
+            peak_flops=None,  # device peak FLOP/s for the MFU; None: the known-device table
+            tensorboard=False,  # TensorBoard event files (tensorboardX) beside metrics.jsonl
         )
     )
     return config

@@ -233,6 +233,7 @@ def train_batch(
     seq_len: int,
     process_index: int = 0,
     process_count: int = 1,
+    rows: slice | None = None,
     mask_rate: float = 0.0,
     mask_id: int | None = None,
     passkey_fraction: float = 0.0,
@@ -244,6 +245,8 @@ def train_batch(
       seed, step: the batch's identity; the same pair always gives the same batch.
       batch_size, seq_len: the global batch shape [B, T].
       process_index, process_count: this host's share: rows `[i * B/P, (i + 1) * B/P)`.
+      rows: the rows of the global batch to build (overrides `process_index`/`process_count`):
+        the block one device holds, as `posattn.train.sharding.global_batch` asks for it.
       mask_rate, mask_id: the encoder's masked-byte objective (BERT-style; every chosen position
         becomes `[MASK]` and is predicted); 0 for the causal LM.
       passkey_fraction: each row of the global batch is, with this probability, replaced by a
@@ -253,15 +256,18 @@ def train_batch(
         was; causal LM only.
 
     Returns:
-      `inputs`, `targets` int32[B/P, T] and `weights` float32[B/P, T] (which targets count). For
-      the LM, targets are inputs shifted by one and every weight is 1.
+      `inputs`, `targets` int32[b, T] and `weights` float32[b, T] (which targets count), b the
+      number of rows asked for (B/P by default). For the LM, targets are inputs shifted by one and
+      every weight is 1. Any split of the rows concatenates to the global batch.
     """
     rng = np.random.default_rng(np.random.SeedSequence([seed, step, 0x5EED]))
     starts = rng.integers(0, corpus.train.size - seq_len, size=batch_size)  # (B,)
-    rows = slice(
-        process_index * (batch_size // process_count),
-        (process_index + 1) * (batch_size // process_count),
-    )
+    if rows is None:
+        rows = slice(
+            process_index * (batch_size // process_count),
+            (process_index + 1) * (batch_size // process_count),
+        )
+    rows = slice(*rows.indices(batch_size)[:2])
     windows = np.asarray(
         corpus.train[starts[rows, None] + np.arange(seq_len + 1)], dtype=np.int32
     )  # (b, T+1)
