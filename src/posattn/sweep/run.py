@@ -43,9 +43,10 @@ from posattn.nn.model import TransformerLM
 from posattn.sweep import plan as sweep_config
 from posattn.sweep import report as sweep_report
 from posattn.train import data as data_lib
-from posattn.train import restore_for_resume, sharding, steps
+from posattn.train import sharding, steps
 from posattn.train import workdir as workdir_lib
 from posattn.train.checkpoint import Checkpointer
+from posattn.train.loop import Schedule, restore_for_resume, run_loop
 
 __all__ = ["main", "run_sweep", "sweep_mesh"]
 
@@ -129,11 +130,8 @@ def sweep_mesh(members: int, train: ml_collections.ConfigDict) -> Mesh:
     The rest of the devices split each member's batch (data) and parameters (fsdp), as in
     `posattn.train.sharding.make_mesh`.
     """
-    n, fsdp, B = jax.device_count(), int(train.get("fsdp", 1)), int(train.batch_size)
-    if fsdp < 1 or n % fsdp:
-        raise config_lib.ConfigError(
-            f"config.train.fsdp={fsdp} must divide the number of devices ({n})"
-        )
+    n, B = jax.device_count(), int(train.batch_size)
+    fsdp = sharding.check_fsdp(train.get("fsdp", 1), n)
     for size in sorted((d for d in range(1, n // fsdp + 1) if (n // fsdp) % d == 0), reverse=True):
         if members % size == 0 and B % (n // size) == 0:
             return jax.make_mesh(
@@ -277,9 +275,13 @@ def _run_program(
     else:
         host = {"members": _stack(_initial_members(program)), "alive": np.ones((K,), bool)}
         state, start = _put(host, state_sh), 0
-    metrics_file = (
-        workdir_lib.MetricsFile(pdir / "metrics.jsonl", keep_through=start) if lead else None
+    metrics = workdir_lib.MetricsFile(
+        pdir / "metrics.jsonl",
+        keep_through=start,
+        tensorboard=bool(train_cfg.get("tensorboard", False)),
+        enabled=lead,
     )
+    last_loss, diverged = sweep_report.read_history(pdir / "metrics.jsonl", program)  # trimmed
 
     step_fn, eval_fn = _programs_for(graphdef, optim, mesh, K, state_sh, batch_sh)
     eval_data = _stacked(
@@ -298,87 +300,75 @@ def _run_program(
     )
 
     def batch_at(step: int) -> dict:
-        per_seed = {
-            s: data_lib.train_batch(corpus, seed=s, step=step, batch_size=B, seq_len=T, **options)
-            for s in set(seeds)
-        }
-        return _put(
-            {k: np.stack([per_seed[s][k] for s in seeds]) for k in per_seed[seeds[0]]},
-            {k: batch_sh for k in per_seed[seeds[0]]},
-        )
+        def block(index):  # (members, rows): each member's rows of its own batch of `step`
+            members, rows = index
+            per_seed = {}
+            for s in seeds[members]:
+                if s not in per_seed:
+                    per_seed[s] = data_lib.train_batch(
+                        corpus, seed=s, step=step, batch_size=B, seq_len=T, rows=rows, **options
+                    )
+            return {k: np.stack([per_seed[s][k] for s in seeds[members]]) for k in per_seed[s]}
 
-    def run_eval(step: int) -> list[float]:
+        return sharding.global_batch(block, batch_sh, (K, B))
+
+    def evaluate(step: int, state) -> list[float]:
         nll, count = np.zeros(K), np.zeros(K)
-        for batch in eval_data:
-            s, c = eval_fn(
-                state["members"]["params"],
-                state["members"]["constants"],
-                _put(batch, {k: batch_sh for k in batch}),
+        for full in eval_data:
+            batch = sharding.global_batch(
+                lambda i, full=full: {k: v[i] for k, v in full.items()}, batch_sh, (K, B)
             )
+            s, c = eval_fn(state["members"]["params"], state["members"]["constants"], batch)
             nll, count = nll + np.asarray(s, np.float64), count + np.asarray(c, np.float64)
         values = list(nll / np.maximum(count, 1.0))
-        if metrics_file:
-            for m, v in zip(program.members, values):
-                metrics_file.write(
-                    {
-                        "step": step,
-                        "member": m.index,
-                        "eval_loss": sweep_report.finite(v),
-                        "eval_tokens": int(count[0]),
-                    }
-                )
+        for m, v in zip(program.members, values, strict=True):
+            metrics.write(
+                {
+                    "step": step,
+                    "member": m.index,
+                    "eval_loss": sweep_report.finite(v),
+                    "eval_tokens": int(count[0]),
+                }
+            )
         return values
 
-    # ---- The loop (as posattn.train's: log_every flushes, eval_every evaluates, checkpoints). ----
-    log_every, eval_every = train_cfg.get("log_every", 10), train_cfg.get("eval_every", 0)
-    ckpt_every = train_cfg.checkpoint_every
-    pending = []
-    last_loss, diverged = sweep_report.read_history(
-        pdir / "metrics.jsonl", program
-    )  # (after the trim to `start`)
-    bar = workdir_lib.progress_bar(lead, total, start, f"sweep p{program.index} ({K} members)")
-    step, last_eval = start, None
-    with jax.set_mesh(mesh), workdir_lib.preemption_flag() as preempted:
-        for step in range(start + 1, total + 1):
-            state, metrics = step_fn(state, batch_at(step))
-            pending.append((step, metrics))
-            stopping = preempted() or step == stop_after
-            checkpoint_now = step % ckpt_every == 0 or step == total or stopping
-            if step % log_every == 0 or checkpoint_now:
-                last_loss = sweep_report.flush_metrics(
-                    pending, metrics_file, program, diverged, last_loss, bar
-                )
-                pending = []
-            if (eval_every and step % eval_every == 0) or step == total:
-                last_eval = run_eval(step)
-            if checkpoint_now:
-                ckpt.save(
-                    step,
-                    state,
-                    {
-                        "step": step,
-                        "corpus": corpus.name,
-                        "corpus_sha256": corpus.sha256,
-                        "members": [m.overrides for m in program.members],
-                    },
-                )
-            if stopping:
-                workdir_lib.say(
-                    lead,
-                    f"sweep stopped at step {step} of program {program.index}: checkpoint saved; "
-                    "rerun the same command to resume",
-                )
-                break
-        if bar is not None:
-            bar.close()
-        ckpt.close()
-    if metrics_file:
-        metrics_file.close()
+    def emit(step: int, values: dict, timing: dict, last_checkpoint: int) -> None:
+        sweep_report.write_step(metrics, step, values, timing, program, diverged, last_loss)
+
+    def record(step: int) -> dict:
+        return {
+            "step": step,
+            "corpus": corpus.name,
+            "corpus_sha256": corpus.sha256,
+            "members": [m.overrides for m in program.members],
+        }
+
+    # ---- The loop of posattn.train; the members' records need an evaluation at the end. ----
+    with metrics:
+        out = run_loop(
+            state,
+            start,
+            step_fn=step_fn,
+            batch_at=batch_at,
+            schedule=Schedule.from_config(train_cfg, stop_after=stop_after, eval_at_end=True),
+            emit=emit,
+            evaluate=evaluate,
+            checkpointer=ckpt,
+            record=record,
+            mesh=mesh,
+            lead=lead,
+            name=f"sweep p{program.index} ({K} members)",
+            tokens_per_step=K * B * T,
+            peak_flops=train_cfg.get("peak_flops"),
+            profile_dir=pdir / "profile",
+            where=f" of sweep program {program.index}",
+        )
+        state, step, last_eval = out.state, out.step, out.last_eval
+        if step == total and (last_eval is None or start == total):
+            with jax.set_mesh(mesh):
+                last_eval = evaluate(total, state)
     if step != total:
         return None
-    if last_eval is None or start == total:
-        with jax.set_mesh(mesh):
-            last_eval = run_eval(total)
     extrapolation = (
         _extrapolate(program, state, graphdef, corpus, lengths, loss_at_lengths, config)
         if lengths
