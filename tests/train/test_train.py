@@ -77,11 +77,13 @@ def test_metrics_file_schema_step_time_mfu_and_profile(tmp_path):
     assert len(traces) == 1 and traces[0].stat().st_size > 0
 
 
-def test_mfu_is_null_where_the_peak_is_unknown_and_the_table_knows_accelerators(tmp_path):
+def test_mfu_is_null_where_the_peak_is_unknown_and_the_table_knows_accelerators():
     from posattn.train import loop
 
-    train_and_evaluate(small_config(train__steps=2, train__log_every=1), tmp_path)
-    assert [x["mfu"] for x in read_metrics(tmp_path)[0]] == [None, None]  # a CPU: no peak known
+    on_this_cpu = loop._timing(0.5, 1000, flops=2e9, peak_flops=None)
+    assert on_this_cpu == {"step_time": 0.5, "tokens_per_sec": 2000.0, "mfu": None}
+    assert loop._timing(0.5, 1000, flops=2e9, peak_flops=1e10)["mfu"] == pytest.approx(0.4)
+    assert loop._timing(0.5, 1000, flops=None, peak_flops=1e10)["mfu"] is None
     assert loop.device_peak_flops("cpu") is None
     assert loop.device_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
     assert loop.device_peak_flops("NVIDIA H100 PCIe") == 756e12
@@ -230,13 +232,13 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_step_and_resumes_exac
     Both agree to stop after the same step, save it and exit 0; the same command then resumes,
     and the whole run's losses are the uninterrupted one-process run's.
     """
-    overrides = dict(train__steps=300, train__log_every=1, train__checkpoint_every=300)
+    overrides = dict(train__steps=60, train__log_every=1, train__checkpoint_every=60)
     single = losses(_train_here(tmp_path / "one", **overrides))
     workdir = tmp_path / "two"
     code = _PREEMPTIBLE.format(overrides=overrides, workdir=str(workdir))
     procs = _two_processes(code)
     metrics, deadline = workdir / "metrics.jsonl", time.monotonic() + 240
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
         assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no steps"
         time.sleep(0.05)
     procs[1].send_signal(signal.SIGTERM)  # not the lead process, which writes the files
@@ -244,7 +246,7 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_step_and_resumes_exac
     results = [json.loads(out.split("RESULT", 1)[1].splitlines()[0]) for out in outputs]
     stopped = results[0]["step"]
     assert results[1] == results[0] == {"step": stopped, "preempted": True, "finished": False}
-    assert 3 <= stopped < 300 and f"preempted (SIGTERM) at step {stopped}:" in outputs[0]
+    assert 5 <= stopped < 60 and f"preempted (SIGTERM) at step {stopped}:" in outputs[0]
     saved = sorted(int(d.name) for d in (workdir / "checkpoints").iterdir() if d.name.isdigit())
     assert saved == [stopped]
 
