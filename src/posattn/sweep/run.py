@@ -75,6 +75,8 @@ def run_sweep(
     lengths = tuple(config.sweep.get("eval_lengths", ()) or ())
     loss_at_lengths = _loss_at_lengths() if lengths else None
     sharding.maybe_initialize_distributed(bool(config.train.get("distributed", False)))
+    if config.train.get("tensorboard", False):
+        workdir_lib.require_tensorboard()
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     lead = jax.process_index() == 0

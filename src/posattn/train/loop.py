@@ -3,12 +3,16 @@
     python -m posattn.train --config configs/tiny.py --workdir runs/tiny [--config.key=value ...]
 
 The run is `train_and_evaluate(config, workdir)`, which tests call too. It reads top to bottom:
-setup (validate, distributed, mesh, data, model, checkpoint), the loop (batches as a pure function
-of (seed, step), one jitted step with donated state, metrics flushed every `log_every` steps and
-checked for NaN, evaluation, checkpoints), and the exit (final checkpoint, files closed).
+setup (validate, distributed, mesh, data, model, checkpoint: everything that can fail does so
+before any compute), then `run_loop`, the one training loop, which `posattn.sweep` and the
+length-extrapolation experiment use as well: batches as a pure function of (seed, step), each
+process building only the rows its devices hold; one compiled step with donated state; metrics
+(with step time, tokens/s and MFU) flushed every `log_every` steps and checked; evaluation;
+checkpoints; SIGTERM on any process stopping every process after the same step; profiles.
 
 A workdir holds `config.json`, `metrics.jsonl` (a line per training step with `step` and `loss`,
-evaluation lines with `eval_`-prefixed keys) and `checkpoints/`.
+evaluation lines with `eval_`-prefixed keys), `checkpoints/`, and optionally `profile/` and
+TensorBoard event files. docs/training.md describes all of it.
 """
 
 from __future__ import annotations
