@@ -254,3 +254,17 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_step_and_resumes_exac
     assert json.loads(outputs[0].split("RESULT", 1)[1].splitlines()[0])["finished"]
     resumed = json.loads(outputs[0].split("LOSSES", 1)[1])
     np.testing.assert_allclose(resumed, single, rtol=2e-5, atol=1e-6)
+
+
+def test_the_schedule_evaluates_and_agrees_on_sigterm_at_the_steps_it_says():
+    from posattn.train.loop import Schedule
+
+    run = Schedule(total=20, log_every=5, checkpoint_every=8, eval_every=6)
+    assert [s for s in range(1, 21) if run.evaluates(s)] == [6, 12, 18, 20]
+    assert [s for s in range(1, 21) if run.agrees(s)] == [5, 8, 10, 15, 16, 20]
+    sweep = Schedule(total=20, log_every=5, checkpoint_every=8, eval_at_end=True)
+    assert [s for s in range(1, 21) if sweep.evaluates(s)] == [20]
+    config = small_config(train__profile_steps=(3, 2), train__eval_every=4)
+    assert Schedule.from_config(config.train, stop_after=7) == Schedule(
+        total=20, log_every=5, checkpoint_every=10, eval_every=4, stop_after=7, profile_steps=(3, 2)
+    )

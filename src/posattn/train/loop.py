@@ -302,6 +302,11 @@ class Schedule:
             profile_steps=None if profile is None else (int(profile[0]), int(profile[1])),
         )
 
+    def agrees(self, step: int) -> bool:
+        """Whether the processes agree on SIGTERM after `step`: at every flush (when the host
+        waits for the devices anyway), so that a multi-host run adds no host sync per step."""
+        return step % self.log_every == 0 or step % self.checkpoint_every == 0 or step == self.total
+
     def evaluates(self, step: int) -> bool:
         if step == self.total:
             return bool(self.eval_every) or self.eval_at_end
@@ -347,10 +352,11 @@ def run_loop(
     runs on `schedule.evaluates` steps. A checkpoint (`checkpointer.save(step, state,
     record(step))`) is written every `checkpoint_every` steps, at the end, and when stopping early.
 
-    SIGTERM on any process stops every process after the same step: the flag is agreed by a
-    collective after each step (`posattn.train.sharding.any_process`), so all processes save the
-    same checkpoint and return normally; the same command then resumes exactly. The checkpointer
-    is closed on the way out, whatever happens.
+    SIGTERM on any process stops every process after the same step: with several processes the
+    flag is agreed by a collective every `log_every` steps (`Schedule.agrees`,
+    `posattn.train.sharding.any_process`; with one, it is read after every step), so all
+    processes save the same checkpoint and return normally; the same command then resumes
+    exactly. The checkpointer is closed on the way out, whatever happens.
     """
     bar = workdir_lib.progress_bar(lead, schedule.total, start, name)
     flops = None
@@ -372,7 +378,8 @@ def run_loop(
                 profiler.after(step, state)
                 pending.append((step, metrics))
                 steps_since += 1
-                preempted = sharding.any_process(received())
+                if jax.process_count() == 1 or schedule.agrees(step):
+                    preempted = sharding.any_process(received())
                 stopping = preempted or step == schedule.stop_after
                 checkpoint_now = (
                     step % schedule.checkpoint_every == 0 or step == schedule.total or stopping
