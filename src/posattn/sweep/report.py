@@ -1,4 +1,4 @@
-"""What a sweep leaves behind: metrics lines, `sweep.json` (one record per member), `sweep.md`, plots.
+"""What a sweep leaves behind: metrics lines, `sweep.json` (a record per member), `sweep.md`, plots.
 
 The sweep.json schema is documented in docs/sweeps.md. The table has one row per member; the plot
 has one panel per swept key, final training loss (and evaluation loss) against the key's value,
@@ -168,7 +168,7 @@ def _plot(path: pathlib.Path, records, swept) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
     programs = sorted({r["program"] for r in records})
     colours = plt.get_cmap("tab10")
-    for ax, key in zip(axes[0], panels):
+    for ax, key in zip(axes[0], panels, strict=True):
         for i, p in enumerate(programs):
             rows = [r for r in records if r["program"] == p and key in r["swept"]]
             if not rows:

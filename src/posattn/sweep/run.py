@@ -1,6 +1,6 @@
 """Many runs as one compiled program: a `jax.vmap` over stacked train states.
 
-    python -m posattn.sweep --config configs/sweep_tiny.py --workdir runs/sweep [--config.key=value ...]
+    python -m posattn.sweep --config configs/sweep_tiny.py --workdir runs/sweep [--config.k=v ...]
 
 The config's `sweep` section (see `posattn.sweep.plan`) has a discrete part (family, depth, ...:
 looped in Python, one compiled program each) and a continuous part (seeds, optimiser
@@ -70,7 +70,7 @@ def run_sweep(
       stop_after: stop each unfinished program after this step as a preemption would (saved,
         resumable); the programs after it do not start.
     """
-    # ---- Setup: every member is validated, and the extrapolation function found, before compute. ----
+    # ---- Setup: every member validated, and the extrapolation function found, before compute. ----
     programs = sweep_config.plan(config, cli_overrides=cli_overrides)
     lengths = tuple(config.sweep.get("eval_lengths", ()) or ())
     loss_at_lengths = _loss_at_lengths() if lengths else None
@@ -120,8 +120,9 @@ def _loss_at_lengths():
         from posattn.eval.lengths import loss_at_lengths
     except ImportError as e:
         raise config_lib.ConfigError(
-            f"config.sweep.eval_lengths asks for extrapolation losses, but posattn.eval.lengths.loss_at_lengths "
-            f"is not available ({e}); set config.sweep.eval_lengths=()"
+            "config.sweep.eval_lengths asks for extrapolation losses, but "
+            f"posattn.eval.lengths.loss_at_lengths is not available ({e}); "
+            "set config.sweep.eval_lengths=()"
         ) from None
     return loss_at_lengths
 
@@ -142,8 +143,9 @@ def sweep_mesh(members: int, train: ml_collections.ConfigDict) -> Mesh:
                 axis_types=(AxisType.Auto,) * 3,
             )
     raise config_lib.ConfigError(
-        f"config.train.batch_size={B} with {members} sweep members cannot be laid out on {n} devices: the "
-        f"batch must be divisible by the devices left after the sweep axis; use a multiple of {n}"
+        f"config.train.batch_size={B} with {members} sweep members cannot be laid out on {n} "
+        "devices: the batch must be divisible by the devices left after the sweep axis; use a "
+        f"multiple of {n}"
     )
 
 
@@ -154,7 +156,10 @@ def _sweep_step(
     state, alive = sweep_state["members"], sweep_state["alive"]
     new, metrics = jax.vmap(functools.partial(steps.train_step, graphdef, optim))(state, batch)
     ok = alive & jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["param_norm"])  # (K,)
-    keep = lambda n, o: jnp.where(ok.reshape(ok.shape + (1,) * (jnp.ndim(n) - 1)), n, o)
+
+    def keep(n, o):
+        return jnp.where(ok.reshape(ok.shape + (1,) * (jnp.ndim(n) - 1)), n, o)
+
     new = jax.tree.map(keep, new, state)
     return {"members": new, "alive": ok}, {**metrics, "alive": ok}
 
@@ -194,7 +199,7 @@ def _stack(trees: list) -> Any:
 
 
 def _put(host_tree, shardings) -> Any:
-    """Host arrays -> global arrays on `shardings` (each process supplies its addressable shards)."""
+    """Host arrays -> global arrays on `shardings` (each process supplies its own shards)."""
     return jax.tree.map(
         lambda x, s: jax.make_array_from_callback(x.shape, s, lambda idx: x[idx]),
         host_tree,
@@ -222,18 +227,19 @@ def _initial_members(program: sweep_config.Program) -> list[dict]:
 
 
 def _warn_duplicates(program: sweep_config.Program, states: list[dict]) -> None:
-    """Says so when two members start identical and see the same batches (a key with no effect here)."""
+    """Says so when two members start identical and see the same batches (a swept key with no
+    effect here)."""
     seen = {}
-    for member, state in zip(program.members, states):
+    for member, state in zip(program.members, states, strict=True):
         digest = hashlib.sha1(str(member.config.train.seed).encode())
         for leaf in jax.tree.leaves(state):
             digest.update(np.ascontiguousarray(leaf).tobytes())
         twin = seen.setdefault(digest.hexdigest(), member)
         if twin is not member:
             print(
-                f"posattn.sweep: warning: members {twin.index} ({twin.overrides}) and {member.index} "
-                f"({member.overrides}) are the same run: the swept value has no effect on this program "
-                f"(e.g. a RoPE base for a non-RoPE family)",
+                f"posattn.sweep: warning: members {twin.index} ({twin.overrides}) and "
+                f"{member.index} ({member.overrides}) are the same run: the swept value has no "
+                "effect on this program (e.g. a RoPE base for a non-RoPE family)",
                 flush=True,
             )
 
@@ -423,9 +429,9 @@ def _abstract_member(program: sweep_config.Program):
         layouts.append((structure, [(x.shape, x.dtype) for x in leaves]))
         if layouts[-1] != layouts[0]:
             raise config_lib.ConfigError(
-                f"sweep member {member.index} ({member.overrides}) has a different state layout from member "
-                f"{program.members[0].index} of its program; the swept key changes shapes and belongs in "
-                "config.sweep.discrete"
+                f"sweep member {member.index} ({member.overrides}) has a different state layout "
+                f"from member {program.members[0].index} of its program; the swept key changes "
+                "shapes and belongs in config.sweep.discrete"
             )
         if member is program.members[0]:
             first = abstract
@@ -451,7 +457,7 @@ def _extrapolate(program, state, graphdef, corpus, lengths, loss_at_lengths, con
     )
     out = []
     for k in range(len(program.members)):
-        params, constants = jax.tree.map(lambda x: x[k], (host["params"], host["constants"]))
+        params, constants = jax.tree.map(lambda x, k=k: x[k], (host["params"], host["constants"]))
         values = loss_at_lengths(
             graphdef,
             params,

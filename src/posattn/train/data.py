@@ -72,7 +72,8 @@ class Corpus:
         """Rejects a corpus whose token ids do not fit a model's vocabulary."""
         if self.vocab_size > vocab_size:
             raise DataError(
-                f"corpus {self.name!r} has token ids up to {self.vocab_size - 1} but model.vocab_size={vocab_size}; "
+                f"corpus {self.name!r} has token ids up to {self.vocab_size - 1} but "
+                f"model.vocab_size={vocab_size}; "
                 f"set --config.model.vocab_size={self.vocab_size} (or more)"
             )
 
@@ -99,7 +100,10 @@ def _from_files(name: str, root: pathlib.Path, files: list[pathlib.Path]) -> Cor
         (val_parts if _is_held_out(relative) else train_parts).append(content)
     if not val_parts and len(train_parts) > 1:
         val_parts.append(train_parts.pop())  # tiny directories: still hold out one file
-    to_array = lambda parts: np.frombuffer(b"\n".join(parts), dtype=np.uint8)
+
+    def to_array(parts):
+        return np.frombuffer(b"\n".join(parts), dtype=np.uint8)
+
     return Corpus(
         name,
         to_array(train_parts),
@@ -173,7 +177,8 @@ def check_length(corpus: Corpus, seq_len: int, *, split: str = "both") -> None:
         size = getattr(corpus, name).size
         if size < seq_len + 1:
             raise DataError(
-                f"corpus {corpus.name!r}: the {name} split has {size} tokens, fewer than one window of "
+                f"corpus {corpus.name!r}: the {name} split has {size} tokens, fewer than one "
+                "window of "
                 f"seq_len + 1 = {seq_len + 1}; use a larger corpus or a shorter data.seq_len"
             )
 
@@ -238,7 +243,8 @@ def train_batch(
     mask_id: int | None = None,
     passkey_fraction: float = 0.0,
 ) -> dict[str, np.ndarray]:
-    """The training batch of `step`: random windows of the train split, a pure function of (seed, step).
+    """The training batch of `step`: random windows of the train split, a pure function of
+    (seed, step).
 
     Args:
       corpus: the corpus (its train split is used).
@@ -250,8 +256,8 @@ def train_batch(
       mask_rate, mask_id: the encoder's masked-byte objective (BERT-style; every chosen position
         becomes `[MASK]` and is predicted); 0 for the causal LM.
       passkey_fraction: each row of the global batch is, with this probability, replaced by a
-        passkey-retrieval sequence (`posattn.eval.probes`: random depth, a key of 1 to 5 random digits)
-        so that the skill the extrapolation experiment measures is learnable at the training
+        passkey-retrieval sequence (`posattn.eval.probes`: random depth, a key of 1 to 5 random
+        digits) so that the skill the extrapolation experiment measures is learnable at the training
         length. Drawn from its own stream of (seed, step), so 0 leaves every batch exactly as it
         was; causal LM only.
 
