@@ -143,27 +143,35 @@ def global_batch(
     sharding: NamedSharding,
     leading: tuple[int, ...],
 ) -> dict[str, jax.Array]:
-    """Global arrays laid out as `sharding`, each process building only the blocks it holds.
+    """Global arrays laid out as `sharding`, each process building only the rows it holds.
 
     The one way batches reach the devices, for a run on one device or on many hosts: `leading` is
     the shape of the dimensions the sharding splits (a batch's rows `(B,)`, or a sweep's
     `(members, B)`); `build(index)` returns the host arrays of the block `index` (a tuple of
-    slices over `leading`, trailing dimensions whole), and is called once per distinct block an
-    addressable device holds. Since a batch is a pure function of (seed, step, row), no process
-    ever builds rows it does not hold, and every process agrees on the global array.
+    slices over `leading`, trailing dimensions whole). It is called once, for the smallest block
+    that covers every block this process's devices hold (on a pod, the process's own rows), and
+    each device gets its part. Since a batch is a pure function of (seed, step, row), every
+    process agrees on the global array without building it.
     """
-    blocks: dict[tuple, dict[str, np.ndarray]] = {}
-    placed: list[tuple[jax.Device, tuple]] = []
+    placed = []
     for device, index in sharding.addressable_devices_indices_map(tuple(leading)).items():
-        index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, leading, strict=True))
-        key = tuple((s.start, s.stop) for s in index)
-        if key not in blocks:
-            blocks[key] = build(index)
-        placed.append((device, key))
-    first = blocks[placed[0][1]]
+        placed.append(
+            (device, tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, leading, strict=True)))
+        )
+    box = tuple(
+        slice(min(ix[d].start for _, ix in placed), max(ix[d].stop for _, ix in placed))
+        for d in range(len(leading))
+    )
+    host = build(box)
+
+    def part(index):
+        return tuple(
+            slice(s.start - b.start, s.stop - b.start) for s, b in zip(index, box, strict=True)
+        )
+
     out = {}
-    for name, block in first.items():
-        shape = (*leading, *block.shape[len(leading) :])
-        shards = [jax.device_put(blocks[key][name], device) for device, key in placed]
+    for name, array in host.items():
+        shape = (*leading, *array.shape[len(leading) :])
+        shards = [jax.device_put(array[part(index)], device) for device, index in placed]
         out[name] = jax.make_array_from_single_device_arrays(shape, sharding, shards)
     return out
