@@ -111,4 +111,34 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
             f"config.train.warmup_steps={train.warmup_steps} exceeds config.train.steps="
             f"{train.steps}; shorten the warmup"
         )
+    _validate_observability(train)
     return cfg
+
+
+def _validate_observability(train) -> None:
+    """train.profile_steps, train.peak_flops, train.tensorboard (see docs/training.md)."""
+    profile = train.profile_steps
+    if profile not in ((), None):
+        ok = (
+            isinstance(profile, (tuple, list))
+            and len(profile) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in profile)
+        )
+        _require(ok, "train.profile_steps", profile, "must be () or (first, count), integers >= 1")
+        _require(
+            profile[0] + profile[1] - 1 <= train.steps,
+            "train.profile_steps",
+            profile,
+            f"profiles steps {profile[0]}..{profile[0] + profile[1] - 1}, past the last step "
+            f"(train.steps={train.steps}); allowed: first >= 1, first + count - 1 <= {train.steps}",
+        )
+    peak = train.peak_flops
+    _require(
+        peak is None
+        or (isinstance(peak, (int, float)) and not isinstance(peak, bool) and 0 < peak < math.inf),
+        "train.peak_flops",
+        peak,
+        "must be None (look the device up) or the device's peak FLOP/s, a positive number",
+    )
+    board = train.tensorboard
+    _require(isinstance(board, bool), "train.tensorboard", board, "must be True or False")

@@ -1,6 +1,7 @@
 """vmap sweeps: member k equals its single run; 8 devices equal one; resumption; refusals."""
 
 import json
+import os
 
 import jax
 import ml_collections
@@ -13,7 +14,8 @@ from posattn import sweep
 from posattn.sweep import plan as sweep_config
 from posattn.train import train_and_evaluate
 
-# The shrink of conftest.small_config (one layer: compilation dominates these tests), on the sweep file.
+# The shrink of conftest.small_config (one layer: compilation dominates these tests), on the
+# sweep file.
 _SMALL = [
     "model.d_model=32",
     "model.num_layers=1",
@@ -114,13 +116,18 @@ def device_sweep(workdir: str) -> dict:
 
 
 def test_eight_devices_equal_one_and_a_diverged_member_is_frozen(tmp_path):
-    code = f"import json; from test_sweep import device_sweep; print('RESULT', json.dumps(device_sweep({str(tmp_path / 'd8')!r})))"
-    results = {8: json.loads(run_python(code, devices=8).split("RESULT ", 1)[1])}
+    code = (
+        "import json; from test_sweep import device_sweep; "
+        f"print('RESULT', json.dumps(device_sweep({str(tmp_path / 'd8')!r})))"
+    )
+    here = os.pathsep.join([str(ROOT / "tests" / "sweep"), str(ROOT / "tests")])
+    env = {"PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    results = {8: json.loads(run_python(code, devices=8, env=env).split("RESULT ", 1)[1])}
     if jax.device_count() == 1:  # this process: no second interpreter to start
         results[1] = json.loads(json.dumps(device_sweep(str(tmp_path / "d1"))))
     else:
         code = code.replace("d8", "d1")
-        results[1] = json.loads(run_python(code, devices=1).split("RESULT ", 1)[1])
+        results[1] = json.loads(run_python(code, devices=1, env=env).split("RESULT ", 1)[1])
     assert results[8]["devices"] == 8 and results[1]["devices"] == 1
     assert (
         results[8]["mesh"] == {"sweep": 4, "data": 2, "fsdp": 1}
@@ -134,7 +141,7 @@ def test_eight_devices_equal_one_and_a_diverged_member_is_frozen(tmp_path):
     for key, line in by_devices[1].items():
         if line["loss"] is not None:
             assert by_devices[8][key]["loss"] == pytest.approx(line["loss"], rel=1e-5), key
-    for r8, r1 in zip(results[8]["records"], results[1]["records"]):
+    for r8, r1 in zip(results[8]["records"], results[1]["records"], strict=True):
         if r1["final_train_loss"] is not None:
             assert r8["final_train_loss"] == pytest.approx(r1["final_train_loss"], rel=1e-5)
             assert r8["eval_loss"] == pytest.approx(r1["eval_loss"], rel=1e-5)

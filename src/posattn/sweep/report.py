@@ -1,4 +1,4 @@
-"""What a sweep leaves behind: metrics lines, `sweep.json` (one record per member), `sweep.md`, plots.
+"""What a sweep leaves behind: metrics lines, `sweep.json` (a record per member), `sweep.md`, plots.
 
 The sweep.json schema is documented in docs/sweeps.md. The table has one row per member; the plot
 has one panel per swept key, final training loss (and evaluation loss) against the key's value,
@@ -14,12 +14,11 @@ import pathlib
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import numpy as np
 
 from posattn.sweep import plan as sweep_config
 
-__all__ = ["finite", "flush_metrics", "read_history", "write"]
+__all__ = ["finite", "read_history", "write", "write_step"]
 
 
 def write(
@@ -61,35 +60,33 @@ def write(
         _plot_lengths(workdir / "sweep_lengths.png", records)
 
 
-def flush_metrics(pending, metrics_file, program, diverged: dict, last_loss: list, bar) -> list:
-    """Writes one line per (step, live member); records the step at which a member diverged."""
-    fetched = jax.device_get([m for _, m in pending])
-    last_loss = list(last_loss)
-    for (step, _), values in zip(pending, fetched):
-        for k, member in enumerate(program.members):
-            if member.index in diverged:
-                continue
-            line = {
-                "step": step,
-                "member": member.index,
-                **{n: finite(v[k]) for n, v in values.items() if n != "alive"},
-            }
-            if not values["alive"][k]:
-                diverged[member.index] = step
-                line["diverged"] = True
-                last_loss[k] = None
-                print(
-                    f"posattn.sweep: member {member.index} ({member.overrides}) diverged at step {step} "
-                    f"(loss {float(values['loss'][k])}); it is frozen, the others continue",
-                    flush=True,
-                )
-            else:
-                last_loss[k] = line["loss"]
-            if metrics_file:
-                metrics_file.write(line)
-    if bar is not None and pending:
-        bar.update(pending[-1][0] - bar.n)
-    return last_loss
+def write_step(
+    metrics_file, step: int, values: dict, timing: dict, program, diverged: dict, last_loss: list
+) -> None:
+    """Writes one line per live member for `step` (updating `last_loss` in place); records the
+    step at which a member diverged, in `diverged`. `timing` (step time, tokens/s, MFU of the
+    whole program) is the same on every member's line."""
+    for k, member in enumerate(program.members):
+        if member.index in diverged:
+            continue
+        line = {
+            "step": step,
+            "member": member.index,
+            **{n: finite(v[k]) for n, v in values.items() if n != "alive"},
+            **timing,
+        }
+        if not values["alive"][k]:
+            diverged[member.index] = step
+            line["diverged"] = True
+            last_loss[k] = None
+            print(
+                f"posattn.sweep: member {member.index} ({member.overrides}) diverged at step "
+                f"{step} (loss {float(values['loss'][k])}); it is frozen, the others continue",
+                flush=True,
+            )
+        else:
+            last_loss[k] = line["loss"]
+        metrics_file.write(line)
 
 
 def read_history(path: pathlib.Path, program) -> tuple[list, dict[int, int]]:
@@ -171,7 +168,7 @@ def _plot(path: pathlib.Path, records, swept) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
     programs = sorted({r["program"] for r in records})
     colours = plt.get_cmap("tab10")
-    for ax, key in zip(axes[0], panels):
+    for ax, key in zip(axes[0], panels, strict=True):
         for i, p in enumerate(programs):
             rows = [r for r in records if r["program"] == p and key in r["swept"]]
             if not rows:

@@ -1,6 +1,6 @@
 """Many runs as one compiled program: a `jax.vmap` over stacked train states.
 
-    python -m posattn.sweep --config configs/sweep_tiny.py --workdir runs/sweep [--config.key=value ...]
+    python -m posattn.sweep --config configs/sweep_tiny.py --workdir runs/sweep [--config.k=v ...]
 
 The config's `sweep` section (see `posattn.sweep.plan`) has a discrete part (family, depth, ...:
 looped in Python, one compiled program each) and a continuous part (seeds, optimiser
@@ -44,9 +44,10 @@ from posattn.nn.model import TransformerLM
 from posattn.sweep import plan as sweep_config
 from posattn.sweep import report as sweep_report
 from posattn.train import data as data_lib
-from posattn.train import restore_for_resume, sharding, steps
+from posattn.train import sharding, steps
 from posattn.train import workdir as workdir_lib
 from posattn.train.checkpoint import Checkpointer
+from posattn.train.loop import Schedule, restore_for_resume, run_loop
 
 __all__ = ["main", "run_sweep", "sweep_mesh"]
 
@@ -70,11 +71,13 @@ def run_sweep(
       stop_after: stop each unfinished program after this step as a preemption would (saved,
         resumable); the programs after it do not start.
     """
-    # ---- Setup: every member is validated, and the extrapolation function found, before compute. ----
+    # ---- Setup: every member validated, and the extrapolation function found, before compute. ----
     programs = sweep_config.plan(config, cli_overrides=cli_overrides)
     lengths = tuple(config.sweep.get("eval_lengths", ()) or ())
     loss_at_lengths = _loss_at_lengths() if lengths else None
     sharding.maybe_initialize_distributed(bool(config.train.get("distributed", False)))
+    if config.train.get("tensorboard", False):
+        workdir_lib.require_tensorboard()
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     lead = jax.process_index() == 0
@@ -118,8 +121,9 @@ def _loss_at_lengths():
         from posattn.eval.lengths import loss_at_lengths
     except ImportError as e:
         raise config_lib.ConfigError(
-            f"config.sweep.eval_lengths asks for extrapolation losses, but posattn.eval.lengths.loss_at_lengths "
-            f"is not available ({e}); set config.sweep.eval_lengths=()"
+            "config.sweep.eval_lengths asks for extrapolation losses, but "
+            f"posattn.eval.lengths.loss_at_lengths is not available ({e}); "
+            "set config.sweep.eval_lengths=()"
         ) from None
     return loss_at_lengths
 
@@ -130,11 +134,8 @@ def sweep_mesh(members: int, train: ml_collections.ConfigDict) -> Mesh:
     The rest of the devices split each member's batch (data) and parameters (fsdp), as in
     `posattn.train.sharding.make_mesh`.
     """
-    n, fsdp, B = jax.device_count(), int(train.get("fsdp", 1)), int(train.batch_size)
-    if fsdp < 1 or n % fsdp:
-        raise config_lib.ConfigError(
-            f"config.train.fsdp={fsdp} must divide the number of devices ({n})"
-        )
+    n, B = jax.device_count(), int(train.batch_size)
+    fsdp = sharding.check_fsdp(train.get("fsdp", 1), n)
     for size in sorted((d for d in range(1, n // fsdp + 1) if (n // fsdp) % d == 0), reverse=True):
         if members % size == 0 and B % (n // size) == 0:
             return jax.make_mesh(
@@ -143,8 +144,9 @@ def sweep_mesh(members: int, train: ml_collections.ConfigDict) -> Mesh:
                 axis_types=(AxisType.Auto,) * 3,
             )
     raise config_lib.ConfigError(
-        f"config.train.batch_size={B} with {members} sweep members cannot be laid out on {n} devices: the "
-        f"batch must be divisible by the devices left after the sweep axis; use a multiple of {n}"
+        f"config.train.batch_size={B} with {members} sweep members cannot be laid out on {n} "
+        "devices: the batch must be divisible by the devices left after the sweep axis; use a "
+        f"multiple of {n}"
     )
 
 
@@ -155,7 +157,10 @@ def _sweep_step(
     state, alive = sweep_state["members"], sweep_state["alive"]
     new, metrics = jax.vmap(functools.partial(steps.train_step, graphdef, optim))(state, batch)
     ok = alive & jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["param_norm"])  # (K,)
-    keep = lambda n, o: jnp.where(ok.reshape(ok.shape + (1,) * (jnp.ndim(n) - 1)), n, o)
+
+    def keep(n, o):
+        return jnp.where(ok.reshape(ok.shape + (1,) * (jnp.ndim(n) - 1)), n, o)
+
     new = jax.tree.map(keep, new, state)
     return {"members": new, "alive": ok}, {**metrics, "alive": ok}
 
@@ -195,7 +200,7 @@ def _stack(trees: list) -> Any:
 
 
 def _put(host_tree, shardings) -> Any:
-    """Host arrays -> global arrays on `shardings` (each process supplies its addressable shards)."""
+    """Host arrays -> global arrays on `shardings` (each process supplies its own shards)."""
     return jax.tree.map(
         lambda x, s: jax.make_array_from_callback(x.shape, s, lambda idx: x[idx]),
         host_tree,
@@ -223,18 +228,19 @@ def _initial_members(program: sweep_config.Program) -> list[dict]:
 
 
 def _warn_duplicates(program: sweep_config.Program, states: list[dict]) -> None:
-    """Says so when two members start identical and see the same batches (a key with no effect here)."""
+    """Says so when two members start identical and see the same batches (a swept key with no
+    effect here)."""
     seen = {}
-    for member, state in zip(program.members, states):
+    for member, state in zip(program.members, states, strict=True):
         digest = hashlib.sha1(str(member.config.train.seed).encode())
         for leaf in jax.tree.leaves(state):
             digest.update(np.ascontiguousarray(leaf).tobytes())
         twin = seen.setdefault(digest.hexdigest(), member)
         if twin is not member:
             print(
-                f"posattn.sweep: warning: members {twin.index} ({twin.overrides}) and {member.index} "
-                f"({member.overrides}) are the same run: the swept value has no effect on this program "
-                f"(e.g. a RoPE base for a non-RoPE family)",
+                f"posattn.sweep: warning: members {twin.index} ({twin.overrides}) and "
+                f"{member.index} ({member.overrides}) are the same run: the swept value has no "
+                "effect on this program (e.g. a RoPE base for a non-RoPE family)",
                 flush=True,
             )
 
@@ -278,9 +284,13 @@ def _run_program(
     else:
         host = {"members": _stack(_initial_members(program)), "alive": np.ones((K,), bool)}
         state, start = _put(host, state_sh), 0
-    metrics_file = (
-        workdir_lib.MetricsFile(pdir / "metrics.jsonl", keep_through=start) if lead else None
+    metrics = workdir_lib.MetricsFile(
+        pdir / "metrics.jsonl",
+        keep_through=start,
+        tensorboard=bool(train_cfg.get("tensorboard", False)),
+        enabled=lead,
     )
+    last_loss, diverged = sweep_report.read_history(pdir / "metrics.jsonl", program)  # trimmed
 
     step_fn, eval_fn = _programs_for(graphdef, optim, mesh, K, state_sh, batch_sh)
     eval_data = _stacked(
@@ -299,87 +309,75 @@ def _run_program(
     )
 
     def batch_at(step: int) -> dict:
-        per_seed = {
-            s: data_lib.train_batch(corpus, seed=s, step=step, batch_size=B, seq_len=T, **options)
-            for s in set(seeds)
-        }
-        return _put(
-            {k: np.stack([per_seed[s][k] for s in seeds]) for k in per_seed[seeds[0]]},
-            {k: batch_sh for k in per_seed[seeds[0]]},
-        )
+        def block(index):  # (members, rows): each member's rows of its own batch of `step`
+            members, rows = index
+            per_seed = {}
+            for s in seeds[members]:
+                if s not in per_seed:
+                    per_seed[s] = data_lib.train_batch(
+                        corpus, seed=s, step=step, batch_size=B, seq_len=T, rows=rows, **options
+                    )
+            return {k: np.stack([per_seed[s][k] for s in seeds[members]]) for k in per_seed[s]}
 
-    def run_eval(step: int) -> list[float]:
+        return sharding.global_batch(block, batch_sh, (K, B))
+
+    def evaluate(step: int, state) -> list[float]:
         nll, count = np.zeros(K), np.zeros(K)
-        for batch in eval_data:
-            s, c = eval_fn(
-                state["members"]["params"],
-                state["members"]["constants"],
-                _put(batch, {k: batch_sh for k in batch}),
+        for full in eval_data:
+            batch = sharding.global_batch(
+                lambda i, full=full: {k: v[i] for k, v in full.items()}, batch_sh, (K, B)
             )
+            s, c = eval_fn(state["members"]["params"], state["members"]["constants"], batch)
             nll, count = nll + np.asarray(s, np.float64), count + np.asarray(c, np.float64)
         values = list(nll / np.maximum(count, 1.0))
-        if metrics_file:
-            for m, v in zip(program.members, values):
-                metrics_file.write(
-                    {
-                        "step": step,
-                        "member": m.index,
-                        "eval_loss": sweep_report.finite(v),
-                        "eval_tokens": int(count[0]),
-                    }
-                )
+        for m, v in zip(program.members, values, strict=True):
+            metrics.write(
+                {
+                    "step": step,
+                    "member": m.index,
+                    "eval_loss": sweep_report.finite(v),
+                    "eval_tokens": int(count[0]),
+                }
+            )
         return values
 
-    # ---- The loop (as posattn.train's: log_every flushes, eval_every evaluates, checkpoints). ----
-    log_every, eval_every = train_cfg.get("log_every", 10), train_cfg.get("eval_every", 0)
-    ckpt_every = train_cfg.checkpoint_every
-    pending = []
-    last_loss, diverged = sweep_report.read_history(
-        pdir / "metrics.jsonl", program
-    )  # (after the trim to `start`)
-    bar = workdir_lib.progress_bar(lead, total, start, f"sweep p{program.index} ({K} members)")
-    step, last_eval = start, None
-    with jax.set_mesh(mesh), workdir_lib.preemption_flag() as preempted:
-        for step in range(start + 1, total + 1):
-            state, metrics = step_fn(state, batch_at(step))
-            pending.append((step, metrics))
-            stopping = preempted() or step == stop_after
-            checkpoint_now = step % ckpt_every == 0 or step == total or stopping
-            if step % log_every == 0 or checkpoint_now:
-                last_loss = sweep_report.flush_metrics(
-                    pending, metrics_file, program, diverged, last_loss, bar
-                )
-                pending = []
-            if (eval_every and step % eval_every == 0) or step == total:
-                last_eval = run_eval(step)
-            if checkpoint_now:
-                ckpt.save(
-                    step,
-                    state,
-                    {
-                        "step": step,
-                        "corpus": corpus.name,
-                        "corpus_sha256": corpus.sha256,
-                        "members": [m.overrides for m in program.members],
-                    },
-                )
-            if stopping:
-                workdir_lib.say(
-                    lead,
-                    f"sweep stopped at step {step} of program {program.index}: checkpoint saved; "
-                    "rerun the same command to resume",
-                )
-                break
-        if bar is not None:
-            bar.close()
-        ckpt.close()
-    if metrics_file:
-        metrics_file.close()
+    def emit(step: int, values: dict, timing: dict, last_checkpoint: int) -> None:
+        sweep_report.write_step(metrics, step, values, timing, program, diverged, last_loss)
+
+    def record(step: int) -> dict:
+        return {
+            "step": step,
+            "corpus": corpus.name,
+            "corpus_sha256": corpus.sha256,
+            "members": [m.overrides for m in program.members],
+        }
+
+    # ---- The loop of posattn.train; the members' records need an evaluation at the end. ----
+    with metrics:
+        out = run_loop(
+            state,
+            start,
+            step_fn=step_fn,
+            batch_at=batch_at,
+            schedule=Schedule.from_config(train_cfg, stop_after=stop_after, eval_at_end=True),
+            emit=emit,
+            evaluate=evaluate,
+            checkpointer=ckpt,
+            record=record,
+            mesh=mesh,
+            lead=lead,
+            name=f"sweep p{program.index} ({K} members)",
+            tokens_per_step=K * B * T,
+            peak_flops=train_cfg.get("peak_flops"),
+            profile_dir=pdir / "profile",
+            where=f" of sweep program {program.index}",
+        )
+        state, step, last_eval = out.state, out.step, out.last_eval
+        if step == total and (last_eval is None or start == total):
+            with jax.set_mesh(mesh):
+                last_eval = evaluate(total, state)
     if step != total:
         return None
-    if last_eval is None or start == total:
-        with jax.set_mesh(mesh):
-            last_eval = run_eval(total)
     extrapolation = (
         _extrapolate(program, state, graphdef, corpus, lengths, loss_at_lengths, config)
         if lengths
@@ -432,9 +430,9 @@ def _abstract_member(program: sweep_config.Program):
         layouts.append((structure, [(x.shape, x.dtype) for x in leaves]))
         if layouts[-1] != layouts[0]:
             raise config_lib.ConfigError(
-                f"sweep member {member.index} ({member.overrides}) has a different state layout from member "
-                f"{program.members[0].index} of its program; the swept key changes shapes and belongs in "
-                "config.sweep.discrete"
+                f"sweep member {member.index} ({member.overrides}) has a different state layout "
+                f"from member {program.members[0].index} of its program; the swept key changes "
+                "shapes and belongs in config.sweep.discrete"
             )
         if member is program.members[0]:
             first = abstract
@@ -460,7 +458,7 @@ def _extrapolate(program, state, graphdef, corpus, lengths, loss_at_lengths, con
     )
     out = []
     for k in range(len(program.members)):
-        params, constants = jax.tree.map(lambda x: x[k], (host["params"], host["constants"]))
+        params, constants = jax.tree.map(lambda x, k=k: x[k], (host["params"], host["constants"]))
         values = loss_at_lengths(
             graphdef,
             params,

@@ -72,7 +72,8 @@ class Corpus:
         """Rejects a corpus whose token ids do not fit a model's vocabulary."""
         if self.vocab_size > vocab_size:
             raise DataError(
-                f"corpus {self.name!r} has token ids up to {self.vocab_size - 1} but model.vocab_size={vocab_size}; "
+                f"corpus {self.name!r} has token ids up to {self.vocab_size - 1} but "
+                f"model.vocab_size={vocab_size}; "
                 f"set --config.model.vocab_size={self.vocab_size} (or more)"
             )
 
@@ -99,7 +100,10 @@ def _from_files(name: str, root: pathlib.Path, files: list[pathlib.Path]) -> Cor
         (val_parts if _is_held_out(relative) else train_parts).append(content)
     if not val_parts and len(train_parts) > 1:
         val_parts.append(train_parts.pop())  # tiny directories: still hold out one file
-    to_array = lambda parts: np.frombuffer(b"\n".join(parts), dtype=np.uint8)
+
+    def to_array(parts):
+        return np.frombuffer(b"\n".join(parts), dtype=np.uint8)
+
     return Corpus(
         name,
         to_array(train_parts),
@@ -173,7 +177,8 @@ def check_length(corpus: Corpus, seq_len: int, *, split: str = "both") -> None:
         size = getattr(corpus, name).size
         if size < seq_len + 1:
             raise DataError(
-                f"corpus {corpus.name!r}: the {name} split has {size} tokens, fewer than one window of "
+                f"corpus {corpus.name!r}: the {name} split has {size} tokens, fewer than one "
+                "window of "
                 f"seq_len + 1 = {seq_len + 1}; use a larger corpus or a shorter data.seq_len"
             )
 
@@ -233,35 +238,42 @@ def train_batch(
     seq_len: int,
     process_index: int = 0,
     process_count: int = 1,
+    rows: slice | None = None,
     mask_rate: float = 0.0,
     mask_id: int | None = None,
     passkey_fraction: float = 0.0,
 ) -> dict[str, np.ndarray]:
-    """The training batch of `step`: random windows of the train split, a pure function of (seed, step).
+    """The training batch of `step`: random windows of the train split, a pure function of
+    (seed, step).
 
     Args:
       corpus: the corpus (its train split is used).
       seed, step: the batch's identity; the same pair always gives the same batch.
       batch_size, seq_len: the global batch shape [B, T].
       process_index, process_count: this host's share: rows `[i * B/P, (i + 1) * B/P)`.
+      rows: the rows of the global batch to build (overrides `process_index`/`process_count`):
+        the block one device holds, as `posattn.train.sharding.global_batch` asks for it.
       mask_rate, mask_id: the encoder's masked-byte objective (BERT-style; every chosen position
         becomes `[MASK]` and is predicted); 0 for the causal LM.
       passkey_fraction: each row of the global batch is, with this probability, replaced by a
-        passkey-retrieval sequence (`posattn.eval.probes`: random depth, a key of 1 to 5 random digits)
-        so that the skill the extrapolation experiment measures is learnable at the training
+        passkey-retrieval sequence (`posattn.eval.probes`: random depth, a key of 1 to 5 random
+        digits) so that the skill the extrapolation experiment measures is learnable at the training
         length. Drawn from its own stream of (seed, step), so 0 leaves every batch exactly as it
         was; causal LM only.
 
     Returns:
-      `inputs`, `targets` int32[B/P, T] and `weights` float32[B/P, T] (which targets count). For
-      the LM, targets are inputs shifted by one and every weight is 1.
+      `inputs`, `targets` int32[b, T] and `weights` float32[b, T] (which targets count), b the
+      number of rows asked for (B/P by default). For the LM, targets are inputs shifted by one and
+      every weight is 1. Any split of the rows concatenates to the global batch.
     """
     rng = np.random.default_rng(np.random.SeedSequence([seed, step, 0x5EED]))
     starts = rng.integers(0, corpus.train.size - seq_len, size=batch_size)  # (B,)
-    rows = slice(
-        process_index * (batch_size // process_count),
-        (process_index + 1) * (batch_size // process_count),
-    )
+    if rows is None:
+        rows = slice(
+            process_index * (batch_size // process_count),
+            (process_index + 1) * (batch_size // process_count),
+        )
+    rows = slice(*rows.indices(batch_size)[:2])
     windows = np.asarray(
         corpus.train[starts[rows, None] + np.arange(seq_len + 1)], dtype=np.int32
     )  # (b, T+1)

@@ -10,14 +10,20 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from posattn.config import ConfigError
+
 __all__ = [
+    "any_process",
     "batch_sharding",
+    "check_fsdp",
+    "divisors",
     "global_batch",
     "make_mesh",
     "maybe_initialize_distributed",
@@ -55,15 +61,41 @@ def maybe_initialize_distributed(force: bool = False) -> None:
     )
 
 
+def any_process(flag: bool) -> bool:
+    """True on every process if `flag` is True on any: a collective every process must call.
+
+    With one process this is `flag`; with several, an all-gather of one int per process
+    (`jax.experimental.multihost_utils.process_allgather`).
+    """
+    if jax.process_count() == 1:
+        return bool(flag)
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.asarray([int(flag)], np.int32))))
+
+
 def _has_accelerator_hint() -> bool:
     return any(os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "TPU_NAME", "TPU_WORKER_ID"))
 
 
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_fsdp(fsdp, devices: int) -> int:
+    """`fsdp` if it divides the device count, else a ConfigError naming the allowed sizes."""
+    if isinstance(fsdp, bool) or not isinstance(fsdp, int) or fsdp < 1 or devices % fsdp:
+        raise ConfigError(
+            f"config.train.fsdp={fsdp!r} must divide the number of devices ({devices}); "
+            f"allowed: {', '.join(map(str, divisors(devices)))}"
+        )
+    return fsdp
+
+
 def make_mesh(fsdp: int = 1) -> Mesh:
-    """A (data, fsdp) mesh over every device; `fsdp` must divide the device count."""
+    """A (data, fsdp) mesh over every device; `fsdp` must divide the device count (ConfigError)."""
     n = jax.device_count()
-    if fsdp < 1 or n % fsdp:
-        raise ValueError(f"config.train.fsdp={fsdp} must divide the number of devices ({n})")
+    check_fsdp(fsdp, n)
     return jax.make_mesh(
         (n // fsdp, fsdp), ("data", "fsdp"), axis_types=(AxisType.Auto, AxisType.Auto)
     )
@@ -87,7 +119,7 @@ def _param_spec(shape: tuple[int, ...], fsdp: int) -> P:
 
 
 def state_shardings(mesh: Mesh, abstract_state, *, leading_axis: str | None = None):
-    """NamedShardings for a train state: fsdp-split parameters and optimiser moments, the rest replicated.
+    """NamedShardings for a train state: fsdp-split parameters and Adam moments, others replicated.
 
     Args:
       mesh: the (data, fsdp) mesh (or one with a leading `sweep` axis).
@@ -107,11 +139,39 @@ def state_shardings(mesh: Mesh, abstract_state, *, leading_axis: str | None = No
 
 
 def global_batch(
-    local: dict[str, np.ndarray], sharding: NamedSharding, global_rows: int
+    build: Callable[[tuple[slice, ...]], dict[str, np.ndarray]],
+    sharding: NamedSharding,
+    leading: tuple[int, ...],
 ) -> dict[str, jax.Array]:
-    """Assembles each process's rows into global arrays split over the mesh."""
+    """Global arrays laid out as `sharding`, each process building only the rows it holds.
 
-    def make(x):
-        return jax.make_array_from_process_local_data(sharding, x, (global_rows, *x.shape[1:]))
+    The one way batches reach the devices, for a run on one device or on many hosts: `leading` is
+    the shape of the dimensions the sharding splits (a batch's rows `(B,)`, or a sweep's
+    `(members, B)`); `build(index)` returns the host arrays of the block `index` (a tuple of
+    slices over `leading`, trailing dimensions whole). It is called once, for the smallest block
+    that covers every block this process's devices hold (on a pod, the process's own rows), and
+    each device gets its part. Since a batch is a pure function of (seed, step, row), every
+    process agrees on the global array without building it.
+    """
+    placed = []
+    for device, index in sharding.addressable_devices_indices_map(tuple(leading)).items():
+        placed.append(
+            (device, tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, leading, strict=True)))
+        )
+    box = tuple(
+        slice(min(ix[d].start for _, ix in placed), max(ix[d].stop for _, ix in placed))
+        for d in range(len(leading))
+    )
+    host = build(box)
 
-    return {k: make(v) for k, v in local.items()}
+    def part(index):
+        return tuple(
+            slice(s.start - b.start, s.stop - b.start) for s, b in zip(index, box, strict=True)
+        )
+
+    out = {}
+    for name, array in host.items():
+        shape = (*leading, *array.shape[len(leading) :])
+        shards = [jax.device_put(array[part(index)], device) for device, index in placed]
+        out[name] = jax.make_array_from_single_device_arrays(shape, sharding, shards)
+    return out

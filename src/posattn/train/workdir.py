@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 import os
 import pathlib
 import signal
@@ -27,6 +28,7 @@ __all__ = [
     "lock",
     "preemption_flag",
     "progress_bar",
+    "require_tensorboard",
     "say",
     "write_or_check_config",
 ]
@@ -40,6 +42,9 @@ RESUMABLE_CHANGES = {
     "train.keep_checkpoints",
     "train.fsdp",
     "train.distributed",
+    "train.profile_steps",
+    "train.peak_flops",
+    "train.tensorboard",
 }
 
 
@@ -48,9 +53,26 @@ class WorkdirBusyError(RuntimeError):
 
 
 class MetricsFile:
-    """metrics.jsonl, trimmed on resume to the lines of steps the restored state has seen."""
+    """metrics.jsonl, trimmed on resume to the lines of steps the restored state has seen.
 
-    def __init__(self, path: pathlib.Path, *, keep_through: int):
+    With `tensorboard=True` every numeric value of a line is also written as a TensorBoard scalar
+    (tensorboardX event files beside metrics.jsonl; a sweep's lines under `member_<k>/`); the
+    JSON lines stay the source of truth (a resumed run's event files repeat the steps after the
+    restored checkpoint, its metrics.jsonl does not). `enabled=False` (every process but the
+    first) writes nothing. A context manager that closes the files.
+    """
+
+    def __init__(
+        self,
+        path: pathlib.Path,
+        *,
+        keep_through: int,
+        tensorboard: bool = False,
+        enabled: bool = True,
+    ):
+        self._file = self._events = None
+        if not enabled:
+            return
         lines = []
         if path.exists():
             for text in path.read_text().splitlines():
@@ -61,14 +83,47 @@ class MetricsFile:
                     pass  # a line cut by a kill mid-write
         path.write_text("".join(line + "\n" for line in lines))
         self._file = path.open("a")
+        if tensorboard:
+            self._events = require_tensorboard().SummaryWriter(logdir=str(path.parent))
 
     def write(self, record: dict) -> None:
+        if self._file is None:
+            return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        if self._events is not None:
+            step = int(record["step"])
+            prefix = f"member_{record['member']}/" if "member" in record else ""
+            for key, value in record.items():
+                if key in ("step", "member") or isinstance(value, bool):
+                    continue
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self._events.add_scalar(prefix + key, value, step)
 
     def close(self) -> None:
-        if not self._file.closed:
+        if self._file is not None and not self._file.closed:
             self._file.close()
+        if self._events is not None:
+            self._events.close()
+            self._events = None
+
+    def __enter__(self) -> MetricsFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def require_tensorboard():
+    """The tensorboardX module (`train.tensorboard=True`), or a ConfigError saying how to get it."""
+    try:
+        import tensorboardX
+    except ImportError:
+        raise config_lib.ConfigError(
+            "config.train.tensorboard=True writes TensorBoard event files with tensorboardX, which "
+            "is not installed; pip install tensorboardX (see requirements.txt) or set it to False"
+        ) from None
+    return tensorboardX
 
 
 def progress_bar(lead: bool, total: int, start: int, name: str):
@@ -94,7 +149,11 @@ def say(lead: bool, message: str) -> None:
 
 @contextlib.contextmanager
 def preemption_flag():
-    """SIGTERM sets a flag the loop checks after each step (it then saves and exits cleanly)."""
+    """SIGTERM sets a flag the loop checks after each step (it then saves and exits cleanly).
+
+    The flag is this process's; the loop agrees on it with the other processes
+    (`posattn.train.sharding.any_process`) so that every process stops after the same step.
+    """
     received = []
     previous = None
 
@@ -124,8 +183,8 @@ def lock(workdir: pathlib.Path):
         owner = handle.read().strip() or "unknown"
         handle.close()
         raise WorkdirBusyError(
-            f"another process (pid {owner}) is already training in {workdir}; wait for it to finish "
-            "or use another --workdir"
+            f"another process (pid {owner}) is already training in {workdir}; wait for it to "
+            "finish or use another --workdir"
         ) from None
     handle.seek(0)
     handle.truncate()
@@ -163,7 +222,7 @@ def write_or_check_config(workdir: pathlib.Path, config: ml_collections.ConfigDi
         if changed:
             detail = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:5])
             raise config_lib.ConfigError(
-                f"{workdir} holds a run with a different config ({detail}); resume it with the same "
-                "config or use a new --workdir"
+                f"{workdir} holds a run with a different config ({detail}); resume it with the "
+                "same config or use a new --workdir"
             )
     path.write_text(json.dumps(current, indent=2, sort_keys=True) + "\n")

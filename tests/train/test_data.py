@@ -1,0 +1,90 @@
+"""Data: batches are a pure function of (seed, step), and any split of their rows (per process, per
+device) concatenates to the global batch; held-out windows; corpora and their refusals."""
+
+import hashlib
+
+import numpy as np
+import pytest
+
+from posattn.train import data
+
+
+def _corpus(size: int = 5000) -> data.Corpus:
+    rng = np.random.default_rng(0)
+    train = rng.integers(32, 127, size=size).astype(np.uint8)
+    val = rng.integers(32, 127, size=size // 10).astype(np.uint8)
+    return data.Corpus("synthetic", train, val, 256, "0" * 64, 1)
+
+
+_KW = dict(seed=3, step=7, batch_size=8, seq_len=32)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"passkey_fraction": 0.5}, {"mask_rate": 0.3, "mask_id": 256}],
+    ids=["lm", "passkeys", "encoder"],
+)
+def test_any_split_of_the_rows_concatenates_to_the_global_batch(options):
+    corpus = _corpus()
+    whole = data.train_batch(corpus, **_KW, **options)
+    assert whole["inputs"].shape == (8, 32) and whole["inputs"].dtype == np.int32
+    for cuts in ([0, 4, 8], [0, 1, 3, 8], [0, 2, 4, 6, 8]):
+        parts = [
+            data.train_batch(corpus, **_KW, rows=slice(a, b), **options)
+            for a, b in zip(cuts[:-1], cuts[1:], strict=True)
+        ]
+        for key in whole:
+            np.testing.assert_array_equal(np.concatenate([p[key] for p in parts]), whole[key])
+    by_process = [
+        data.train_batch(corpus, **_KW, process_index=i, process_count=2, **options)
+        for i in range(2)
+    ]
+    for key in whole:
+        np.testing.assert_array_equal(np.concatenate([p[key] for p in by_process]), whole[key])
+
+
+def test_a_batch_is_a_pure_function_of_seed_and_step():
+    corpus = _corpus()
+    a, b = data.train_batch(corpus, **_KW), data.train_batch(corpus, **_KW)
+    np.testing.assert_array_equal(a["inputs"], b["inputs"])
+    other = data.train_batch(corpus, **dict(_KW, step=8))
+    assert not np.array_equal(a["inputs"], other["inputs"])
+    np.testing.assert_array_equal(a["inputs"][:, 1:], a["targets"][:, :-1])  # shifted by one
+
+
+def test_eval_windows_predict_every_token_once_and_encoder_masks_are_fixed():
+    tokens = np.arange(100, dtype=np.uint16)
+    windows = data.eval_windows(tokens, seq_len=10)
+    assert windows.shape == (9, 11)
+    np.testing.assert_array_equal(windows[1:, 0], windows[:-1, -1])  # one shared token
+    np.testing.assert_array_equal(np.concatenate([w[1:] for w in windows]), tokens[1:91])
+    corpus = _corpus()
+    kw = dict(seed=1, batch_size=4, seq_len=16, max_batches=2, mask_rate=0.3, mask_id=256)
+    first, again = data.eval_batches(corpus, **kw), data.eval_batches(corpus, **kw)
+    assert len(first) == 2
+    for x, y in zip(first, again, strict=True):
+        np.testing.assert_array_equal(x["weights"], y["weights"])
+        assert 0 < x["weights"].sum() < x["weights"].size
+
+
+def test_text_files_split_by_position_and_hash_their_content(tmp_path):
+    path = tmp_path / "book.txt"
+    content = bytes(range(32, 127)) * 40
+    path.write_bytes(content)
+    corpus = data.load_corpus(str(path))
+    assert corpus.train.size + corpus.val.size == len(content)
+    assert corpus.val.size == len(content) - int(len(content) * 0.95)
+    assert corpus.sha256 == hashlib.sha256(content).hexdigest() and corpus.vocab_size == 256
+
+
+def test_bad_corpora_are_refused_naming_what_to_change(tmp_path):
+    with pytest.raises(data.DataError, match="data.corpus=.*no such file"):
+        data.load_corpus(str(tmp_path / "missing"))
+    (tmp_path / "nano").mkdir()
+    np.arange(10, dtype=np.uint16).tofile(tmp_path / "nano" / "train.bin")
+    with pytest.raises(data.DataError, match="no val.bin"):
+        data.load_corpus(str(tmp_path / "nano"))
+    with pytest.raises(data.DataError, match="seq_len"):
+        data.check_length(_corpus(size=20), 64)
+    with pytest.raises(data.DataError, match="model.vocab_size=100"):
+        _corpus().check_vocab(100)

@@ -1,0 +1,108 @@
+"""The workdir: metrics.jsonl trimmed on resume (and TensorBoard events beside it), config.json
+checked on resume, the lock, and the SIGTERM flag."""
+
+import json
+import os
+import signal
+import struct
+import sys
+import time
+
+import pytest
+from conftest import small_config
+
+from posattn.config import ConfigError
+from posattn.train import workdir as workdir_lib
+
+
+def _lines(path):
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_metrics_are_trimmed_to_the_restored_step_and_appended(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(
+        "".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in (1, 2, 3, 4))
+        + '{"step": 5, "lo'  # cut by a kill mid-write
+    )
+    with workdir_lib.MetricsFile(path, keep_through=2) as metrics:
+        metrics.write({"step": 3, "loss": 0.5, "mfu": None})
+    assert _lines(path) == [
+        {"step": 1, "loss": 1.0},
+        {"step": 2, "loss": 0.5},
+        {"step": 3, "loss": 0.5, "mfu": None},
+    ]
+    with workdir_lib.MetricsFile(path, keep_through=0, enabled=False) as metrics:
+        metrics.write({"step": 9, "loss": 0.0})  # not the lead process: nothing is touched
+    assert len(_lines(path)) == 3
+
+
+def _events(directory):
+    """(tag, step, value) of every scalar in the TFRecord event files of `directory`."""
+    from tensorboardX.proto import event_pb2
+
+    out = []
+    for path in sorted(directory.glob("events.out.tfevents.*")):
+        data, at = path.read_bytes(), 0
+        while at < len(data):
+            (length,) = struct.unpack("<Q", data[at : at + 8])
+            event = event_pb2.Event.FromString(data[at + 12 : at + 12 + length])
+            at += 12 + length + 4  # length, its CRC, the record, its CRC
+            out += [(v.tag, event.step, v.simple_value) for v in event.summary.value]
+    return out
+
+
+def test_tensorboard_events_repeat_the_numeric_values_beside_metrics_jsonl(tmp_path):
+    pytest.importorskip("tensorboardX")
+    path = tmp_path / "metrics.jsonl"
+    with workdir_lib.MetricsFile(path, keep_through=0, tensorboard=True) as metrics:
+        metrics.write({"step": 1, "loss": 2.5, "mfu": None, "tokens_per_sec": 100.0})
+        metrics.write({"step": 2, "member": 3, "loss": 2.0, "diverged": True})
+        metrics.write({"step": 2, "eval_loss": 1.5, "eval_tokens": 64})
+    assert sorted(_events(tmp_path)) == [
+        ("eval_loss", 2, 1.5),
+        ("eval_tokens", 2, 64.0),
+        ("loss", 1, 2.5),
+        ("member_3/loss", 2, 2.0),
+        ("tokens_per_sec", 1, 100.0),
+    ]
+    assert len(_lines(path)) == 3  # the source of truth
+
+
+def test_tensorboard_without_tensorboardx_is_a_config_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import fails
+    with pytest.raises(ConfigError, match="train.tensorboard=True .* pip install tensorboardX"):
+        workdir_lib.require_tensorboard()
+
+
+def test_resuming_checks_the_config_but_allows_what_does_not_change_the_run(tmp_path):
+    workdir_lib.write_or_check_config(tmp_path, small_config())
+    saved = json.loads((tmp_path / "config.json").read_text())
+    del saved["train"]["profile_steps"], saved["train"]["tensorboard"]  # a run from before them
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    workdir_lib.write_or_check_config(
+        tmp_path, small_config(train__steps=50, train__profile_steps=(2, 3), train__log_every=1)
+    )
+    with pytest.raises(ConfigError, match="model.position: 'rope' -> 'alibi'"):
+        workdir_lib.write_or_check_config(tmp_path, small_config(model__position="alibi"))
+
+
+def test_the_lock_refuses_a_second_owner_and_names_the_first(tmp_path):
+    with workdir_lib.lock(tmp_path):
+        with pytest.raises(workdir_lib.WorkdirBusyError, match=f"pid {os.getpid()}"):
+            with workdir_lib.lock(tmp_path):
+                pass
+    with workdir_lib.lock(tmp_path):  # released
+        pass
+
+
+def test_sigterm_sets_the_flag_and_the_handler_is_restored():
+    before = signal.getsignal(signal.SIGTERM)
+    with workdir_lib.preemption_flag() as received:
+        assert not received()
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while not received() and time.monotonic() < deadline:
+            time.sleep(0.01)  # Python runs the handler between bytecodes
+        assert received()
+    assert signal.getsignal(signal.SIGTERM) is before
