@@ -1,4 +1,4 @@
-"""The seeds' reference size "ANDREA-120M" = GPT-2 small: d_model 768, 12 heads of 64, 12 layers,
+"""GPT-2 small (Radford et al. 2019): d_model 768, 12 heads of 64, 12 layers,
 context 1024. For accelerators; `jax.eval_shape` builds it at no cost in the tests.
 
     python -m posattn.train --config configs/gpt2_small.py --workdir runs/gpt2_small \

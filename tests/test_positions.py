@@ -851,7 +851,7 @@ SANDWICH_GOLDEN = [
 
 
 def _sandwich_float64(offsets, head_dim, num_heads):
-    # SPEC §3 / NeMo formula in float64.
+    # The NeMo formula (docs/conventions.md, Sandwich) in float64.
     k = np.arange(1, head_dim // 2 + 1)
     base = np.cos(
         np.abs(np.asarray(offsets, np.float64))[:, None] / 10000.0 ** (2 * k / head_dim)

@@ -1,4 +1,4 @@
-"""Tests for posattn.rotary: reference goldens, the seed's worked example, properties, precision.
+"""Tests for posattn.rotary: reference goldens, the worked example of docs/conventions.md, properties, precision.
 
 Run: .venv/bin/python -m pytest tests/test_rotary.py -q
 """
@@ -791,8 +791,8 @@ def test_dynamic_accepts_a_traced_length_without_retracing():
 
 
 def test_ntk_divides_the_lowest_frequency_by_the_factor_and_keeps_the_highest():
-    # Static NTK-aware scaling (bloc97 2023; YaRN paper §3.1): b' = b s^(d/(d-2)), the Persian
-    # seed's lambda = (m/m_l)^(d/(d-2)) with s = m/m_l, so theta'_k = theta_k s^(-2k/(d-2)).
+    # Static NTK-aware scaling (bloc97 2023; YaRN paper §3.1): b' = b s^(d/(d-2)), i.e.
+    # lambda = (m/m_l)^(d/(d-2)) with s = m/m_l, so theta'_k = theta_k s^(-2k/(d-2)).
     d, s = 64, 4.0
     plain, _ = rope_frequencies(d)
     ntk, factor = rope_frequencies(d, scaling={"rope_type": "ntk", "factor": s})
@@ -909,7 +909,7 @@ def test_vmap_over_a_swept_base():
 
 # ---------------------------------------------------------------------------------- rotations
 @pytest.mark.parametrize("layout", ["interleaved", "half"])
-def test_turkish_seed_two_dimensional_example(layout):
+def test_two_dimensional_worked_example(layout):
     # q = [1, 0.5], k = [0.8, 0.3], 0.5 rad per position (inv_freq = [0.5]); x is [T=1, N=1, H=2].
     q, k, inv_freq = jnp.array([[[1.0, 0.5]]]), jnp.array([[[0.8, 0.3]]]), jnp.array([0.5])
 

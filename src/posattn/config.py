@@ -80,9 +80,15 @@ TRAIN: dict[str, tuple[Any, str]] = {
     "eval_batches": (4, "batches per evaluation"),
     "fsdp": (1, "size of the fsdp mesh axis (1: pure data parallel)"),
     "distributed": (False, "call jax.distributed.initialize() (pods, SLURM); env vars also work"),
-    "profile_steps": ((), "(first, count): a jax.profiler trace of those steps under WORKDIR/profile"),
+    "profile_steps": (
+        (),
+        "(first, count): a jax.profiler trace of those steps under WORKDIR/profile",
+    ),
     "peak_flops": (None, "device peak FLOP/s for the MFU; None: the table of known devices"),
-    "tensorboard": (False, "also write TensorBoard event files (tensorboardX) beside metrics.jsonl"),
+    "tensorboard": (
+        False,
+        "also write TensorBoard event files (tensorboardX) beside metrics.jsonl",
+    ),
 }
 
 

@@ -11,10 +11,11 @@ vocabulary would be 3 GiB per row). Long windows run through `posattn.attention`
 `attention_impl`; "auto" takes the blockwise kernel, linear in T, once the logits get large.
 
 A model that cannot read a window of some length gives None there, decided from its config before
-any compute (`max_length`): learned absolute embeddings have no row past their table (SPEC §2),
+any compute (`max_length`): learned absolute embeddings have no row past their table
+(docs/conventions.md),
 and a number computed from a clamped or NaN lookup would be a lie.
 
-Evaluation protocol (SPEC §5; Press et al. 2022 §4): non-overlapping windows from the start of the
+Evaluation protocol (docs/conventions.md; Press et al. 2022 §4): non-overlapping windows from the start of the
 held-out tokens, every token of a window predicted from the window's earlier tokens only, so at
 length T the first positions of each window have little context; the mean is over all of them.
 """

@@ -1,4 +1,5 @@
-"""Synthetic memory probes: passkey retrieval and the copy task (SPEC §5), as byte sequences.
+"""Synthetic memory probes: passkey retrieval and the copy task
+(docs/conventions.md), as byte sequences.
 
 Both probes are teacher-forced: a model reads the whole sequence once, its argmax prediction at
 each position is compared with the true next byte, and only the positions that can be answered
@@ -29,7 +30,7 @@ written into real text and repeated after a gap of g bytes; the loss on the repe
 first byte) measures in-context retrieval continuously, by gap and by window length, before a
 model copies perfectly (chance: ln 26 nats per letter).
 
-Copy (the seeds' second probe): a segment of random lowercase letters is written somewhere in a
+Copy: a segment of random lowercase letters is written somewhere in a
 window of real text and repeated at the window's end. Random letters cannot be predicted from the
 language itself (chance is 1/26), so the score measures copying from the earlier occurrence.
 The first letter of the repeat is not scored: nothing announces that a repeat starts there.

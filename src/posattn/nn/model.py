@@ -6,7 +6,7 @@ Shape legend: B batch, T length, D d_model, V vocabulary.
   * "decoder": causal attention, next-token logits;
   * "encoder": bidirectional attention (T5's bidirectional buckets are used for real here),
     trained to recover masked bytes; its input vocabulary has one extra `[MASK]` id = V.
-Sizes go from `configs/tiny.py` to the seeds' reference model (`configs/gpt2_small.py`).
+Sizes go from `configs/tiny.py` to GPT-2 small (`configs/gpt2_small.py`).
 """
 
 from __future__ import annotations
