@@ -1,4 +1,5 @@
-"""Attention benchmark: blockwise vs `jax.nn.dot_product_attention` (materialised bias) vs reference.
+"""Attention benchmark: blockwise vs `jax.nn.dot_product_attention` (materialised bias) vs
+reference.
 
 Question: is `implementation="blockwise"` faster and linear in memory where it matters, and how
 close does it get to the machine's matmul throughput?
@@ -12,7 +13,8 @@ Run (from the repository root):
 
 Setup: batch 1, 8 heads, head dim 64, float32, causal self-attention (T = S), ALiBi and T5
 biases from `posattn.positions` evaluated from positions. Implementations, all in one process:
-  blockwise  `posattn.attention.blockwise.blockwise_attention`, bias as (BiasFn, params), default tiles;
+  blockwise  `posattn.attention.blockwise.blockwise_attention`, bias as (BiasFn, params),
+             default tiles;
   jax.nn     `jax.nn.dot_product_attention(q, k, v, bias=materialised [1, N, T, S],
              is_causal=True)`, the bias materialised inside the same jit;
   reference  `attention(..., implementation="reference")`.
@@ -33,6 +35,7 @@ the same subprocess that compiles but does not run is printed once as the floor.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import subprocess
@@ -253,7 +256,7 @@ def run_table(args):
                         rss=None,
                         mm=None,
                     )
-                    run = lambda: compiled(q, k, v, params)
+                    run = functools.partial(compiled, q, k, v, params)  # bound now, run below
                     if need > budget:
                         row["skip"] = f"needs {need / GIB:.1f} GiB > budget"
                     elif impl == "blockwise":
@@ -264,7 +267,7 @@ def run_table(args):
                         row["rss"] = rss_peak(impl, bias_name, T)
                     rows.append(row)
                     print(_row_text(row), flush=True)
-                    del compiled
+                    del compiled, run  # free the executable before the next compile
     ceiling.sample(3)
     mm = ceiling.best
     print(f"matmul 4096^3 float32: best {mm / 1e9:.1f} GFLOP/s over the run")
@@ -279,7 +282,10 @@ def _row_text(r):
     gf = attention_flops(r["T"], r["grad"]) / r["time"] / 1e9
     rss = "" if r["rss"] is None else f", peak RSS {fmt_gib(r['rss'])} GiB"
     if r["mm"]:
-        rss += f", {100 * gf * 1e9 / r['mm']:.0f}% of the same window's matmul ({r['mm'] / 1e9:.0f} GFLOP/s)"
+        rss += (
+            f", {100 * gf * 1e9 / r['mm']:.0f}% of the same window's matmul "
+            f"({r['mm'] / 1e9:.0f} GFLOP/s)"
+        )
     return (
         f"{head} {r['time'] * 1e3:10.1f} ms  {gf:6.1f} GFLOP/s  "
         f"XLA buffers {fmt_gib(r['mem'])} GiB{rss}"
@@ -292,9 +298,9 @@ def print_summary(rows, mm, args):
         f"{DEFAULT_BLOCK_Q}x{DEFAULT_BLOCK_K}; causal; load average {os.getloadavg()[0]:.1f})"
     )
     print(
-        "\n| T | bias | pass | blockwise ms | % matmul (window / run best) | jax.nn ms | speed-up vs jax.nn "
-        "| reference ms | speed-up vs ref | blockwise GiB | jax.nn GiB | reference GiB |"
-        + (" blockwise peak RSS GiB |" if args.rss else "")
+        "\n| T | bias | pass | blockwise ms | % matmul (window / run best) | jax.nn ms "
+        "| speed-up vs jax.nn | reference ms | speed-up vs ref | blockwise GiB | jax.nn GiB "
+        "| reference GiB |" + (" blockwise peak RSS GiB |" if args.rss else "")
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.rss else ""))
     index = {(r["T"], r["bias"], r["grad"], r["impl"]): r for r in rows}
@@ -309,7 +315,7 @@ def print_summary(rows, mm, args):
         def ms(r):
             return "skipped" if r is None or r["time"] is None else f"{r['time'] * 1e3:.0f}"
 
-        def speedup(r):
+        def speedup(r, bw=bw):
             if r is None or r["time"] is None or bw["time"] is None:
                 return "-"
             return f"{r['time'] / bw['time']:.1f}x"
@@ -318,7 +324,10 @@ def print_summary(rows, mm, args):
         if bw["time"] is not None:
             rate = attention_flops(T, grad) / bw["time"]
             pct = f"{100 * rate / bw['mm']:.0f}% / {100 * rate / mm:.0f}%"
-        mem = lambda r: "-" if r is None else fmt_gib(r["mem"]) + ("" if r["time"] else " (skip)")
+
+        def mem(r):
+            return "-" if r is None else fmt_gib(r["mem"]) + ("" if r["time"] else " (skip)")
+
         line = (
             f"| {T} | {bias_name} | {'fwd+bwd' if grad else 'fwd'} | {ms(bw)} | {pct} | "
             f"{ms(nn)} | {speedup(nn)} | {ms(ref)} | {speedup(ref)} | {mem(bw)} | "
@@ -352,7 +361,8 @@ def run_crossover(args):
                 for impl in ("xla", "blockwise"):
                     f, params = make_fn(impl, bias_name, grad)
                     compiled = f.lower(q, k, v, params).compile()
-                    times[impl] = best_time(lambda: compiled(q, k, v, params), args.repeats)
+                    run = functools.partial(compiled, q, k, v, params)
+                    times[impl] = best_time(run, args.repeats)
                 print(
                     f"| {T} | {bias_name} | {'fwd+bwd' if grad else 'fwd'} | "
                     f"{times['xla'] * 1e3:.2f} | {times['blockwise'] * 1e3:.2f} | "
@@ -372,7 +382,7 @@ def run_tiles(args):
         for grad in (False, True):
             f, params = make_fn("blockwise", "alibi", grad, tiles)
             compiled = f.lower(q, k, v, params).compile()
-            times.append(best_time(lambda: compiled(q, k, v, params), args.repeats))
+            times.append(best_time(functools.partial(compiled, q, k, v, params), args.repeats))
         print(f"| {tile} | {times[0] * 1e3:.0f} | {times[1] * 1e3:.0f} |", flush=True)
 
 

@@ -1,24 +1,25 @@
-"""Decode speed and KV-cache size: multi-head vs grouped vs multi-query keys/values, by context.
+"""Decode speed and KV-cache size: multi-head vs grouped vs multi-query keys/values, by
+context.
 
     python benchmarks/decode.py [--d_model 256] [--num_layers 4] [--num_heads 8] [--batch 4]
         [--contexts 512,2048,8192] [--steps 32] [--position rope] [--json out.json]
 
 For each context length C and each key/value grouping (K = N multi-head, K = N/4 grouped, K = 1
-multi-query; plus multi-head with cross-layer sharing of 2), a cache of capacity C + steps is filled
-to C positions with random keys/values (their values do not change the cost) and `steps` greedy
-decode steps run in one jitted `lax.scan` (`posattn.nn.decode.decode_loop`). Reported: tokens/s
-(batch x steps / best wall time of `--repeats` rounds, compile excluded), the cache's bytes, and both
-relative to multi-head attention at the same context, measured in this process (absolute numbers
-on a shared machine are noise; the ratios are what to read).
+multi-query; plus multi-head with cross-layer sharing of 2), a cache of capacity C + steps is
+filled to C positions with random keys/values (their values do not change the cost) and `steps`
+greedy decode steps run in one jitted `lax.scan` (`posattn.nn.decode.decode_loop`). Reported:
+tokens/s (batch x steps / best wall time of `--repeats` rounds, compile excluded), the cache's
+bytes, and both relative to multi-head attention at the same context, measured in this process
+(absolute numbers on a shared machine are noise; the ratios are what to read).
 
 `--dynamic` adds RoPE with dynamic NTK (m_l = C / 2, so every step is past it) under the three
 `dynamic_ntk` modes: "exact" recomputes the prefix each step, "rerotate" rotates every cached key
 each step, "hf" keeps the cache as written. Variants of one context are timed round-robin.
 
-`--staleness WORKDIR` instead measures what the dynamic-NTK modes cost in accuracy, on a RoPE model
-trained by `posattn.train` (at data.seq_len = m_l) and held-out text of `--text_len` tokens: each
-mode's cached logits against the full-forward oracle of every prefix (max |logit error|) and the
-mean next-token loss past m_l, beside plain RoPE without scaling.
+`--staleness WORKDIR` instead measures what the dynamic-NTK modes cost in accuracy, on a RoPE
+model trained by `posattn.train` (at data.seq_len = m_l) and held-out text of `--text_len` tokens:
+each mode's cached logits against the full-forward oracle of every prefix (max |logit error|) and
+the mean next-token loss past m_l, beside plain RoPE without scaling.
 
 The numbers in docs/decoding.md come from this script; the command is printed with the table.
 """
@@ -50,8 +51,13 @@ def filled_cache(
     """A cache holding `context` positions of random keys/values (and tokens, if it keeps them)."""
     cache = decode.init_cache(cfg, batch_size=batch, capacity=capacity, dynamic_ntk=dynamic_ntk)
     keys = jax.random.split(key, 2 * len(cache.k) + 1)
-    k = tuple(jax.random.normal(kk, x.shape, x.dtype) for kk, x in zip(keys[::2], cache.k))
-    v = tuple(jax.random.normal(kk, x.shape, x.dtype) for kk, x in zip(keys[1::2], cache.v))
+    # keys[::2] has one key more than cache.k: the last one, keys[-1], is the tokens' key.
+    k = tuple(
+        jax.random.normal(kk, x.shape, x.dtype) for kk, x in zip(keys[::2], cache.k, strict=False)
+    )
+    v = tuple(
+        jax.random.normal(kk, x.shape, x.dtype) for kk, x in zip(keys[1::2], cache.v, strict=True)
+    )
     tokens = (
         None
         if cache.tokens is None
@@ -65,7 +71,8 @@ def filled_cache(
 def prepare(
     cfg: ModelConfig, *, batch: int, context: int, num_steps: int, dynamic_ntk: str = "exact"
 ):
-    """(a compiled zero-argument run of `num_steps` decode steps, the cache's bytes, the formula's)."""
+    """(a compiled zero-argument run of `num_steps` decode steps, the cache's bytes, the
+    formula's)."""
     graphdef, params, constants = steps.init_model(cfg, jax.random.key(0))
     capacity = context + num_steps
     cache = filled_cache(
@@ -87,7 +94,8 @@ def prepare(
 
 
 def best_times(runs: list, repeats: int) -> list[float]:
-    """Best wall time of each run over `repeats` rounds, interleaved so that load drifts hit all alike."""
+    """Best wall time of each run over `repeats` rounds, interleaved so that load drifts hit all
+    alike."""
     best = [float("inf")] * len(runs)
     for _ in range(repeats):
         for i, run in enumerate(runs):
@@ -132,12 +140,13 @@ def staleness(workdir: str, *, text_len: int, batch: int, factor: float) -> list
             {"rope_type": "dynamic", "factor": factor, "original_max_position_embeddings": m_l},
         ),
     ):
-        # The trained parameters under eval-time scaling (its frequencies live in graph and constants).
+        # The trained parameters under eval-time scaling (its frequencies live in graph and
+        # constants).
         graphdef, constants = evaluate.with_rope_scaling(cfg, scaling)
         c = cfg.replace(rope_scaling=scaling)
 
         @jax.jit
-        def oracle_fn(params, constants):
+        def oracle_fn(params, constants, graphdef=graphdef):
             return prefix_oracle(nnx.merge(graphdef, params, constants))
 
         oracle = oracle_fn(params, constants)
@@ -153,7 +162,7 @@ def staleness(workdir: str, *, text_len: int, batch: int, factor: float) -> list
         for mode in decode.DYNAMIC_NTK_MODES if scaling else ():
 
             @jax.jit
-            def cached_fn(params, constants):
+            def cached_fn(params, constants, graphdef=graphdef, c=c, mode=mode):
                 cache = decode.init_cache(c, batch_size=batch, capacity=text_len, dynamic_ntk=mode)
                 first, cache = decode.prefill(
                     graphdef,
@@ -185,14 +194,15 @@ def staleness(workdir: str, *, text_len: int, batch: int, factor: float) -> list
             )
         print(f"{name}: done", flush=True)
     print(
-        f"\n{workdir} (step {step}, {cfg.position}, m_l = data.seq_len = {m_l}), {batch} held-out windows of "
-        f"{text_len} tokens, prompt {prompt}, factor {factor}\n"
+        f"\n{workdir} (step {step}, {cfg.position}, m_l = data.seq_len = {m_l}), "
+        f"{batch} held-out windows of {text_len} tokens, prompt {prompt}, factor {factor}\n"
     )
     print("| model | cache | max abs logit error vs oracle | loss past m_l (nats/token) |")
     print("|---|---|---:|---:|")
     for r in rows:
         print(
-            f"| {r['model']} | {r['mode']} | {r['max_logit_error']:.2e} | {r['loss_past_m_l']:.4f} |"
+            f"| {r['model']} | {r['mode']} | {r['max_logit_error']:.2e} | "
+            f"{r['loss_past_m_l']:.4f} |"
         )
     return rows
 
@@ -278,7 +288,7 @@ def main(argv=None) -> int:
             for _, change, mode in todo
         ]
         times = best_times([run for run, _, _ in prepared], args.repeats)
-        for (name, _, _), (_, nbytes, formula), seconds in zip(todo, prepared, times):
+        for (name, _, _), (_, nbytes, formula), seconds in zip(todo, prepared, times, strict=True):
             rows.append(
                 {
                     "context": context,
@@ -294,15 +304,17 @@ def main(argv=None) -> int:
 
     command = "python benchmarks/decode.py " + " ".join(sys.argv[1:] if argv is None else argv)
     print(
-        f"\n{command}\n{jax.devices()[0].device_kind}, d_model={args.d_model}, layers={args.num_layers}, "
-        f"heads={N}, batch={args.batch}, {args.steps} steps, {args.dtype}, position={args.position}\n"
+        f"\n{command}\n{jax.devices()[0].device_kind}, d_model={args.d_model}, "
+        f"layers={args.num_layers}, heads={N}, batch={args.batch}, {args.steps} steps, "
+        f"{args.dtype}, position={args.position}\n"
     )
     print("| context | keys/values | tokens/s | vs multi-head | cache MiB | vs multi-head |")
     print("|---:|---|---:|---:|---:|---:|")
     for r in rows:
         print(
-            f"| {r['context']} | {r['variant']} | {r['tokens_per_s']:,.0f} | {r['speed_vs_mha']:.2f}x | "
-            f"{r['cache_bytes'] / 2**20:,.1f} | {r['bytes_vs_mha']:.3f} |"
+            f"| {r['context']} | {r['variant']} | {r['tokens_per_s']:,.0f} | "
+            f"{r['speed_vs_mha']:.2f}x | {r['cache_bytes'] / 2**20:,.1f} | "
+            f"{r['bytes_vs_mha']:.3f} |"
         )
     if args.json:
         with open(args.json, "w") as f:
@@ -318,7 +330,8 @@ def main(argv=None) -> int:
 
 def _line(r: dict) -> str:
     return (
-        f"C={r['context']:>6} {r['variant']:<26} {r['tokens_per_s']:>10,.0f} tok/s ({r['speed_vs_mha']:.2f}x)  "
+        f"C={r['context']:>6} {r['variant']:<26} {r['tokens_per_s']:>10,.0f} tok/s "
+        f"({r['speed_vs_mha']:.2f}x)  "
         f"cache {r['cache_bytes'] / 2**20:8.1f} MiB ({r['bytes_vs_mha']:.3f})"
     )
 

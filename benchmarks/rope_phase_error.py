@@ -25,7 +25,8 @@ def wrapped(angle):
 
 
 def sweep(theta, positions_chunks):
-    """Max |phase error| of rope_angles, of the rotation apply_rope applies, and of p * theta in float32."""
+    """Max |phase error| of rope_angles, of the rotation apply_rope applies, and of p * theta in
+    float32."""
     angles = jax.jit(rope_angles)
     # Rotating the unit vector (1, 0) of every pair gives (cos, sin) of the angle actually applied.
     unit = jnp.tile(jnp.array([1.0, 0.0], jnp.float32), theta.shape[0])[None, None, :]  # (1, 1, H)
@@ -64,7 +65,8 @@ def main():
     rng = np.random.default_rng(0)
     print(f"jax {jax.__version__}, backend {jax.default_backend()}")
     print(
-        "| frequencies (head_dim 128) | positions | rope_angles | applied rotation | float32 p*theta |"
+        "| frequencies (head_dim 128) | positions | rope_angles | applied rotation "
+        "| float32 p*theta |"
     )
     print("|---|---|---|---|---|")
     for base in (10000.0, 500000.0):

@@ -1,8 +1,10 @@
 """Wall time of an 8-member vmap sweep against the same 8 runs one after another.
 
-    python benchmarks/sweep.py                       # as a user runs them: 1 sweep command vs 8 train commands
-    python benchmarks/sweep.py --mode in-process     # same process: train_and_evaluate x 8 vs run_sweep
-    python benchmarks/sweep.py --steps 50            # shorter runs (compilation weighs more)
+    python benchmarks/sweep.py                    # as a user runs them: 1 sweep command vs 8
+                                                  # train commands
+    python benchmarks/sweep.py --mode in-process  # same process: train_and_evaluate x 8 vs
+                                                  # run_sweep
+    python benchmarks/sweep.py --steps 50         # shorter runs (compilation weighs more)
 
 Both sides include everything a user waits for: compilation, initialisation, training, evaluation
 and checkpoints (and, in `cli` mode, interpreter start-up and imports). The members are those of
@@ -82,8 +84,8 @@ def main() -> None:
         records = json.loads((tmp / "sweep" / "sweep.json").read_text())["members"]
     load = os.getloadavg()[0]
     print(
-        f"mode={args.mode} steps={config.train.steps} members=8 programs={len(programs)} cpus={os.cpu_count()} "
-        f"load1={load:.1f}"
+        f"mode={args.mode} steps={config.train.steps} members=8 programs={len(programs)} "
+        f"cpus={os.cpu_count()} load1={load:.1f}"
     )
     print(f"8 sequential single runs: {t_single:.1f} s")
     print(f"one 8-member sweep:       {t_sweep:.1f} s")

@@ -256,7 +256,7 @@ def crossover(shapes: list[str], rounds: int) -> None:
         fns = {}
         for impl in impls:
 
-            def loss(q, k, v, slopes, impl=impl):
+            def loss(q, k, v, slopes, impl=impl, d_out=d_out):
                 out = attention_lib.attention(
                     q, k, v, bias=(alibi, slopes), causal=True, implementation=impl
                 )
@@ -405,8 +405,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     print(
-        f"# {cpu_model()}, {os.cpu_count()} cores; jax {jax.__version__} ({jax.default_backend()}); "
-        f"load average at start {load_average()}"
+        f"# {cpu_model()}, {os.cpu_count()} cores; jax {jax.__version__} "
+        f"({jax.default_backend()}); load average at start {load_average()}"
     )
     if args.pieces:
         pieces(args.rounds)
@@ -442,7 +442,8 @@ def main(argv=None):
 
     print(
         "\n| config | family | attention impl | step ms (min / median) | tokens/s (median) | "
-        "attention alone | matmuls alone | other | x-transformers ms (min / median) | ratio (median / best) |"
+        "attention alone | matmuls alone | other | x-transformers ms (min / median) | "
+        "ratio (median / best) |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     records = []
@@ -453,9 +454,12 @@ def main(argv=None):
         mm = statistics.median(x["matmul_ms"] for x in case.rounds)
         tokens = case.B * case.T
         row = (
-            f"| {case.name} | {case.family} | {case.attention_impl} | {min(step):.1f} / {med:.1f} | "
-            f"{tokens / med * 1e3:,.0f} | {att:.1f} ms ({att / med:.0%}) | {mm:.1f} ms ({mm / med:.0%}, "
-            f"{case.matmul_flops / (mm * 1e-3) / 1e9:.0f} GFLOP/s) | {max(med - att - mm, 0.0) / med:.0%} |"
+            f"| {case.name} | {case.family} | {case.attention_impl} | "
+            f"{min(step):.1f} / {med:.1f} | "
+            f"{tokens / med * 1e3:,.0f} | {att:.1f} ms ({att / med:.0%}) | "
+            f"{mm:.1f} ms ({mm / med:.0%}, "
+            f"{case.matmul_flops / (mm * 1e-3) / 1e9:.0f} GFLOP/s) | "
+            f"{max(med - att - mm, 0.0) / med:.0%} |"
         )
         record = {
             "config": case.name,

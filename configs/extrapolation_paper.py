@@ -15,9 +15,10 @@ Deviations from the paper, on purpose and measured by nothing here: GPT-2 BPE in
 word-level tokens with adaptive input/softmax (absolute perplexities differ; orderings and
 ratios are what compare), pre-norm RMSNorm blocks, AdamW with cosine decay, and a budget of
 50k steps x 64 x 512 tokens (1.6B tokens, ~16 epochs) instead of the fairseq recipe's. The byte
-probes (passkey, induction) need a byte corpus, so they are off here; to run them, point data.corpus
-at the raw WikiText-103 text and add `--config.model.vocab_size=256 --config.passkey.enabled=True
---config.induction.enabled=True --config.data.passkey_fraction=0.01` (bytes: L then spans ~100 words).
+probes (passkey, induction) need a byte corpus, so they are off here; to run them, point
+data.corpus at the raw WikiText-103 text and add `--config.model.vocab_size=256
+--config.passkey.enabled=True --config.induction.enabled=True
+--config.data.passkey_fraction=0.01` (bytes: L then spans ~100 words).
 
 Eval lengths: L = 512 uses 512, 1012, 2012, 4012, 8512 (including the paper's 512, 1012 and 8512
 quoted in experiments/README.md); L = 1024 uses 1024 x (1, 2, 4, 8, 16). One window of 8512 tokens

@@ -7,8 +7,8 @@ curve below comes from `posattn.rotary` (`apply_rope`, `rope_frequencies`, `rope
 which calls `positions.t5_bucket` and `positions.alibi_bias`); this script only picks inputs,
 arranges arrays and draws.
 
-  rope_2d_example   the 2-D worked example of docs/conventions.md (q = [1, 0.5], k = [0.8, 0.3], 0.5 rad
-                    per position): PNG, plus the table as markdown and JSON.
+  rope_2d_example   the 2-D worked example of docs/conventions.md (q = [1, 0.5], k = [0.8, 0.3],
+                    0.5 rad per position): PNG, plus the table as markdown and JSON.
   rope_decay        RoFormer §3.4.3's relative upper bound against the offset for a few bases
                     (RoFormer figure 2).
   t5_buckets        T5 bucket of each offset, 32 buckets, max distance 1024.
@@ -54,8 +54,9 @@ def _save(fig, path: pathlib.Path) -> pathlib.Path:
 
 
 # ----------------------------------------------------------------------------------------------
-# The worked example of docs/conventions.md (RoPE layouts and frequencies): one pair (H = 2), q = [1, 0.5], k = [0.8, 0.3], 0.5 rad per position. Pairs with
-# the same offset m - n give the same score, (m, n) and (n, m) do not.
+# The worked example of docs/conventions.md (RoPE layouts and frequencies): one pair (H = 2),
+# q = [1, 0.5], k = [0.8, 0.3], 0.5 rad per position. Pairs with the same offset m - n give the
+# same score, (m, n) and (n, m) do not.
 # ----------------------------------------------------------------------------------------------
 EXAMPLE_Q, EXAMPLE_K, EXAMPLE_THETA = (1.0, 0.5), (0.8, 0.3), 0.5
 EXAMPLE_PAIRS = ((0, 0), (5, 5), (0, 2), (7, 9), (2, 0), (9, 7), (0, 5), (10, 15))
@@ -63,7 +64,8 @@ EXAMPLE_GRID = 16
 
 
 def rope_2d_scores(num_positions: int) -> np.ndarray:
-    """score[m, n] = <R(m) q, R(n) k> for the worked example's q, k and angle, m, n in [0, num_positions)."""
+    """score[m, n] = <R(m) q, R(n) k> for the worked example's q, k and angle, m, n in
+    [0, num_positions)."""
     # q and k as two "heads" of one (T, N=2, H=2) array, both rotated at every position.
     x = jnp.broadcast_to(jnp.array([EXAMPLE_Q, EXAMPLE_K], jnp.float32), (num_positions, 2, 2))
     inv_freq = jnp.array(
@@ -165,7 +167,7 @@ def _decay(outdir: pathlib.Path, data: dict) -> dict[str, pathlib.Path]:
 
     # Four geometric windows per octave for the right panel: min, mean and max of every offset.
     edges = np.unique(np.round(np.geomspace(1, DECAY_MAX_OFFSET, num_octaves * 4 + 1)).astype(int))
-    windows = list(zip(edges[:-1], edges[1:]))
+    windows = list(zip(edges[:-1], edges[1:], strict=True))
     centres = [math.sqrt(lo * hi) for lo, hi in windows]
 
     fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 4.3), layout="constrained")
@@ -232,7 +234,7 @@ def _t5_buckets(outdir: pathlib.Path, data: dict) -> dict[str, pathlib.Path]:
         "num_buckets": T5_BUCKETS,
         "max_distance": T5_MAX_DISTANCE,
         "bidirectional": False,
-        "ranges": list(zip(first, last)),
+        "ranges": list(zip(first, last, strict=True)),
     }
 
     fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 4.3), layout="constrained")
@@ -254,7 +256,7 @@ def _t5_buckets(outdir: pathlib.Path, data: dict) -> dict[str, pathlib.Path]:
         ylim=(-0.5, T5_BUCKETS - 0.5),
     )
     ax0.legend(fontsize=8, loc="lower right")
-    widths = [b - a + 1 for a, b in zip(first[:-1], last[:-1])]
+    widths = [b - a + 1 for a, b in zip(first[:-1], last[:-1], strict=True)]
     ax1.bar(range(T5_BUCKETS - 1), widths, color="tab:blue")
     ax1.bar(
         [T5_BUCKETS - 1],
@@ -330,7 +332,7 @@ def _t5_vs_alibi(outdir: pathlib.Path) -> dict[str, pathlib.Path]:
         ),
     ]
     fig, axes = plt.subplots(2, 2, figsize=(11, 9.5), layout="constrained")
-    for ax, (values, cmap, sym, title, label) in zip(axes.ravel(), panels):
+    for ax, (values, cmap, sym, title, label) in zip(axes.ravel(), panels, strict=True):
         cm = plt.get_cmap(cmap).with_extremes(bad="white")
         vmax = np.abs(values[~future]).max() if sym else None
         im = ax.imshow(

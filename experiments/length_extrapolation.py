@@ -26,9 +26,9 @@ per-position NLL at the longest length, passkey exact-match accuracy per (length
 copy accuracy per length. RoPE is also evaluated with eval-time scaling (rows `rope+linear`,
 `rope+ntk`, `rope+dynamic`, `rope+yarn`): the trained RoPE parameters with the Hugging Face
 `rope_scaling` {rope_type, factor = eval_len / L, original_max_position_embeddings = L}
-(`posattn.eval.lengths.rope_scaling_row`); at eval_len <= L they are plain RoPE. "dynamic" recomputes
-its base from the window length it reads, which in a whole-window evaluation is eval_len, so it
-stretches the base by (s * eval_len / L - (s - 1))^(d/(d-2)) = (s^2 - s + 1)^(d/(d-2)), as
+(`posattn.eval.lengths.rope_scaling_row`); at eval_len <= L they are plain RoPE. "dynamic"
+recomputes its base from the window length it reads, which in a whole-window evaluation is eval_len,
+so it stretches the base by (s * eval_len / L - (s - 1))^(d/(d-2)) = (s^2 - s + 1)^(d/(d-2)), as
 Hugging Face does when its factor is set to the extension ratio.
 
 Writes `WORKDIR/results.json` (`train_len`, `corpus`, `families`: {name: {eval_len, loss,
@@ -139,28 +139,33 @@ def check_evaluation(config: ml_collections.ConfigDict, lengths: list[int]) -> N
 
 
 def check_experiment(config: ml_collections.ConfigDict) -> None:
-    """Validates the experiment's own sections (the training sections are validated by load_config)."""
+    """Validates the experiment's own sections (the training sections are validated by
+    load_config)."""
     fail = config_lib.ConfigError
     unknown = [f for f in config.families if f not in families.names()]
     if unknown or not config.families:
         raise fail(
-            f"config.families={tuple(config.families)!r}: unknown {unknown}; known: {', '.join(families.names())}"
+            f"config.families={tuple(config.families)!r}: unknown {unknown}; "
+            f"known: {', '.join(families.names())}"
         )
     bad = [k for k in config.rope_scalings if k not in ROPE_KINDS]
     if bad:
         raise fail(f"config.rope_scalings has {bad[0]!r}; allowed: {', '.join(ROPE_KINDS)}")
     if config.rope_scalings and "rope" not in config.families:
         raise fail(
-            "config.rope_scalings needs 'rope' in config.families (the rows rescale the trained RoPE model)"
+            "config.rope_scalings needs 'rope' in config.families "
+            "(the rows rescale the trained RoPE model)"
         )
     lengths = eval_lengths(config)
     if not lengths or any(x < 2 for x in lengths) or lengths != sorted(set(lengths)):
         raise fail(
-            f"eval lengths {lengths} (config.eval.lengths / eval.multiples) must be distinct, increasing, >= 2"
+            f"eval lengths {lengths} (config.eval.lengths / eval.multiples) must be distinct, "
+            "increasing, >= 2"
         )
     if config.eval.attention_impl not in IMPLEMENTATIONS:
         raise fail(
-            f"config.eval.attention_impl={config.eval.attention_impl!r}; allowed: {', '.join(IMPLEMENTATIONS)}"
+            f"config.eval.attention_impl={config.eval.attention_impl!r}; "
+            f"allowed: {', '.join(IMPLEMENTATIONS)}"
         )
     check_evaluation(config, lengths)
     seeds = config.get("seeds", 1)
@@ -289,7 +294,8 @@ def _train(train_config, fam_dir: pathlib.Path, code: dict, *, reuse: bool = Fal
 
 
 def restore_model(train_config, fam_dir: pathlib.Path, *, attention_impl: str):
-    """(cfg, graphdef, params, constants) of the finished run in `fam_dir`, with `attention_impl`."""
+    """(cfg, graphdef, params, constants) of the finished run in `fam_dir`, with
+    `attention_impl`."""
     restored = restore_trained(train_config, fam_dir / "checkpoints")
     if restored is None or restored[2] != int(train_config.train.steps):
         raise RuntimeError(
@@ -600,18 +606,25 @@ def combine_seeds(per_seed: list[dict[str, dict]]) -> dict[str, dict]:
     return out
 
 
-def _evaluate_seeds(config, family, fam_dir, text, lengths, members, cfg) -> dict[str, dict]:
-    """Each seed's rows (cached in `fam_dir/eval.json` with the seeds), combined."""
+def _evaluate_seeds(
+    config, family, fam_dir, text, lengths, members, cfg, code: dict, *, reuse: bool = False
+) -> tuple[dict[str, dict], dict]:
+    """(each seed's rows combined, the code that evaluated them): from `fam_dir/eval.json` when it
+    holds these settings and seeds and was made by this code (or by any code, with `reuse`), else
+    evaluated now."""
     cache = fam_dir / "eval.json"
     settings = {**_eval_settings(config, lengths), "plan": text.plan.fingerprint}
     settings["trained"] = {
         "seeds": seed_list(config),
         **json.loads(config_lib.to_json(family_config(config, family))),
     }
+    settings = json.loads(json.dumps(settings))  # as eval.json holds them (tuples as lists)
     if cache.exists():
         saved = json.loads(cache.read_text())
+        if saved.get("settings") == settings and (_same_origin(saved, code) or reuse):
+            return saved["rows"], saved.get("code") or {}
         if saved.get("settings") == settings:
-            return saved["rows"]
+            _say(f"{family}: eval.json was made by {_describe_origin(saved)}; evaluating again")
     start = time.perf_counter()
     cfg = dataclasses.replace(cfg, attention_impl=config.eval.attention_impl)
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(params=0))))
@@ -683,8 +696,9 @@ def run(
             f"{training[family]['final_train_loss']:.4f}; evaluating at {lengths}"
         )
         if len(seed_list(config)) > 1:
-            new = _evaluate_seeds(config, family, fam_dir, text, lengths, members, cfg)
-            evaluated_by = code
+            new, evaluated_by = _evaluate_seeds(
+                config, family, fam_dir, text, lengths, members, cfg, code, reuse=reuse
+            )
         else:
             new, evaluated_by = _evaluate_family(
                 config, family, fam_dir, text, lengths, train_config, code, reuse=reuse
@@ -712,7 +726,8 @@ def run(
     (workdir / "results.md").write_text(markdown(results))
     plots(results, workdir)
     _say(
-        f"wrote {workdir / 'results.json'}, results.md and plots in {results['timing']['total_seconds']:.0f} s"
+        f"wrote {workdir / 'results.json'}, results.md and plots in "
+        f"{results['timing']['total_seconds']:.0f} s"
     )
     return results
 
@@ -987,8 +1002,10 @@ def markdown(results: dict) -> str:
     out = [
         f"# Length extrapolation: trained at L = {L}, corpus {results['corpus']}",
         "",
-        f"Commit {prov['commit']}{' (with uncommitted changes)' if prov['uncommitted_changes'] else ''}, "
-        f"{prov['date']}, {prov['machine']}, {prov['cpu_count']} CPUs, {', '.join(prov['devices'])}; "
+        f"Commit {prov['commit']}"
+        f"{' (with uncommitted changes)' if prov['uncommitted_changes'] else ''}, "
+        f"{prov['date']}, {prov['machine']}, {prov['cpu_count']} CPUs, "
+        f"{', '.join(prov['devices'])}; "
         f"total {results['timing']['total_seconds']:.0f} s.",
         "",
         f"Loss: mean next-token cross-entropy, {results['loss_unit']}; `null`: the model cannot "
@@ -1143,7 +1160,10 @@ def plots(results: dict, workdir: pathlib.Path) -> None:
     L, fams = results["train_len"], results["families"]
     lengths = next(iter(fams.values()))["eval_len"]
     colors = {name: plt.cm.tab20(i % 20) for i, name in enumerate(fams)}
-    style = lambda name: dict(ls="--" if "+" in name else "-", marker="o", ms=3, color=colors[name])
+
+    def style(name):
+        return dict(ls="--" if "+" in name else "-", marker="o", ms=3, color=colors[name])
+
     finite = [v for f in fams.values() for v in f["loss"][:1] if v is not None]
     top = 2.5 * max(finite) if finite else None
 
@@ -1236,7 +1256,8 @@ def plots(results: dict, workdir: pathlib.Path) -> None:
             squeeze=False,
             layout="constrained",
         )
-        for ax, (name, grid) in zip(axes.flat, grids.items()):
+        # More axes than grids: the spare ones are turned off below.
+        for ax, (name, grid) in zip(axes.flat, grids.items(), strict=False):
             img = np.array(
                 [[np.nan if v is None else v for v in row] for row in grid]
             ).T  # (depths, lengths)
@@ -1255,9 +1276,9 @@ def plots(results: dict, workdir: pathlib.Path) -> None:
     if results["copy_acc"]:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for name, acc in results["copy_acc"].items():
-            pts = [(x, y) for x, y in zip(lengths, acc) if y is not None]
+            pts = [(x, y) for x, y in zip(lengths, acc, strict=True) if y is not None]
             if pts:
-                ax.plot(*zip(*pts), label=name, **style(name))
+                ax.plot(*zip(*pts, strict=True), label=name, **style(name))
         ax.set(
             xscale="log",
             xlabel="eval length",

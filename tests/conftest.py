@@ -16,7 +16,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def small_config(**overrides):
-    """configs/tiny.py shrunk further, with `section.key=value` overrides (dots as double underscores)."""
+    """configs/tiny.py shrunk further, with `section.key=value` overrides (dots as double
+    underscores)."""
     from posattn import config as config_lib
 
     base = [

@@ -97,10 +97,11 @@ def test_learned_embedding_traced_out_of_range_is_nan_not_clamped():
 # T5 buckets
 # ------------------------------------------------------------------------------------------
 
-# google-research/t5x, t5x/examples/t5/layers.py, `RelativePositionBiases._relative_position_bucket`,
-# run on relative_position = -offset over offsets -3000..3000 (identical output from Hugging Face
-# transformers models/t5/modeling_t5.py `T5Attention._relative_position_bucket` for these four
-# configs). Offsets: both sides of every bucket boundary, max_distance +-1 and far values.
+# google-research/t5x, t5x/examples/t5/layers.py,
+# `RelativePositionBiases._relative_position_bucket`, run on relative_position = -offset over
+# offsets -3000..3000 (identical output from Hugging Face transformers models/t5/modeling_t5.py
+# `T5Attention._relative_position_bucket` for these four configs). Offsets: both sides of every
+# bucket boundary, max_distance +-1 and far values.
 T5_GOLDEN = {
     (32, 128, False): (
         [
@@ -718,8 +719,10 @@ def test_alibi_bias_linear_and_row_shift_equivalent_to_fairseq():
 # ------------------------------------------------------------------------------------------
 
 # chijames/KERPLE, megatron/mpu/layers.py, run in torch float32 on diff = [0, 1, 2, 7, 100, 4096]:
-# `ParallelKerplePower.forward`: -bias_a * diff.pow(bias_p), bias_a = r1 = [0.5, 1.3], bias_p = r2 = [0.3, 1.7].
-# `ParallelKerpleLog.forward`: -bias_p * log(1 + bias_a * diff), bias_p = r1 = [0.5, 1.3], bias_a = r2 = [0.3, 1.7].
+# `ParallelKerplePower.forward`: -bias_a * diff.pow(bias_p), bias_a = r1 = [0.5, 1.3],
+# bias_p = r2 = [0.3, 1.7].
+# `ParallelKerpleLog.forward`: -bias_p * log(1 + bias_a * diff), bias_p = r1 = [0.5, 1.3],
+# bias_a = r2 = [0.3, 1.7].
 KERPLE_OFFSETS = [0, 1, 2, 7, 100, 4096]
 KERPLE_R1, KERPLE_R2 = [0.5, 1.3], [0.3, 1.7]
 KERPLE_POWER_GOLDEN = [
@@ -996,7 +999,10 @@ def test_fire_golden_values_and_gradients(c, L):
     chex.assert_type(out, jnp.float32)
     np.testing.assert_allclose(out, expected, rtol=3e-6, atol=1e-7)
     w = jnp.arange(35.0).reshape(7, 5) / 35
-    loss = lambda c_, L_: jnp.sum(w * P.fire_normalized_distance(q, k, c=c_, L=L_))
+
+    def loss(c_, L_):
+        return jnp.sum(w * P.fire_normalized_distance(q, k, c=c_, L=L_))
+
     gc, gL = jax.jit(jax.grad(loss, argnums=(0, 1)))(jnp.float32(c), jnp.float32(L))
     np.testing.assert_allclose([gc, gL], [grad_c, grad_L], rtol=1e-4, atol=1e-6)
 

@@ -1,4 +1,5 @@
-"""Tests for posattn.rotary: reference goldens, the worked example of docs/conventions.md, properties, precision.
+"""Tests for posattn.rotary: reference goldens, the worked example of docs/conventions.md,
+properties, precision.
 
 Run: .venv/bin/python -m pytest tests/test_rotary.py -q
 """
@@ -26,7 +27,8 @@ from posattn.rotary import (
 # Golden values, recorded with transformers 5.24.0 / torch 2.13.0+cpu / numpy 2.4.6 by a scratch
 # script outside the repository (docs/rope.md, "Goldens"). For each case it built
 #   LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim,
-#               max_position_embeddings=..., rope_parameters={**rope_parameters, "rope_theta": base})
+#               max_position_embeddings=...,
+#               rope_parameters={**rope_parameters, "rope_theta": base})
 # and called transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS[rope_type](config, "cpu",
 # seq_len=seq_len) ("default": LlamaRotaryEmbedding.compute_default_rope_parameters(config)).
 # The comment above each case gives those arguments; `scaling` is the same setting as posattn
@@ -723,7 +725,8 @@ HALF_OUT = [
 
 
 def pseudo_random(shape, seed):
-    """Inputs exact in float32: a multiplicative hash of the flat index, mapped to [-2, 2) in 2^-18 steps."""
+    """Inputs exact in float32: a multiplicative hash of the flat index, mapped to [-2, 2) in
+    2^-18 steps."""
     n = np.arange(int(np.prod(shape)), dtype=np.uint64)
     h = (n * np.uint64(2654435761) + np.uint64(seed) * np.uint64(40503)) % np.uint64(2**32)
     return ((h >> np.uint64(12)).astype(np.float64) / 2**18 - 2.0).reshape(shape).astype(np.float32)
@@ -898,11 +901,11 @@ def test_invalid_base_and_length_are_refused():
 def test_vmap_over_a_swept_base():
     bases = jnp.array([1e4, 5e4, 5e5])
     for scaling in (None, YARN, LLAMA3):
-        swept = jax.jit(jax.vmap(lambda b: rope_frequencies(128, base=b, scaling=scaling)[0]))(
-            bases
-        )
+        swept = jax.jit(
+            jax.vmap(lambda b, scaling=scaling: rope_frequencies(128, base=b, scaling=scaling)[0])
+        )(bases)
         chex.assert_shape(swept, (3, 64))
-        for row, base in zip(swept, [1e4, 5e4, 5e5]):
+        for row, base in zip(swept, [1e4, 5e4, 5e5], strict=True):
             # traced base: computed in float32 on the device, a few ulp from the host float64 path
             assert ulps(row, rope_frequencies(128, base=base, scaling=scaling)[0]).max() <= 8
 
@@ -933,7 +936,8 @@ def test_two_dimensional_worked_example(layout):
 def test_interleaved_matches_meta_view_as_complex():
     x = pseudo_random((1, 5, 2, 8), seed=1)
     out = rope(x, jnp.array(INTERLEAVED_POSITIONS), jnp.array(INTERLEAVED_INV_FREQ, jnp.float32))
-    # Measured: 1.9e-7 (one float32 rounding of |x| <= 2); Meta's own float32 pipeline is 2.4e-6 off.
+    # Measured: 1.9e-7 (one float32 rounding of |x| <= 2); Meta's own float32 pipeline is 2.4e-6
+    # off.
     np.testing.assert_allclose(np.ravel(out), INTERLEAVED_OUT, rtol=0, atol=1e-6)
 
 

@@ -1,8 +1,8 @@
 """Absolute position embeddings and relative-bias families, as pure functions.
 
-Conventions (docs/conventions.md): `i` is the query position, `j` the key position, `offset = i - j` (positive
-when the key lies in the past). Shape letters: T query length, S key length, N heads,
-D model dim, P rows of a learned table; `...` is any shape of offsets (usually `[T, S]`).
+Conventions (docs/conventions.md): `i` is the query position, `j` the key position, `offset = i - j`
+(positive when the key lies in the past). Shape letters: T query length, S key length, N heads, D
+model dim, P rows of a learned table; `...` is any shape of offsets (usually `[T, S]`).
 
 Every bias function returns float32 `[N, ...]`, heads first, so that it adds onto logits
 `[N, T, S]`. Integer hyperparameters (`dim`, `num_heads`, bucket settings) are Python values used
@@ -60,7 +60,8 @@ def _int_array(name: str, x) -> jax.Array:
 
 
 def _heads_first(param, ndim: int) -> jax.Array:
-    """float32 `[N] -> [N, 1, ..., 1]` so a per-head parameter broadcasts over `ndim` offset axes."""
+    """float32 `[N] -> [N, 1, ..., 1]` so a per-head parameter broadcasts over `ndim` offset
+    axes."""
     param = jnp.asarray(param, jnp.float32)
     return param.reshape(param.shape + (1,) * ndim)
 
@@ -269,7 +270,8 @@ def alibi_bias(offset, slopes) -> jax.Array:
 # Kerple (Chi et al. 2022).  Reference: chijames/KERPLE, megatron/mpu/layers.py,
 # `ParallelKerplePower.forward` (`-bias_a * diff**bias_p`) and `ParallelKerpleLog.forward`
 # (`-bias_p * log(1 + bias_a * diff)`); our r1 is their outer factor, r2 the inner one.
-# Keeping r1, r2 in range (clamp >= 0.01, r2 <= 2 for power) is the module's job (docs/conventions.md).
+# Keeping r1, r2 in range (clamp >= 0.01, r2 <= 2 for power) is the module's job
+# (docs/conventions.md).
 # --------------------------------------------------------------------------------------------
 
 

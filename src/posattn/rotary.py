@@ -1,10 +1,11 @@
-"""Rotary position embeddings (RoPE, Su et al. 2021) and the Hugging Face scalings of their frequencies.
+"""Rotary position embeddings (RoPE, Su et al. 2021) and the Hugging Face scalings of their
+frequencies.
 
 Shapes: B batch, T query length, N heads, H head dim (even), F = H // 2 rotation frequencies.
 
-- `rope_frequencies(H, base=, scaling=, seq_len=)` -> (theta float32[F], attention factor): theta_k =
-  base^(-2k/H), optionally rescaled by a Hugging Face `rope_scaling` dict ("linear", "ntk",
-  "dynamic", "yarn", "llama3"); formulas follow `transformers.modeling_rope_utils`.
+- `rope_frequencies(H, base=, scaling=, seq_len=)` -> (theta float32[F], attention factor):
+  theta_k = base^(-2k/H), optionally rescaled by a Hugging Face `rope_scaling` dict ("linear",
+  "ntk", "dynamic", "yarn", "llama3"); formulas follow `transformers.modeling_rope_utils`.
 - `apply_rope(x, positions, inv_freq)` rotates each feature pair by `position * theta_k` with
   float32 complex multiplication; "interleaved" pairs (x0, x1), (x2, x3) ... (Meta Llama, GPT-J) or
   "half" pairs (x_k, x_{k+F}) (GPT-NeoX, Hugging Face `rotate_half`).
@@ -30,7 +31,8 @@ LAYOUTS = ("interleaved", "half")
 
 _M_L = "original_max_position_embeddings"
 # rope_type -> (required keys, optional keys with their defaults). HF reads beta_fast/beta_slow with
-# `or 32` / `or 1` and `truncate` with `.get("truncate", True)`; None means "use the default" here too.
+# `or 32` / `or 1` and `truncate` with `.get("truncate", True)`; None means "use the default" here
+# too.
 _KEYS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "default": ((), {}),
     "linear": (("factor",), {_M_L: None}),
@@ -207,7 +209,8 @@ def _xp(value: Any):
 
 
 def _default(d: int, base, cfg, seq_len):
-    # theta_k = base^(-2k/d), k = 0 .. d/2 - 1 (RoFormer §3.2.2 with 0-based k, as HF and Meta write it).
+    # theta_k = base^(-2k/d), k = 0 .. d/2 - 1 (RoFormer §3.2.2 with 0-based k, as HF and Meta
+    # write it).
     xp = _xp(base)
     return 1.0 / base ** (xp.arange(0, d, 2) / d)
 
@@ -218,16 +221,16 @@ def _linear(d, base, cfg, seq_len):
 
 
 def _ntk(d, base, cfg, seq_len):
-    # NTK-aware base change (bloc97, r/LocalLLaMA 2023; YaRN paper, "NTK-aware"): b' = b s^(d/(d-2)),
-    # so that the lowest frequency is divided by exactly s (as in linear interpolation) and the
-    # highest is untouched.
+    # NTK-aware base change (bloc97, r/LocalLLaMA 2023; YaRN paper, "NTK-aware"):
+    # b' = b s^(d/(d-2)), so that the lowest frequency is divided by exactly s (as in linear
+    # interpolation) and the highest is untouched.
     return _default(d, base * cfg["factor"] ** (d / (d - 2)), cfg, seq_len)
 
 
 def _dynamic(d, base, cfg, seq_len):
     # HF `_compute_dynamic_ntk_parameters`: b' = b r^(d/(d-2)), r = s L / m_l - (s - 1) with
-    # L = max(seq_len, m_l). Written as theta_k(b) r^(-2k/(d-2)) so that only the factor that depends
-    # on a traced length is computed on the device; the frequencies of b stay host float64.
+    # L = max(seq_len, m_l). Written as theta_k(b) r^(-2k/(d-2)) so that only the factor that
+    # depends on a traced length is computed on the device; the frequencies of b stay host float64.
     s, m_l = cfg["factor"], cfg[_M_L]
     length = m_l if seq_len is None else _xp(seq_len).maximum(seq_len, m_l)
     ratio = s * length / m_l - (s - 1)
@@ -281,8 +284,8 @@ _INV_FREQ = {
 
 
 def _yarn_attention_factor(cfg: dict[str, Any]) -> float:
-    # HF: an explicit attention_factor wins; else the YaRN paper's sqrt(1/t) = 0.1 ln(s) + 1, or with
-    # both mscale and mscale_all_dim set (DeepSeek-V2/V3 configs) the ratio of two such terms.
+    # HF: an explicit attention_factor wins; else the YaRN paper's sqrt(1/t) = 0.1 ln(s) + 1, or
+    # with both mscale and mscale_all_dim set (DeepSeek-V2/V3 configs) the ratio of two such terms.
     if cfg["attention_factor"] is not None:
         return float(cfg["attention_factor"])
 
@@ -357,7 +360,8 @@ _SPLIT = 12  # p = a * 2^12 + b
 
 
 def _high_bits(x: jax.Array) -> jax.Array:
-    """x with its 12 leading significant bits (sign, exponent and 11 stored bits); x - result is exact."""
+    """x with its 12 leading significant bits (sign, exponent and 11 stored bits); x - result is
+    exact."""
     bits = jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFFF000)
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
@@ -464,7 +468,8 @@ def apply_rope(
 
 
 def rope_decay_bound(offsets: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """RoFormer §3.4.3's relative upper bound (1/F) sum_{j=1..F} |S_j|, S_j = sum_{k<j} e^{i o theta_k}.
+    """RoFormer §3.4.3's relative upper bound (1/F) sum_{j=1..F} |S_j|,
+    S_j = sum_{k<j} e^{i o theta_k}.
 
     |sum_k h_k e^{i o theta_k}| <= max_k |h_{k+1} - h_k| * sum_j |S_j| by Abel summation; the bound
     falls, with ripples, as the offset o = m - n grows, and a larger base stretches the fall.

@@ -74,12 +74,14 @@ def test_passkey_mixing_is_pure_and_split_by_process():
         for i in (0, 1)
     ]
     assert np.array_equal(np.concatenate([h["inputs"] for h in halves]), mixed["inputs"])
-    changed = [not np.array_equal(a, b) for a, b in zip(mixed["inputs"], plain["inputs"])]
+    changed = [
+        not np.array_equal(a, b) for a, b in zip(mixed["inputs"], plain["inputs"], strict=True)
+    ]
     assert 0 < sum(changed) < 8
-    for row, was_changed in zip(mixed["inputs"], changed):
+    for row, was_changed in zip(mixed["inputs"], changed, strict=True):
         assert (probes.NEEDLE_PREFIX in row.astype(np.uint8).tobytes()) == was_changed
     every = data.train_batch(corpus, **kw, passkey_fraction=1.0)
-    for inputs, targets in zip(every["inputs"], every["targets"]):
+    for inputs, targets in zip(every["inputs"], every["targets"], strict=True):
         text = np.concatenate([inputs, targets[-1:]]).astype(np.uint8).tobytes()
         key = text.rsplit(b"=", 1)[1]
         assert (
@@ -380,7 +382,9 @@ def test_paper_config_builds_a_247m_class_model_for_every_family():
     assert experiment.eval_lengths(config) == [512, 1012, 2012, 4012, 8512]
     for family in config.families:
         cfg = config_lib.validate(experiment.family_config(config, family))
-        model = nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(params=0)))  # no compute
+        model = nnx.eval_shape(
+            lambda cfg=cfg: TransformerLM(cfg, rngs=nnx.Rngs(params=0))
+        )  # no compute
         count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
         assert 245e6 < count < 260e6, (family, count)
     long = config_lib.load_config(f"{ROOT / 'configs' / 'extrapolation_paper.py'}:1024")
@@ -419,4 +423,12 @@ def test_seeds_train_as_one_sweep_program_and_report_mean_and_spread(tmp_path):
     assert row["loss_se"][0] == pytest.approx(np.std(seeds, ddof=1) / np.sqrt(2))
     assert row["loss_sliding"] == [None, None] and results["training"]["alibi"]["seeds"] == [0, 1]
     assert "±" in (tmp_path / "results.md").read_text()
+    # eval.json records the code that evaluated the seeds, and a rerun by that code reuses it.
+    code = experiment.code_sha256()
+    assert _read(tmp_path / "alibi" / "eval.json")["code"]["code_sha256"] == code
+    assert results["row_provenance"]["alibi"]["evaluated"]["code_sha256"] == code
+    written = (tmp_path / "alibi" / "eval.json").stat().st_mtime_ns
+    assert experiment.main([*args, "--workdir", str(tmp_path)]) == 0
+    assert (tmp_path / "alibi" / "eval.json").stat().st_mtime_ns == written
+    assert _read(tmp_path / "results.json")["families"]["alibi"]["loss"] == row["loss"]
     assert experiment.main(["--config.seeds=0", "--workdir", str(tmp_path / "x")]) == 2

@@ -88,7 +88,8 @@ OVERFLOW = (0, len(SWEEP) - 1)  # entries that also take one step past the capac
 
 @pytest.fixture(scope="module")
 def sweep():
-    """For each SWEEP entry: (cached logits, full-forward logits at the same positions[, overflow step])."""
+    """For each SWEEP entry: (cached logits, full-forward logits at the same positions[, overflow
+    step])."""
     cfgs = [make_cfg(name, **m) for name, m in SWEEP]
     models = [(cfg, *model_parts(cfg)) for cfg in cfgs]
     tokens = jax.random.randint(jax.random.key(1), (2, TOTAL), 0, 256)
@@ -98,7 +99,9 @@ def sweep():
 
     def run(states, tokens):
         results = []
-        for i, ((cfg, graphdef, _, _), (params, constants)) in enumerate(zip(models, states)):
+        for i, ((cfg, graphdef, _, _), (params, constants)) in enumerate(
+            zip(models, states, strict=True)
+        ):
             full = nnx.merge(graphdef, params, constants)(tokens)  # (B, TOTAL, V)
             cache = decode.init_cache(cfg, batch_size=2, capacity=TOTAL - 1)
             got, cache = _teacher_forced(
@@ -136,7 +139,8 @@ def test_a_full_row_gives_nan_under_jit_and_other_rows_go_on(sweep, index):
 
 # ----------------------------------------------------------------------------------------------
 # Dynamic NTK: past m_l its frequencies follow the current length, so whatever was cached at an
-# earlier length is stale (Hugging Face's pitfall). "exact" must equal a full forward over each prefix.
+# earlier length is stale (Hugging Face's pitfall). "exact" must equal a full forward over each
+# prefix.
 
 M_L = 16
 
@@ -149,7 +153,8 @@ def dynamic_cfg(**model):
 
 
 def _dynamic_errors(cfg, modes):
-    """Max |cached - oracle| logit error per (row, step) for each mode, and each step's prefix length."""
+    """Max |cached - oracle| logit error per (row, step) for each mode, and each step's prefix
+    length."""
     graphdef, params, constants = model_parts(cfg)
     total, prompts = 40, np.array([6, 4], np.int32)
     tokens = jax.random.randint(jax.random.key(2), (2, total), 0, 256)
@@ -175,7 +180,7 @@ def _dynamic_errors(cfg, modes):
         return unpadded, padded, errors
 
     unpadded, padded, errors = jax.device_get(jax.jit(run)(params, constants, tokens))
-    for a, b in zip(unpadded, padded):
+    for a, b in zip(unpadded, padded, strict=True):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=2e-5)
     return errors, np.asarray(prompts)[:, None] + np.arange(steps_ + 1)[None]
 

@@ -1,4 +1,5 @@
-"""Faults lose nothing: NaN stops cleanly, SIGTERM saves, SIGKILL and damaged checkpoints resume exactly."""
+"""Faults lose nothing: NaN stops cleanly, SIGTERM saves, SIGKILL and damaged checkpoints resume
+exactly."""
 
 import fcntl
 import os

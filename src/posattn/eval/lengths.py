@@ -3,8 +3,8 @@
 Shape legend: W windows, B batch (windows per forward pass), T window length, V vocabulary.
 
 Every function takes the model split at the jit boundary, `(graphdef, params, constants)` (as
-`posattn.train.steps.init_model` returns it and checkpoints restore it), plus NumPy tokens, and returns
-NumPy/Python numbers. One jitted forward pass (`token_stats`) serves them all: per-token
+`posattn.train.steps.init_model` returns it and checkpoints restore it), plus NumPy tokens, and
+returns NumPy/Python numbers. One jitted forward pass (`token_stats`) serves them all: per-token
 negative log-likelihood and argmax prediction, with the output projection computed in chunks of
 positions so that a [B, T, V] logits array never exists (a 16k-token window of a 50k-token
 vocabulary would be 3 GiB per row). Long windows run through `posattn.attention` with the model's
@@ -12,12 +12,12 @@ vocabulary would be 3 GiB per row). Long windows run through `posattn.attention`
 
 A model that cannot read a window of some length gives None there, decided from its config before
 any compute (`max_length`): learned absolute embeddings have no row past their table
-(docs/conventions.md),
-and a number computed from a clamped or NaN lookup would be a lie.
+(docs/conventions.md), and a number computed from a clamped or NaN lookup would be a lie.
 
-Evaluation protocol (docs/conventions.md; Press et al. 2022 §4): non-overlapping windows from the start of the
-held-out tokens, every token of a window predicted from the window's earlier tokens only, so at
-length T the first positions of each window have little context; the mean is over all of them.
+Evaluation protocol (docs/conventions.md; Press et al. 2022 §4): non-overlapping windows from the
+start of the held-out tokens, every token of a window predicted from the window's earlier tokens
+only, so at length T the first positions of each window have little context; the mean is over all
+of them.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ _LOGITS_BUDGET = 64 * 1024 * 1024
 
 
 def model_config_of(graphdef: nnx.GraphDef, params: nnx.State, constants: nnx.State) -> ModelConfig:
-    """The static `ModelConfig` a split model was built from (no compute: arrays are not touched)."""
+    """The static `ModelConfig` a split model was built from (no compute: arrays are not
+    touched)."""
     return nnx.merge(graphdef, params, constants).cfg
 
 
@@ -132,7 +133,10 @@ def _token_stats(
         return nll, jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     nll, pred = jax.lax.map(one_chunk, (h, t))  # (n, B, c) each
-    unchunk = lambda x: x.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]  # (B, T)
+
+    def unchunk(x):
+        return x.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]  # (B, T)
+
     return unchunk(nll), unchunk(pred)
 
 
@@ -284,9 +288,9 @@ def passkey_accuracy(
         pred = predict(
             graphdef, params, constants, np.stack([m.tokens for m in made]), batch_size=batch_size
         )
-        hits = np.array([probes.score_passkey(m, p) for m, p in zip(made, pred)]).reshape(
-            len(depths), samples
-        )
+        hits = np.array(
+            [probes.score_passkey(m, p) for m, p in zip(made, pred, strict=True)]
+        ).reshape(len(depths), samples)
         acc[a] = hits.mean(axis=1)
     return acc
 
@@ -325,7 +329,9 @@ def copy_accuracy(
         pred = predict(
             graphdef, params, constants, np.stack([m.tokens for m in made]), batch_size=batch_size
         )
-        scores = np.array([probes.score_copy(m, p) for m, p in zip(made, pred)])  # (samples, 2)
+        scores = np.array(
+            [probes.score_copy(m, p) for m, p in zip(made, pred, strict=True)]
+        )  # (samples, 2)
         out.append(float(scores[:, 0].sum() / scores[:, 1].sum()))
     return out
 

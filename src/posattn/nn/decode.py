@@ -4,9 +4,9 @@ Shape legend: B batch, P prompt length (right-padded), S cache capacity, L layer
 values (`num_layers // kv_share`), K key/value heads, H head dim, V vocabulary.
 
 Every function here is pure and jit-able; the model enters as `(graphdef, params, constants)`, as
-in `posattn.train.steps`. A cache row stores the key of position p at index p, so the attention core's
-conventions (query positions `q_offset + t`, key positions `arange(S)`, `kv_lengths` hiding the
-unwritten rows) give every family its true positions with nothing family-specific here:
+in `posattn.train.steps`. A cache row stores the key of position p at index p, so the attention
+core's conventions (query positions `q_offset + t`, key positions `arange(S)`, `kv_lengths` hiding
+the unwritten rows) give every family its true positions with nothing family-specific here:
 
   * RoPE: keys are rotated at their own position when written; the query at the row's length.
   * Dynamic NTK: its frequencies depend on the current length L once L > m_l, so everything
@@ -104,7 +104,8 @@ def _dynamic_layout(cfg: ModelConfig, dynamic_ntk: str) -> tuple[bool, int | Non
     """(keys_rotated, recompute_past) of a cache for this model and dynamic-NTK mode."""
     if dynamic_ntk not in DYNAMIC_NTK_MODES:
         raise ValueError(
-            f"dynamic_ntk={dynamic_ntk!r} is not allowed: use one of {', '.join(DYNAMIC_NTK_MODES)} "
+            f"dynamic_ntk={dynamic_ntk!r} is not allowed: use one of "
+            f"{', '.join(DYNAMIC_NTK_MODES)} "
             "('exact' recomputes the prefix past m_l, 'rerotate' rotates cached keys with the "
             "current frequencies, 'hf' keeps them as written)"
         )
@@ -128,8 +129,9 @@ def check_generation(cfg: ModelConfig, capacity: int) -> None:
         )
     if cfg.family.embedding == "learned" and capacity > cfg.max_len:
         raise ValueError(
-            f"decoding {capacity} positions needs learned position embeddings for positions 0..{capacity - 1}, "
-            f"but model.max_len={cfg.max_len} rows exist (positions 0..{cfg.max_len - 1}); a learned table has "
+            f"decoding {capacity} positions needs learned position embeddings for positions "
+            f"0..{capacity - 1}, but model.max_len={cfg.max_len} rows exist "
+            f"(positions 0..{cfg.max_len - 1}); a learned table has "
             "nothing past its size: shorten the prompt or max_new_tokens, or use a relative family"
         )
 
@@ -218,7 +220,7 @@ def prefill(
     model = nnx.merge(graphdef, params, constants)
     h, kvs = model.extend(
         tokens,
-        tuple(zip(cache.k, cache.v)),
+        tuple(zip(cache.k, cache.v, strict=True)),
         q_offset=0,
         kv_lengths=lengths,
         seq_len=lengths,
@@ -284,7 +286,7 @@ def _cached_step(
     model = nnx.merge(graphdef, params, constants)
     h, kvs = model.extend(
         tokens[:, None],
-        tuple(zip(cache.k, cache.v)),
+        tuple(zip(cache.k, cache.v, strict=True)),
         q_offset=position,
         kv_lengths=new_len,
         seq_len=new_len,
@@ -295,7 +297,7 @@ def _cached_step(
 
 
 def _replace(cache: KVCache, kvs, lengths, tokens) -> KVCache:
-    k, v = zip(*kvs)
+    k, v = zip(*kvs, strict=True)
     return dataclasses.replace(cache, k=tuple(k), v=tuple(v), lengths=lengths, tokens=tokens)
 
 
@@ -443,7 +445,8 @@ def make_generate(
     use_cache: bool = True,
     dynamic_ntk: str = "exact",
 ):
-    """A jitted `(params, constants, prompts int[B, P], lengths int[B], key) -> int32[B, max_new_tokens]`.
+    """A jitted `(params, constants, prompts int[B, P], lengths int[B], key) ->
+    int32[B, max_new_tokens]`.
 
     Checks every static setting first (model kind, learned table size, sampling settings).
     """

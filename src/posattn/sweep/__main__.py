@@ -1,4 +1,5 @@
-"""`python -m posattn.sweep --config configs/<sweep>.py --workdir DIR [--config.<key>=<value> ...]`."""
+"""`python -m posattn.sweep --config configs/<sweep>.py --workdir DIR
+[--config.<key>=<value> ...]`."""
 
 import logging
 import sys

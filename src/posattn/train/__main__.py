@@ -1,4 +1,5 @@
-"""`python -m posattn.train --config configs/<name>.py --workdir DIR [--config.<key>=<value> ...]`."""
+"""`python -m posattn.train --config configs/<name>.py --workdir DIR
+[--config.<key>=<value> ...]`."""
 
 import logging
 import sys
