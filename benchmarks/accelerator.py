@@ -111,9 +111,10 @@ def family_bias(name: str, num_heads: int, head_dim: int):
     if name == "none":
         return None, None
     family = families.get(name)
-    settings = families.BiasSettings(num_heads=num_heads, head_dim=head_dim)
+    ctx = families.Context(num_heads=num_heads, head_dim=head_dim)
+    settings = family.settings()
     spec = family.bias
-    bias = (spec.bind(settings), spec.init(jax.random.key(1), settings))
+    bias = (spec.bind(ctx, settings), spec.init(jax.random.key(1), ctx, settings))
     return bias, (1.0 if family.scale_free else None)
 
 

@@ -118,7 +118,7 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
 def _validate_observability(train) -> None:
     """train.profile_steps, train.peak_flops, train.tensorboard (see docs/training.md)."""
     profile = train.profile_steps
-    if profile not in ((), None):
+    if profile:  # () / [] (as config.json holds it) / None: off
         ok = (
             isinstance(profile, (tuple, list))
             and len(profile) == 2

@@ -36,16 +36,11 @@ def family_bias(name, key, *, num_heads=N, head_dim=H, bidirectional=False):
     """(BiasFn, params) of a registry family, or None for "none"."""
     if name == "none":
         return None
-    spec = families.get(name).bias
-    settings = families.BiasSettings(
-        num_heads=num_heads,
-        head_dim=head_dim,
-        bidirectional=bidirectional,
-        fire_mlp_width=8,
-        t5_num_buckets=16,
-        t5_max_distance=32,
-    )
-    return spec.bind(settings), spec.init(key, settings)
+    family = families.get(name)
+    ctx = families.Context(num_heads=num_heads, head_dim=head_dim, bidirectional=bidirectional)
+    small = {"fire": dict(mlp_width=8), "t5": dict(num_buckets=16, max_distance=32)}
+    settings = family.settings(**small.get(name, {}))
+    return family.bias.bind(ctx, settings), family.bias.init(key, ctx, settings)
 
 
 def _inputs(K, key, T, S, dtype=jnp.float32, n=N, h=H):
