@@ -67,7 +67,11 @@ class ModelConfig:
     d_ff: int = 0  # 0 means 4 * d_model
     max_len: int = 1024  # learned absolute table size
     kv_share: int = 1  # cross-layer KV sharing: groups of `kv_share` layers read one K/V
-    dtype: str = "float32"  # compute dtype; parameters stay float32
+    dtype: str = "float32"  # compute dtype
+    # Memory and compile-time settings for large models (they leave the function computed alone).
+    param_dtype: str = "float32"  # storage dtype of the parameters (and so of AdamW's moments)
+    remat: str = "none"  # rematerialise each block in the backward: "none" | "full" | "dots"
+    scan_layers: bool = False  # stack the blocks' parameters and run them with one nnx.scan
     attention_impl: str = "auto"
     # RoPE
     rope_base: float = 10000.0
@@ -352,6 +356,7 @@ def _validate_model(cfg: ModelConfig) -> None:
         cfg.dtype,
         "allowed: 'float32', 'bfloat16'",
     )
+    _validate_scaling(cfg)
     _require(
         cfg.attention_impl in IMPLEMENTATIONS,
         f"{p}.attention_impl",
@@ -411,6 +416,32 @@ def _validate_model(cfg: ModelConfig) -> None:
             f"{p}.d_model",
             cfg.d_model,
             f"gives an odd head dim {cfg.head_dim}; Sandwich sums d'/2 cosines and needs an even head dim",
+        )
+
+
+def _validate_scaling(cfg: ModelConfig) -> None:
+    """model.param_dtype, model.remat, model.scan_layers (see posattn.nn.model)."""
+    _require(
+        cfg.param_dtype in ("float32", "bfloat16"),
+        "model.param_dtype",
+        cfg.param_dtype,
+        "allowed: 'float32', 'bfloat16'",
+    )
+    _require(
+        cfg.remat in ("none", "full", "dots"),
+        "model.remat",
+        cfg.remat,
+        "allowed: 'none', 'full' (recompute each block), 'dots' (keep its matmul outputs)",
+    )
+    _require(
+        isinstance(cfg.scan_layers, bool), "model.scan_layers", cfg.scan_layers, "must be a bool"
+    )
+    if cfg.scan_layers and cfg.kv_share != 1:
+        raise ConfigError(
+            f"config.model.kv_share={cfg.kv_share} is not supported with "
+            "config.model.scan_layers=True "
+            "(a scanned stack needs identical layers, and a layer that reads another's keys/values "
+            "has no key/value projections); set model.kv_share=1 or model.scan_layers=False"
         )
 
 
