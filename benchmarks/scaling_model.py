@@ -10,7 +10,8 @@ Run (from the repository root):
 Both measure `posattn.train.steps.train_step` (AdamW, clipping, metrics) jitted with donated
 state, as `posattn.train` runs it, lowered from abstract shapes (nothing is allocated or run):
   remat_memory       one step at --remat-shape (d_model, layers, batch, length; RoPE, bytes),
-                     compiled for "none", "full" and "dots"; `compiled.memory_analysis()` gives
+                     compiled for "none", "full" and "dots", with the layers unrolled (loop) and
+                     scanned (`model.scan_layers`); `compiled.memory_analysis()` gives
                      the temporaries (activations kept for the backward, workspace) and the peak
                      (arguments + outputs - donated aliases + temporaries). Ratios are against
                      "none" in the same process.
@@ -57,7 +58,7 @@ def _compile_step(cfg: config_lib.ModelConfig, batch: int, length: int):
     return compiled, time.perf_counter() - start
 
 
-def remat_memory(d_model=256, layers=8, batch=8, length=512) -> list[dict]:
+def remat_memory(d_model=128, layers=8, batch=8, length=256, scan_layers=False) -> list[dict]:
     """Temporaries and peak bytes of one step per `model.remat`, and their ratios to "none"."""
     rows = []
     for remat in ("none", "full", "dots"):
@@ -67,6 +68,7 @@ def remat_memory(d_model=256, layers=8, batch=8, length=512) -> list[dict]:
             num_heads=max(1, d_model // 64),
             num_kv_heads=max(1, d_model // 64),
             remat=remat,
+            scan_layers=scan_layers,
         )
         compiled, _ = _compile_step(cfg, batch, length)
         m = compiled.memory_analysis()
@@ -76,7 +78,10 @@ def remat_memory(d_model=256, layers=8, batch=8, length=512) -> list[dict]:
             - m.alias_size_in_bytes
             + m.temp_size_in_bytes
         )
-        rows.append({"remat": remat, "temp": m.temp_size_in_bytes, "peak": peak})
+        rows.append(
+            {"layout": "scan" if scan_layers else "loop", "remat": remat}
+            | {"temp": m.temp_size_in_bytes, "peak": peak}
+        )
     for row in rows:
         row["temp_ratio"] = row["temp"] / rows[0]["temp"]
         row["peak_ratio"] = row["peak"] / rows[0]["peak"]
@@ -118,7 +123,7 @@ def main(argv=None) -> None:
         "--remat-shape",
         type=int,
         nargs=4,
-        default=(256, 8, 8, 512),
+        default=(128, 8, 8, 256),
         metavar=("D", "LAYERS", "B", "T"),
     )
     parser.add_argument("--layers", type=int, nargs="+", default=(4, 32))
@@ -130,10 +135,15 @@ def main(argv=None) -> None:
     if args.only in (None, "remat"):
         D, L, B, T = args.remat_shape
         print(f"\nremat: train step, d_model {D}, {L} layers, batch {B}, length {T} (RoPE, bytes)")
-        print(f"{'remat':>6} {'temp MiB':>10} {'peak MiB':>10} {'temp/none':>10} {'peak/none':>10}")
-        for r in remat_memory(D, L, B, T):
+        print(
+            f"{'layout':>6} {'remat':>6} {'temp MiB':>10} {'peak MiB':>10} {'temp/none':>10} "
+            f"{'peak/none':>10}"
+        )
+        rows = remat_memory(D, L, B, T) + remat_memory(D, L, B, T, scan_layers=True)
+        for r in rows:
             print(
-                f"{r['remat']:>6} {r['temp'] / 2**20:10.1f} {r['peak'] / 2**20:10.1f} "
+                f"{r['layout']:>6} {r['remat']:>6} "
+                f"{r['temp'] / 2**20:10.1f} {r['peak'] / 2**20:10.1f} "
                 f"{r['temp_ratio']:10.3f} {r['peak_ratio']:10.3f}"
             )
     if args.only in (None, "scan"):
