@@ -166,21 +166,25 @@ def test_a_scanned_train_step_matches_the_loops():
     assert max(jax.tree.leaves(moved)) > 1e-3  # the update did something
 
 
-def test_bfloat16_parameters_train_with_bfloat16_moments():
-    cfg = make_cfg(position="rope", d_model=32, num_layers=1, param_dtype="bfloat16")
+def test_bfloat16_parameters_train_with_float32_moments_and_keep_their_dtypes():
+    """A step returns the state's dtypes unchanged (donation and checkpoint restore targets rely
+    on it): bfloat16 parameters, float32 AdamW moments."""
+    cfg = make_cfg(position="t5", d_model=32, num_layers=1, param_dtype="bfloat16")
     optim = steps.OptimConfig(total_steps=10, warmup_steps=0)
     tx = steps.make_optimizer(optim)
     state = steps.init_train_state(cfg, tx, jax.random.key(0))
     graphdef = steps.init_model(cfg, jax.random.key(0))[0]
-    new, metrics = jax.jit(steps.train_step, static_argnums=(0, 1))(
-        graphdef, optim, state, batch_of(2, 16, 256)
-    )
+    step = jax.jit(steps.train_step, static_argnums=(0, 1))
+    new, metrics = step(graphdef, optim, state, batch_of(2, 16, 256))
+    new, metrics = step(graphdef, optim, new, batch_of(2, 16, 256, seed=1))
     assert np.isfinite(float(metrics["loss"]))
-    assert jax.tree.structure(new) == jax.tree.structure(state)
-    dtypes = {x.dtype for x in jax.tree.leaves(new["params"])}
-    assert dtypes == {jnp.dtype(jnp.bfloat16)}  # RoPE has no bias-family values
-    mu = new["opt_state"][1].inner_state[0].mu
-    assert {x.dtype for x in jax.tree.leaves(mu)} == {jnp.dtype(jnp.bfloat16)}
+    dtypes = lambda tree: jax.tree.map(lambda x: jnp.dtype(x.dtype), tree)  # noqa: E731
+    assert dtypes(new) == dtypes(state)
+    params = {"/".join(map(str, p)): v[...].dtype for p, v in nnx.to_flat_state(new["params"])}
+    assert params["embed"] == params["blocks/0/attn/wq"] == jnp.bfloat16
+    assert params["blocks/0/attn/bias/values/table"] == jnp.float32  # T5's table stays float32
+    adam = new["opt_state"][1].inner_state[0]
+    assert {x.dtype for x in jax.tree.leaves((adam.mu, adam.nu))} == {jnp.dtype(jnp.float32)}
 
 
 def test_a_workdir_refuses_another_layer_layout_by_name(tmp_path):

@@ -125,10 +125,14 @@ def init_train_state(
     cfg: ModelConfig, tx: optax.GradientTransformation, key: jax.Array
 ) -> dict[str, Any]:
     _, params, constants = init_model(cfg, key)
+    # AdamW's moments are float32 whatever model.param_dtype: its updates mix them with float32
+    # hyperparameter arrays, so bfloat16 moments would come back float32 after the first step
+    # (changing the state's dtypes under jit, and against a checkpoint's restore targets).
+    moments_like = jax.tree.map(lambda p: p.astype(jnp.float32), params)
     return {
         "params": params,
         "constants": constants,
-        "opt_state": tx.init(params),
+        "opt_state": tx.init(moments_like),
         "step": jnp.zeros((), jnp.int32),
     }
 
