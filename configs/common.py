@@ -18,9 +18,9 @@ def base() -> ml_collections.ConfigDict:
             max_len=1024,  # learned absolute table size
             kv_share=1,  # cross-layer KV sharing group size (1 = off)
             dtype="float32",  # compute dtype (bfloat16 keeps float32 parameters and softmax)
-            param_dtype="float32",  # float32 | bfloat16 (parameters and AdamW moments stored so)
+            param_dtype="float32",  # float32 | bfloat16 parameters (AdamW moments stay float32)
             remat="none",  # none | full | dots: blocks recomputed in backward (dots keeps matmuls)
-            scan_layers=False,  # blocks stacked, run by one nnx.scan (compile time flat in depth)
+            scan_layers=False,  # blocks stacked, run by one scan (compile time flat in depth)
             attention_impl="auto",
             rope_base=10000.0,
             rope_scaling=None,

@@ -69,9 +69,9 @@ class ModelConfig:
     kv_share: int = 1  # cross-layer KV sharing: groups of `kv_share` layers read one K/V
     dtype: str = "float32"  # compute dtype
     # Memory and compile-time settings for large models (they leave the function computed alone).
-    param_dtype: str = "float32"  # storage dtype of the parameters (and so of AdamW's moments)
+    param_dtype: str = "float32"  # storage dtype of the parameters (AdamW moments stay float32)
     remat: str = "none"  # rematerialise each block in the backward: "none" | "full" | "dots"
-    scan_layers: bool = False  # stack the blocks' parameters and run them with one nnx.scan
+    scan_layers: bool = False  # stack the blocks' parameters and run them with one lax.scan
     attention_impl: str = "auto"
     # RoPE
     rope_base: float = 10000.0
