@@ -234,9 +234,8 @@ class TransformerLM(nnx.Module):
                 state, kv = xs
                 return nnx.merge(graphdef, state).extend(x, kv, shared=shared, **cache_args)
 
-            kv_stack = tuple(
-                jnp.stack(parts) for parts in zip(*kvs, strict=True)
-            )  # [L, B, S, K, H]
+            # Stacked for the scan and unstacked after it: a copy of the cache per call.
+            kv_stack = tuple(jnp.stack(parts) for parts in zip(*kvs, strict=True))  # [L,B,S,K,H]
             x, (k, v) = jax.lax.scan(layer, x, (stacked, kv_stack))
             kvs = tuple((k[i], v[i]) for i in range(self.cfg.num_layers))
             return self.final_norm(x).astype(jnp.float32), kvs
