@@ -1,7 +1,10 @@
 """Models: shapes for every family, the big config by eval_shape, causality, equivariance, GQA, KV sharing."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 from conftest import ROOT, primitive_input_dtypes
@@ -9,7 +12,9 @@ from flax import nnx
 
 from posattn import attention, families
 from posattn import config as config_lib
-from posattn.nn.model import TransformerLM
+from posattn.nn import decode
+from posattn.nn.model import TransformerLM, convert_layout
+from posattn.train import steps
 
 
 def make_cfg(**model):
@@ -152,3 +157,133 @@ def test_auto_attention_gives_the_references_loss_and_gradients(position, kind):
     ):
         err = float(jnp.max(jnp.abs(g - w)))
         assert err <= 1e-5 * float(jnp.max(jnp.abs(w))) + 1e-8, (jax.tree_util.keystr(path), err)
+
+
+# ----------------------------------------------------------------------------------------------
+# Settings for large models: remat, scanned layers, parameter dtype. None changes the function.
+
+TOKENS = jax.random.randint(jax.random.key(5), (2, 16), 0, 256)
+BATCH = {"inputs": TOKENS, "targets": jnp.roll(TOKENS, -1, axis=1)}
+
+
+def loss_and_grads(cfg, params=None, constants=None, seed=0):
+    graphdef, p, c = steps.init_model(cfg, jax.random.key(seed))
+    params = p if params is None else params
+    constants = c if constants is None else constants
+    return jax.jit(jax.value_and_grad(steps.loss_fn), static_argnums=2)(
+        params, constants, graphdef, BATCH
+    )
+
+
+def assert_trees_close(a, b, rtol=1e-5, atol=1e-7):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for (path, x), y in zip(
+        jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True
+    ):
+        np.testing.assert_allclose(x, y, rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_remat_gives_the_same_loss_and_gradients(remat):
+    """Rematerialised blocks (here with cross-layer KV sharing, whose keys/values cross blocks)
+    give the loss and every gradient of the plain model."""
+    common = dict(position="alibi", d_model=32, num_layers=2, kv_share=2)
+    loss, grads = loss_and_grads(make_cfg(**common))
+    loss_r, grads_r = loss_and_grads(make_cfg(remat=remat, **common))
+    np.testing.assert_allclose(loss_r, loss, rtol=1e-6)
+    assert_trees_close(grads_r, grads)
+
+
+@pytest.mark.parametrize(
+    "position, extra",
+    [("rope", {}), ("t5", {"remat": "dots"}), ("kerple_log", {"kind": "encoder"})],
+)
+def test_scan_layers_gives_the_loops_loss_and_gradients(position, extra):
+    """The loop model's state, stacked by `convert_layout`, is exactly the scanned model's
+    layout, and gives the same loss and (unstacked) gradients. RoPE's frequencies and T5's table
+    are shared by every layer; Kerple's parameters are per layer."""
+    common = dict(position=position, d_model=32, num_layers=3, **extra)
+    cfg, scan_cfg = make_cfg(**common), make_cfg(scan_layers=True, **common)
+    _, params, constants = steps.init_model(cfg, jax.random.key(0))
+    _, scan_params, scan_constants = steps.init_model(scan_cfg, jax.random.key(0))
+    stacked = convert_layout((params, constants), cfg, scan_layers=True)
+    assert jax.tree.structure(stacked) == jax.tree.structure((scan_params, scan_constants))
+    wq = dict(nnx.to_flat_state(stacked[0]))[("blocks", "attn", "wq")][...]
+    assert wq.shape == (3, 32, 4, 8)
+    loss, grads = loss_and_grads(cfg)
+    scan_loss, scan_grads = loss_and_grads(scan_cfg, *stacked)
+    np.testing.assert_allclose(scan_loss, loss, rtol=1e-6)
+    assert_trees_close(convert_layout(scan_grads, cfg, scan_layers=False), grads)
+
+
+def test_convert_layout_round_trips_and_refuses_a_converted_state():
+    cfg = make_cfg(position="t5", d_model=32, num_layers=3)
+    _, params, _ = steps.init_model(cfg, jax.random.key(0))
+    stacked = convert_layout(params, cfg, scan_layers=True)
+    assert_trees_close(convert_layout(stacked, cfg, scan_layers=False), params, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="already stacked.*scan_layers=True"):
+        convert_layout(stacked, cfg, scan_layers=True)
+    with pytest.raises(ValueError, match="already per layer.*scan_layers=False"):
+        convert_layout(params, cfg, scan_layers=False)
+    with pytest.raises(ValueError, match="num_layers=4"):
+        convert_layout(
+            stacked, make_cfg(position="t5", d_model=32, num_layers=4), scan_layers=False
+        )
+
+
+def test_scan_layers_decodes_as_the_loop():
+    """Prefill and a cached step (`extend` scans the stacked cache) give the loop's logits."""
+    cfg = make_cfg(position="rope", d_model=32, num_layers=2)
+    scan_cfg = make_cfg(position="rope", d_model=32, num_layers=2, scan_layers=True)
+    graphdef, params, constants = steps.init_model(cfg, jax.random.key(0))
+    scan_graphdef = steps.init_model(scan_cfg, jax.random.key(0))[0]
+    scan_state = convert_layout((params, constants), cfg, scan_layers=True)
+    lengths = jnp.array([5, 3])
+
+    @functools.partial(jax.jit, static_argnums=(0, 1))
+    def run(cfg, graphdef, params, constants):
+        cache = decode.init_cache(cfg, batch_size=2, capacity=8)
+        first, cache = decode.prefill(graphdef, params, constants, cache, TOKENS[:, :5], lengths)
+        second, _ = decode.decode_step(graphdef, params, constants, cache, TOKENS[:, 6])
+        return first, second
+
+    for got, want in zip(
+        run(scan_cfg, scan_graphdef, *scan_state),
+        run(cfg, graphdef, params, constants),
+        strict=True,
+    ):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_parameters_are_stored_as_bfloat16_and_give_close_logits():
+    f32 = make_cfg(position="kerple_log", d_model=32, num_layers=2)
+    bf16 = make_cfg(position="kerple_log", d_model=32, num_layers=2, param_dtype="bfloat16")
+    _, params, _ = steps.init_model(bf16, jax.random.key(0))
+    dtypes = {"/".join(map(str, p)): v[...].dtype for p, v in nnx.to_flat_state(params)}
+    bias_values = {k for k in dtypes if "/bias/" in k}
+    assert bias_values and all(dtypes[k] == jnp.float32 for k in bias_values)  # few, kept exact
+    assert all(dtype == jnp.bfloat16 for k, dtype in dtypes.items() if k not in bias_values)
+    # The bfloat16 model is the float32 model's initial values rounded.
+    a, b = build(f32)(TOKENS), build(bf16)(TOKENS)
+    assert b.dtype == jnp.float32
+    np.testing.assert_allclose(jax.nn.softmax(b), jax.nn.softmax(a), atol=1e-2)
+
+
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        ("remat", "half", r"model.remat='half'.*'none', 'full'"),
+        ("param_dtype", "float16", r"model.param_dtype='float16'.*'float32', 'bfloat16'"),
+        ("scan_layers", 1, r"model.scan_layers=1.*must be a bool"),
+    ],
+)
+def test_large_model_settings_are_validated(key, value, match):
+    config = config_lib.load_config(ROOT / "configs" / "tiny.py").to_dict()
+    config["model"][key] = value  # as a config file could set it (overrides are coerced first)
+    with pytest.raises(config_lib.ConfigError, match=match):
+        config_lib.validate(ml_collections.ConfigDict(config))
+
+
+def test_scan_layers_refuses_kv_sharing_before_any_compute():
+    with pytest.raises(config_lib.ConfigError, match=r"kv_share=2.*scan_layers=True.*kv_share=1"):
+        make_cfg(scan_layers=True, kv_share=2)

@@ -57,6 +57,14 @@ class ModelConfig:
         "multiplies the std of every weight initialiser",
         continuous="the initial parameter values only",
     )
+    # Memory and compile-time settings for large models (they leave the function computed alone).
+    param_dtype: str = _key(
+        "float32", "storage dtype of the parameters, 'float32' or 'bfloat16' (AdamW moments: f32)"
+    )
+    remat: str = _key(
+        "none", "recompute each block in the backward: 'none', 'full', 'dots' (keep matmul outputs)"
+    )
+    scan_layers: bool = _key(False, "stack the blocks' parameters and run them by one lax.scan")
     # The family's settings, filled with its defaults when not given (not a config key itself).
     settings: families.Settings | None = dataclasses.field(default=None, metadata={"key": False})
 
@@ -198,8 +206,24 @@ class ModelConfig:
                 f"must divide model.num_layers={self.num_layers} "
                 "(layers share K/V in groups of kv_share)",
             )
-        if self.dtype not in ("float32", "bfloat16"):
-            _fail("dtype", self.dtype, "allowed: 'float32', 'bfloat16'")
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in ("float32", "bfloat16"):
+                _fail(name, getattr(self, name), "allowed: 'float32', 'bfloat16'")
+        if self.remat not in ("none", "full", "dots"):
+            _fail(
+                "remat",
+                self.remat,
+                "allowed: 'none', 'full' (recompute each block), 'dots' (keep its matmul outputs)",
+            )
+        if not isinstance(self.scan_layers, bool):
+            _fail("scan_layers", self.scan_layers, "must be True or False")
+        if self.scan_layers and self.kv_share != 1:
+            raise ConfigError(
+                f"config.model.kv_share={self.kv_share} is not supported with "
+                "config.model.scan_layers=True (a scanned stack needs identical layers, and a layer "
+                "that reads another's keys/values has no key/value projections); set "
+                "model.kv_share=1 or model.scan_layers=False"
+            )
         if self.attention_impl not in IMPLEMENTATIONS:
             _fail("attention_impl", self.attention_impl, "allowed: " + _listing(IMPLEMENTATIONS))
         value = self.init_scale

@@ -45,8 +45,9 @@ class Constant(nnx.Variable):
     """
 
 
-def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> jax.Array:
-    return std * jax.random.normal(rngs.params(), shape, jnp.float32)
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype=jnp.float32) -> jax.Array:
+    # Drawn in float32 whatever `dtype`: a bfloat16 model starts from the float32 model, rounded.
+    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
 
 def dense(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -69,14 +70,14 @@ def compute_dtype(name: str):
 class RMSNorm(nnx.Module):
     """Root-mean-square normalisation, computed in float32, output in `dtype`."""
 
-    def __init__(self, dim: int, *, dtype=jnp.float32, eps: float = 1e-6):
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
+    def __init__(self, dim: int, *, dtype=jnp.float32, param_dtype=jnp.float32, eps: float = 1e-6):
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
         self.dtype, self.eps = dtype, eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x.astype(jnp.float32)
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return (x * self.scale[...]).astype(self.dtype)
+        return (x * self.scale[...].astype(jnp.float32)).astype(self.dtype)
 
 
 class PositionBias(nnx.Module):
@@ -170,11 +171,16 @@ class Attention(nnx.Module):
       scale_free: logits without 1/sqrt(H), carried by the query initialiser instead (T5).
       init_scale: multiplies the std of every weight initialiser.
       implementation: the `posattn.attention` implementation.
-      dtype: the compute dtype (parameters stay float32).
+      dtype: the compute dtype.
+      param_dtype: the storage dtype of the projections (`compute_dtype(model.param_dtype)`).
       owns_kv: False for a layer that reads the keys/values of a lower layer (cross-layer KV
         sharing); it then has no key/value projections.
       rotary_module: the model's shared `Rotary` (RoPE families) or None.
       bias_module: this layer's (or the model's shared) `PositionBias`, or None.
+
+    A layer of a scanned stack (`model.scan_layers`) holds neither shared module: it cannot
+    reference a module outside its own slice of the stack. The model then hands them to each call
+    as `shared=(rotary, bias)`, each used where the layer's own is None.
     """
 
     def __init__(
@@ -189,6 +195,7 @@ class Attention(nnx.Module):
         init_scale: float,
         implementation: str,
         dtype,
+        param_dtype=jnp.float32,
         owns_kv: bool,
         rotary_module: Rotary | None,
         bias_module: PositionBias | None,
@@ -199,12 +206,13 @@ class Attention(nnx.Module):
         # T5 keeps 1/sqrt(H) out of the logits and puts it into the query initialiser instead
         # (mesh_tensorflow: query init std (d_model * d_kv) ** -0.5).
         q_std = std / math.sqrt(H) if scale_free else std
-        self.wq = nnx.Param(_normal(rngs, (D, N, H), q_std))
+        pdt = param_dtype
+        self.wq = nnx.Param(_normal(rngs, (D, N, H), q_std, pdt))
         if owns_kv:
-            self.wk = nnx.Param(_normal(rngs, (D, K, H), std))
-            self.wv = nnx.Param(_normal(rngs, (D, K, H), std))
+            self.wk = nnx.Param(_normal(rngs, (D, K, H), std, pdt))
+            self.wv = nnx.Param(_normal(rngs, (D, K, H), std, pdt))
         self.wo = nnx.Param(
-            _normal(rngs, (N, H, D), init_scale / math.sqrt(N * H * 2 * num_layers))
+            _normal(rngs, (N, H, D), init_scale / math.sqrt(N * H * 2 * num_layers), pdt)
         )
         self.owns_kv = owns_kv
         self.rotary = rotary_module
@@ -214,27 +222,36 @@ class Attention(nnx.Module):
         self.implementation = implementation
         self.dtype = dtype
 
+    def _rotary(self, shared) -> Rotary | None:
+        return self.rotary if self.rotary is not None or shared is None else shared[0]
+
+    def _bias(self, shared) -> PositionBias | None:
+        return self.bias if self.bias is not None or shared is None else shared[1]
+
     def project_kv(
-        self, x: jax.Array, positions: jax.Array, *, seq_len, rotate: bool = True
+        self, x: jax.Array, positions: jax.Array, *, seq_len, rotate: bool = True, shared=None
     ) -> tuple[jax.Array, jax.Array]:
         """Keys and values of x[B, S, D] at `positions`; keys already rotated for RoPE unless not `rotate`."""
         k = dense(x, self.wk[...].astype(self.dtype))  # (B, S, K, H)
         v = dense(x, self.wv[...].astype(self.dtype))  # (B, S, K, H)
-        if self.rotary is not None and rotate:
-            k = self.rotary(k, positions, seq_len=seq_len)
+        rotary_module = self._rotary(shared)
+        if rotary_module is not None and rotate:
+            k = rotary_module(k, positions, seq_len=seq_len)
         return k, v
 
-    def project_q(self, x: jax.Array, positions: jax.Array, *, seq_len) -> jax.Array:
+    def project_q(self, x: jax.Array, positions: jax.Array, *, seq_len, shared=None) -> jax.Array:
         q = dense(x, self.wq[...].astype(self.dtype))  # (B, T, N, H)
-        if self.rotary is not None:
-            q = self.rotary(q, positions, seq_len=seq_len)
+        rotary_module = self._rotary(shared)
+        if rotary_module is not None:
+            q = rotary_module(q, positions, seq_len=seq_len)
         return q
 
     def attend(
-        self, q: jax.Array, k: jax.Array, v: jax.Array, *, q_offset, kv_lengths
+        self, q: jax.Array, k: jax.Array, v: jax.Array, *, q_offset, kv_lengths, shared=None
     ) -> jax.Array:
         """Attention of q[B, T, N, H] over k, v[B, S, K, H], projected back to [B, T, D]."""
-        bias = self.bias() if self.bias is not None else None
+        bias_module = self._bias(shared)
+        bias = bias_module() if bias_module is not None else None
         out = attention_lib.attention(
             q,
             k,
@@ -251,7 +268,7 @@ class Attention(nnx.Module):
             out.reshape(B, T, N * H), self.wo[...].astype(self.dtype).reshape(N * H, -1)
         )  # (B, T, D)
 
-    def __call__(self, x: jax.Array, *, kv_lengths=None, kv=None):
+    def __call__(self, x: jax.Array, *, kv_lengths=None, kv=None, shared=None):
         """Self-attention of x[B, T, D] at positions 0..T-1 (the KV-cache path is `extend`).
 
         Args:
@@ -259,6 +276,7 @@ class Attention(nnx.Module):
           kv_lengths: optional int[B] number of valid (unpadded) keys; it is also each row's length
             for dynamic NTK, so a right-padded row gives the logits it would give alone.
           kv: keys/values of a lower layer, for a layer that does not own its own.
+          shared: (rotary, bias) modules of a scanned stack's model (see the class docstring).
 
         Returns:
           (output[B, T, D], (k, v)) — the keys/values this layer used, for the layers above.
@@ -266,9 +284,9 @@ class Attention(nnx.Module):
         positions = token_positions(0, x.shape[1])
         seq_len = x.shape[1] if kv_lengths is None else kv_lengths
         if self.owns_kv:
-            kv = self.project_kv(x, positions, seq_len=seq_len)
-        q = self.project_q(x, positions, seq_len=seq_len)
-        return self.attend(q, *kv, q_offset=0, kv_lengths=kv_lengths), kv
+            kv = self.project_kv(x, positions, seq_len=seq_len, shared=shared)
+        q = self.project_q(x, positions, seq_len=seq_len, shared=shared)
+        return self.attend(q, *kv, q_offset=0, kv_lengths=kv_lengths, shared=shared), kv
 
     def extend(
         self,
@@ -280,6 +298,7 @@ class Attention(nnx.Module):
         seq_len,
         keys_rotated: bool = True,
         attend_len: int | None = None,
+        shared=None,
     ):
         """Attention of a chunk x[B, T, D] at positions q_offset + t over a KV cache (posattn.nn.decode).
 
@@ -297,19 +316,23 @@ class Attention(nnx.Module):
             docs/decoding.md).
           attend_len: static; attend over the first `attend_len` rows only (a prefill of an empty
             cache passes T: no later row is visible to a causal query).
+          shared: as `__call__`.
 
         Returns:
           (output[B, T, D], the updated (k, v)).
         """
         positions = token_positions(q_offset, x.shape[1])  # (T,) or (B, T)
         if self.owns_kv:
-            k_new, v_new = self.project_kv(x, positions, seq_len=seq_len, rotate=keys_rotated)
+            k_new, v_new = self.project_kv(
+                x, positions, seq_len=seq_len, rotate=keys_rotated, shared=shared
+            )
             kv = (write_rows(kv[0], k_new, q_offset), write_rows(kv[1], v_new, q_offset))
         k, v = kv if attend_len is None else (kv[0][:, :attend_len], kv[1][:, :attend_len])
-        if self.rotary is not None and not keys_rotated:
-            k = self.rotary(k, token_positions(0, k.shape[1]), seq_len=seq_len)
-        q = self.project_q(x, positions, seq_len=seq_len)
-        return self.attend(q, k, v, q_offset=q_offset, kv_lengths=kv_lengths), kv
+        rotary_module = self._rotary(shared)
+        if rotary_module is not None and not keys_rotated:
+            k = rotary_module(k, token_positions(0, k.shape[1]), seq_len=seq_len)
+        q = self.project_q(x, positions, seq_len=seq_len, shared=shared)
+        return self.attend(q, k, v, q_offset=q_offset, kv_lengths=kv_lengths, shared=shared), kv
 
 
 def write_rows(cache: jax.Array, chunk: jax.Array, start) -> jax.Array:
@@ -341,11 +364,12 @@ class Mlp(nnx.Module):
         num_layers: int,
         init_scale: float,
         dtype,
+        param_dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
-        D, F = d_model, d_ff
-        self.w1 = nnx.Param(_normal(rngs, (D, F), init_scale / math.sqrt(D)))
-        self.w2 = nnx.Param(_normal(rngs, (F, D), init_scale / math.sqrt(F * 2 * num_layers)))
+        D, F, pdt = d_model, d_ff, param_dtype
+        self.w1 = nnx.Param(_normal(rngs, (D, F), init_scale / math.sqrt(D), pdt))
+        self.w2 = nnx.Param(_normal(rngs, (F, D), init_scale / math.sqrt(F * 2 * num_layers), pdt))
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -372,12 +396,13 @@ class Block(nnx.Module):
         init_scale: float,
         implementation: str,
         dtype,
+        param_dtype=jnp.float32,
         owns_kv: bool,
         rotary_module: Rotary | None,
         bias_module: PositionBias | None,
         rngs: nnx.Rngs,
     ):
-        self.attn_norm = RMSNorm(d_model, dtype=dtype)
+        self.attn_norm = RMSNorm(d_model, dtype=dtype, param_dtype=param_dtype)
         self.attn = Attention(
             d_model,
             num_heads,
@@ -388,23 +413,30 @@ class Block(nnx.Module):
             init_scale=init_scale,
             implementation=implementation,
             dtype=dtype,
+            param_dtype=param_dtype,
             owns_kv=owns_kv,
             rotary_module=rotary_module,
             bias_module=bias_module,
             rngs=rngs,
         )
-        self.mlp_norm = RMSNorm(d_model, dtype=dtype)
+        self.mlp_norm = RMSNorm(d_model, dtype=dtype, param_dtype=param_dtype)
         self.mlp = Mlp(
-            d_model, d_ff, num_layers=num_layers, init_scale=init_scale, dtype=dtype, rngs=rngs
+            d_model,
+            d_ff,
+            num_layers=num_layers,
+            init_scale=init_scale,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            rngs=rngs,
         )
 
-    def __call__(self, x: jax.Array, *, kv_lengths=None, kv=None):
-        h, kv = self.attn(self.attn_norm(x), kv_lengths=kv_lengths, kv=kv)
+    def __call__(self, x: jax.Array, *, kv_lengths=None, kv=None, shared=None):
+        h, kv = self.attn(self.attn_norm(x), kv_lengths=kv_lengths, kv=kv, shared=shared)
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), kv
 
     def extend(self, x: jax.Array, kv, **cache_args):
-        """The block on a chunk over a KV cache; `cache_args` as `Attention.extend`."""
+        """The block on a chunk over a KV cache; `cache_args`, `shared` as `Attention.extend`."""
         h, kv = self.attn.extend(self.attn_norm(x), kv, **cache_args)
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), kv

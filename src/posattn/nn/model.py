@@ -7,6 +7,20 @@ Shape legend: B batch, T length, D d_model, V vocabulary.
   * "encoder": bidirectional attention (T5's bidirectional buckets are used for real here),
     trained to recover masked bytes; its input vocabulary has one extra `[MASK]` id = V.
 Sizes go from `configs/tiny.py` to GPT-2 small (`configs/gpt2_small.py`).
+
+Settings for large models, none of which changes the function computed:
+  * `cfg.remat`: "full" recomputes each block in the backward pass (`jax.checkpoint`, saving only
+    its input), "dots" keeps the outputs of its matrix products without batch dimensions (the
+    projections and the MLP: `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`) and
+    recomputes the rest (attention, norms, activations).
+  * `cfg.scan_layers`: the blocks' parameters are stacked on a leading layer axis (created with
+    `nnx.vmap`) and run by one `lax.scan`, so the program holds one block whatever the depth. The
+    parameter paths differ from the default layout ("blocks/attn/wq" [L, D, N, H] instead of
+    "blocks/<i>/attn/wq" [D, N, H]); `convert_layout` moves states between the two. Modules shared
+    by every layer (RoPE frequencies, T5's table) live on the model (`rotary`, `shared_bias`).
+  * `cfg.param_dtype`: the storage dtype of the embeddings, projections and norm scales.
+  * `nll_sums`, the training and evaluation loss, never holds the logits of the whole batch: it
+    projects and scores a slice of positions at a time (recomputing each slice in the backward).
 """
 
 from __future__ import annotations
@@ -21,7 +35,63 @@ from posattn import positions
 from posattn.nn import layers
 from posattn.nn.config import ModelConfig
 
-__all__ = ["TransformerLM", "cross_entropy", "mask_token_id"]
+__all__ = ["TransformerLM", "convert_layout", "cross_entropy", "mask_token_id"]
+
+# Largest number of float32 logits a slice of `TransformerLM.nll_sums` holds (128 MiB; the global
+# batch's, so a device holds at most its share).
+LOSS_LOGITS_BUDGET = 32 * 1024 * 1024
+
+_REMAT_POLICIES = {
+    "full": None,  # save nothing but the block's input
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _maybe_remat(fn, remat: str, *, after_cotangent: bool = False):
+    """`fn` rematerialised as `model.remat` asks ("none" leaves it as is).
+
+    `after_cotangent` makes the recomputation wait for the cotangent of `fn`'s output: its
+    residuals pass through one `lax.optimization_barrier` together with that cotangent, and take a
+    data dependency on it. Without the gate, nothing stops a scheduler from recomputing the blocks
+    of an unrolled stack early in the backward pass and holding every result, as XLA:CPU does:
+    `compiled.memory_analysis()` of a 4-layer training step reported the same temporaries with and
+    without `jax.checkpoint` (benchmarks/scaling_model.py measures it with the gate). A scan needs
+    no gate: its backward loop only sees one layer's residuals at a time. Every value `fn` is
+    differentiated with respect to must be an argument (a closure over one would be a constant).
+    """
+    if remat == "none":
+        return fn
+    inner = jax.checkpoint(fn, policy=_REMAT_POLICIES[remat])
+    if not after_cotangent:
+        return inner
+
+    @jax.custom_vjp
+    def gated(*args):
+        return fn(*args)
+
+    def forward(*args):
+        return jax.vjp(inner, *args)  # (output, the pullback holding the saved residuals)
+
+    def backward(pullback, cotangent):
+        pullback, cotangent = jax.lax.optimization_barrier((pullback, cotangent))
+        # XLA:CPU drops optimization barriers before scheduling; a data dependency stays. `* 0`
+        # is kept by XLA for floats (inf * 0 is NaN), so the residuals now depend on the cotangent.
+        floats = [c for c in jax.tree.leaves(cotangent) if jnp.issubdtype(c.dtype, jnp.floating)]
+        anchor = sum(c.reshape(-1)[0].astype(jnp.float32) for c in floats if c.size) * 0.0
+        pullback = jax.tree.map(
+            lambda r: r + anchor.astype(r.dtype) if jnp.issubdtype(r.dtype, jnp.floating) else r,
+            pullback,
+        )
+        return pullback(cotangent)
+
+    gated.defvjp(forward, backward)
+    return gated
+
+
+# The layers run through JAX's own transforms (jax.checkpoint, lax.scan) on split module states,
+# not through nnx.remat / nnx.scan: those refuse modules whose variables were made at another
+# trace level, which is how a model merged from non-differentiated arguments (the constants)
+# reaches them under `jax.grad`.
 
 
 def mask_token_id(cfg: ModelConfig) -> int:
@@ -39,14 +109,19 @@ class TransformerLM(nnx.Module):
         vocab_in = cfg.vocab_size + (0 if cfg.causal else 1)
         # fairseq's transformer_lm (the ALiBi paper's code): embeddings ~ N(0, D^-1/2) multiplied
         # by sqrt(D) at the input, learned positions ~ N(0, D^-1/2) added unscaled.
+        pdt = layers.compute_dtype(cfg.param_dtype)
         self.embed = nnx.Param(
-            cfg.init_scale / math.sqrt(D) * jax.random.normal(rngs.params(), (vocab_in, D))
+            (
+                cfg.init_scale / math.sqrt(D) * jax.random.normal(rngs.params(), (vocab_in, D))
+            ).astype(pdt)
         )
         if family.embedding == "learned":
             self.pos_embed = nnx.Param(
-                cfg.init_scale
-                / math.sqrt(D)
-                * jax.random.normal(rngs.params(), (cfg.settings.max_len, D))
+                (
+                    cfg.init_scale
+                    / math.sqrt(D)
+                    * jax.random.normal(rngs.params(), (cfg.settings.max_len, D))
+                ).astype(pdt)
             )
         # The family's modules get the family's own settings; the blocks get plain sizes.
         rotary_module = layers.Rotary(cfg.head_dim, cfg.settings) if family.rotary else None
@@ -61,19 +136,15 @@ class TransformerLM(nnx.Module):
                 family.bias, cfg.context, cfg.settings, rngs=rngs
             )
 
+        if cfg.scan_layers:
+            self.rotary, self.shared_bias = rotary_module, shared_bias
+            self.blocks = _stacked_blocks(cfg, rngs)
+            self.final_norm = layers.RMSNorm(D, param_dtype=pdt)
+            return
         self.blocks = nnx.List(
             [
-                layers.Block(
-                    D,
-                    cfg.num_heads,
-                    cfg.num_kv_heads,
-                    cfg.ff_dim,
-                    num_layers=cfg.num_layers,
-                    causal=cfg.causal,
-                    scale_free=family.scale_free,
-                    init_scale=cfg.init_scale,
-                    implementation=cfg.attention_impl,
-                    dtype=layers.compute_dtype(cfg.dtype),
+                _block(
+                    cfg,
                     owns_kv=i % cfg.kv_share == 0,
                     rotary_module=rotary_module,
                     bias_module=bias_for_layer(),
@@ -82,27 +153,46 @@ class TransformerLM(nnx.Module):
                 for i in range(cfg.num_layers)
             ]
         )
-        self.final_norm = layers.RMSNorm(D)
+        self.final_norm = layers.RMSNorm(D, param_dtype=pdt)
 
     def embed_tokens(self, tokens: jax.Array, *, q_offset=0) -> jax.Array:
         """Token embeddings plus the absolute position embedding, if the family has one."""
         cfg, family = self.cfg, self.cfg.family
-        x = jnp.take(self.embed[...], tokens, axis=0) * math.sqrt(cfg.d_model)  # (B, T, D)
+        rows = jnp.take(self.embed[...], tokens, axis=0).astype(jnp.float32)  # (B, T, D)
+        x = rows * math.sqrt(cfg.d_model)
         pos = layers.token_positions(q_offset, tokens.shape[1])  # (T,) or (B, T)
         if family.embedding == "sinusoidal":
             x = x + _sinusoidal(pos, cfg.d_model)
         elif family.embedding == "learned":
-            x = x + positions.learned_embedding(self.pos_embed[...], pos)
+            x = x + positions.learned_embedding(self.pos_embed[...].astype(jnp.float32), pos)
         return x.astype(layers.compute_dtype(cfg.dtype))
 
     def hidden(self, tokens: jax.Array, *, kv_lengths=None) -> jax.Array:
         """Final normalised hidden states [B, T, D] (float32) of tokens at positions 0..T-1."""
         x = self.embed_tokens(tokens)
+        if self.cfg.scan_layers:
+            graphdef, stacked = nnx.split(self.blocks)
+            shared = (self.rotary, self.shared_bias)
+
+            def layer(x, state):
+                return nnx.merge(graphdef, state)(x, kv_lengths=kv_lengths, shared=shared)[0]
+
+            layer = _maybe_remat(layer, self.cfg.remat)
+            x, _ = jax.lax.scan(lambda x, state: (layer(x, state), None), x, stacked)
+            return self.final_norm(x).astype(jnp.float32)
         kv = None
         for i, block in enumerate(self.blocks):
             if i % self.cfg.kv_share == 0:
                 kv = None  # this layer computes its own keys/values; the next kv_share-1 reuse them
-            x, kv = block(x, kv_lengths=kv_lengths, kv=kv)
+            if self.cfg.remat == "none":
+                x, kv = block(x, kv_lengths=kv_lengths, kv=kv)
+                continue
+            graphdef, state = nnx.split(block)
+
+            def layer(state, x, kv, graphdef=graphdef):
+                return nnx.merge(graphdef, state)(x, kv_lengths=kv_lengths, kv=kv)
+
+            x, kv = _maybe_remat(layer, self.cfg.remat, after_cotangent=True)(state, x, kv)
         return self.final_norm(x).astype(jnp.float32)
 
     def extend(
@@ -131,18 +221,30 @@ class TransformerLM(nnx.Module):
           (hidden float32[B, T, D], the updated kvs).
         """
         x = self.embed_tokens(tokens, q_offset=q_offset)
+        cache_args = dict(
+            q_offset=q_offset,
+            kv_lengths=kv_lengths,
+            seq_len=seq_len,
+            keys_rotated=keys_rotated,
+            attend_len=attend_len,
+        )
+        if self.cfg.scan_layers:  # one (k, v) per layer (kv_share is 1), stacked for the scan
+            graphdef, stacked = nnx.split(self.blocks)
+            shared = (self.rotary, self.shared_bias)
+
+            def layer(x, xs):
+                state, kv = xs
+                return nnx.merge(graphdef, state).extend(x, kv, shared=shared, **cache_args)
+
+            # Stacked for the scan and unstacked after it: a copy of the cache per call.
+            kv_stack = tuple(jnp.stack(parts) for parts in zip(*kvs, strict=True))  # [L,B,S,K,H]
+            x, (k, v) = jax.lax.scan(layer, x, (stacked, kv_stack))
+            kvs = tuple((k[i], v[i]) for i in range(self.cfg.num_layers))
+            return self.final_norm(x).astype(jnp.float32), kvs
         kvs = list(kvs)
         for i, block in enumerate(self.blocks):
             owner = i // self.cfg.kv_share
-            x, kvs[owner] = block.extend(
-                x,
-                kvs[owner],
-                q_offset=q_offset,
-                kv_lengths=kv_lengths,
-                seq_len=seq_len,
-                keys_rotated=keys_rotated,
-                attend_len=attend_len,
-            )
+            x, kvs[owner] = block.extend(x, kvs[owner], **cache_args)
         return self.final_norm(x).astype(jnp.float32), tuple(kvs)
 
     def logits(self, h: jax.Array) -> jax.Array:
@@ -153,6 +255,67 @@ class TransformerLM(nnx.Module):
     def __call__(self, tokens: jax.Array, *, kv_lengths=None) -> jax.Array:
         """Logits float32[B, T, V] for tokens int[B, T] at positions 0..T-1."""
         return self.logits(self.hidden(tokens, kv_lengths=kv_lengths))
+
+    def nll_sums(
+        self,
+        h: jax.Array,
+        targets: jax.Array,
+        weights: jax.Array | None = None,
+        *,
+        chunk: int | None = None,
+    ) -> tuple[jax.Array, jax.Array]:
+        """(sum of weighted target NLL in nats, sum of weights) of hidden states h[B, T, D].
+
+        The logits float32[B, T, V] are never held at once: positions go through the output
+        projection and the log-softmax `chunk` at a time (a `lax.scan` over slices [B, chunk, V]),
+        and each slice is recomputed in the backward pass (`jax.checkpoint`), so the gradient
+        holds one slice too. Slicing positions (not rows) keeps every slice split over the batch's
+        devices. By default `chunk` keeps a slice within `LOSS_LOGITS_BUDGET` logits; when the
+        whole batch fits, it is one slice, computed directly.
+
+        Args:
+          h: final hidden states (`hidden`).
+          targets: int[B, T] next tokens (or masked bytes).
+          weights: optional [B, T]; positions of weight 0 do not count.
+          chunk: positions per slice (T is padded to a multiple of it with weight 0).
+        """
+        B, T, D = h.shape
+        weights = jnp.ones((B, T), jnp.float32) if weights is None else weights.astype(jnp.float32)
+        targets = targets.astype(jnp.int32)
+        if chunk is None:
+            chunk = max(1, LOSS_LOGITS_BUDGET // (B * self.cfg.vocab_size))
+        if not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"chunk={chunk!r} must be a positive number of positions")
+        table = self.embed[...][: self.cfg.vocab_size].astype(jnp.float32)  # (V, D)
+
+        def sums(h_c, t_c, w_c, table):  # [B, c, D], [B, c], [B, c]
+            logits = layers.dense(h_c.astype(jnp.float32), table.T)  # (B, c, V)
+            nll = (
+                jax.nn.logsumexp(logits, axis=-1)
+                - jnp.take_along_axis(logits, t_c[..., None], axis=-1)[..., 0]
+            )  # (B, c)
+            return jnp.sum(nll * w_c), jnp.sum(w_c)
+
+        if chunk >= T:
+            return sums(h, targets, weights, table)
+        n = -(-T // chunk)
+        pad = n * chunk - T
+
+        def slices(x):  # [B, T, ...] -> [n, B, chunk, ...]
+            x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+            return x.reshape(B, n, chunk, *x.shape[2:]).swapaxes(0, 1)
+
+        recomputed = jax.checkpoint(sums)
+
+        def step(carry, xs):
+            s, c = recomputed(*xs, table)
+            return (carry[0] + s, carry[1] + c), None
+
+        zero = jnp.zeros((), jnp.float32)
+        (total, count), _ = jax.lax.scan(
+            step, (zero, zero), (slices(h), slices(targets), slices(weights))
+        )
+        return total, count
 
 
 def _sinusoidal(pos: jax.Array, dim: int) -> jax.Array:
@@ -173,3 +336,131 @@ def cross_entropy(
         return jnp.mean(nll)
     weights = weights.astype(jnp.float32)
     return jnp.sum(nll * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+
+
+def _block(cfg: ModelConfig, *, owns_kv, rotary_module, bias_module, rngs) -> layers.Block:
+    """One transformer block of `cfg`, from plain sizes (the layers never read a ModelConfig)."""
+    return layers.Block(
+        cfg.d_model,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.ff_dim,
+        num_layers=cfg.num_layers,
+        causal=cfg.causal,
+        scale_free=cfg.family.scale_free,
+        init_scale=cfg.init_scale,
+        implementation=cfg.attention_impl,
+        dtype=layers.compute_dtype(cfg.dtype),
+        param_dtype=layers.compute_dtype(cfg.param_dtype),
+        owns_kv=owns_kv,
+        rotary_module=rotary_module,
+        bias_module=bias_module,
+        rngs=rngs,
+    )
+
+
+def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> layers.Block:
+    """`cfg.num_layers` blocks as one Block whose variables have a leading layer axis."""
+    spec = cfg.family.bias
+    per_layer_bias = spec is not None and not spec.shared_across_layers
+
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+        bias = (
+            layers.PositionBias(spec, cfg.context, cfg.settings, rngs=rngs)
+            if per_layer_bias
+            else None
+        )
+        return _block(cfg, owns_kv=True, rotary_module=None, bias_module=bias, rngs=rngs)
+
+    return make(rngs)
+
+
+def convert_layout(tree, cfg: ModelConfig, *, scan_layers: bool):
+    """Every `nnx.State` in `tree` (parameters, constants, AdamW's moments) in the layer layout
+    `scan_layers` asks for: stacked on a leading layer axis (True) or one entry per layer (False).
+
+    A train state written with one `model.scan_layers` setting restores under the other after
+    this conversion (of the restored state, or of the target's abstract state in reverse). The
+    values are unchanged, so both layouts compute the same losses.
+
+    Args:
+      tree: a pytree holding `nnx.State`s of a `TransformerLM` built from `cfg` (with either
+        `scan_layers`; the other fields of `cfg` must match).
+      cfg: the model's configuration (its `scan_layers` field is ignored).
+      scan_layers: the layout to produce.
+    """
+    if scan_layers and cfg.kv_share != 1:
+        raise ValueError(
+            f"model.kv_share={cfg.kv_share} has no scanned layout "
+            "(model.scan_layers needs kv_share=1)"
+        )
+    spec = cfg.family.bias
+    shared_bias = spec is not None and spec.shared_across_layers
+    L = cfg.num_layers
+
+    def value(v):
+        return v.get_value() if isinstance(v, nnx.Variable) else v
+
+    def like(v, new):
+        return v.replace(new) if isinstance(v, nnx.Variable) else new
+
+    def stack(state: nnx.State) -> nnx.State:
+        out, layers_of = [], {}
+        for path, v in nnx.to_flat_state(state):
+            if path[0] != "blocks":
+                out.append((path, v))
+                continue
+            if not isinstance(path[1], int):
+                raise ValueError(
+                    f"state entry {'/'.join(map(str, path))} is already stacked "
+                    "(model.scan_layers=True layout); nothing to convert"
+                )
+            i, rest = path[1], path[2:]
+            if rest[:2] == ("attn", "rotary"):
+                out.append((("rotary", *rest[2:]), v))
+            elif shared_bias and rest[:2] == ("attn", "bias"):
+                out.append((("shared_bias", *rest[2:]), v))
+            else:
+                layers_of.setdefault(rest, {})[i] = v
+        for rest, per_layer in layers_of.items():
+            if sorted(per_layer) != list(range(L)):
+                raise ValueError(
+                    f"state entry blocks/<i>/{'/'.join(map(str, rest))} exists for layers "
+                    f"{sorted(per_layer)}, not for each of the {L} layers (model.num_layers={L})"
+                )
+            stacked = jnp.stack([jnp.asarray(value(per_layer[i])) for i in range(L)])
+            out.append((("blocks", *rest), like(per_layer[0], stacked)))
+        return nnx.from_flat_state(out)
+
+    def unstack(state: nnx.State) -> nnx.State:
+        out = []
+        for path, v in nnx.to_flat_state(state):
+            if path[0] == "rotary":
+                out.append((("blocks", 0, "attn", "rotary", *path[1:]), v))
+            elif path[0] == "shared_bias":
+                out.append((("blocks", 0, "attn", "bias", *path[1:]), v))
+            elif path[0] == "blocks":
+                if isinstance(path[1], int):
+                    raise ValueError(
+                        f"state entry {'/'.join(map(str, path))} is already per layer "
+                        "(model.scan_layers=False layout); nothing to convert"
+                    )
+                x = value(v)
+                if x.shape[:1] != (L,):
+                    raise ValueError(
+                        f"state entry {'/'.join(map(str, path))} has shape {x.shape}, not a "
+                        f"leading layer axis of model.num_layers={L}"
+                    )
+                out.extend((("blocks", i, *path[1:]), like(v, x[i])) for i in range(L))
+            else:
+                out.append((path, v))
+        return nnx.from_flat_state(out)
+
+    convert = stack if scan_layers else unstack
+    return jax.tree.map(
+        lambda x: convert(x) if isinstance(x, nnx.State) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, nnx.State),
+    )

@@ -21,7 +21,7 @@ import optax
 from flax import nnx
 
 from posattn.nn.config import ModelConfig
-from posattn.nn.model import TransformerLM, cross_entropy
+from posattn.nn.model import TransformerLM
 
 __all__ = [
     "OptimConfig",
@@ -75,7 +75,14 @@ def lr_shape(o: OptimConfig):
 
 def _decay_mask(params):
     # Decay matrices only (not norms' scales, bias-family scalars or the T5 table's ... vectors).
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
+    # Under model.scan_layers the blocks' entries ("blocks/<name>", not "blocks/<i>/<name>") carry
+    # a leading layer axis that does not count.
+    def decays(path, p):
+        keys = [getattr(k, "key", None) for k in path]
+        stacked = len(keys) > 1 and keys[0] == "blocks" and not isinstance(keys[1], int)
+        return p.ndim - int(stacked) >= 2
+
+    return jax.tree_util.tree_map_with_path(decays, params)
 
 
 def make_optimizer(o: OptimConfig) -> optax.GradientTransformation:
@@ -122,18 +129,25 @@ def init_train_state(
     cfg: ModelConfig, tx: optax.GradientTransformation, key: jax.Array
 ) -> dict[str, Any]:
     _, params, constants = init_model(cfg, key)
+    # AdamW's moments are float32 whatever model.param_dtype: its updates mix them with float32
+    # hyperparameter arrays, so bfloat16 moments would come back float32 after the first step
+    # (changing the state's dtypes under jit, and against a checkpoint's restore targets).
+    moments_like = jax.tree.map(lambda p: p.astype(jnp.float32), params)
     return {
         "params": params,
         "constants": constants,
-        "opt_state": tx.init(params),
+        "opt_state": tx.init(moments_like),
         "step": jnp.zeros((), jnp.int32),
     }
 
 
 def loss_fn(params, constants, graphdef, batch) -> jax.Array:
+    """Mean target NLL in nats over positions of nonzero weight (as `model.cross_entropy` of the
+    logits, without ever holding the whole batch's logits: `TransformerLM.nll_sums`)."""
     model = nnx.merge(graphdef, params, constants)
-    logits = model(batch["inputs"])  # (B, T, V)
-    return cross_entropy(logits, batch["targets"], batch.get("weights"))
+    h = model.hidden(batch["inputs"])  # (B, T, D)
+    total, count = model.nll_sums(h, batch["targets"], batch.get("weights"))
+    return total / jnp.maximum(count, 1.0)
 
 
 def _global_norm(tree) -> jax.Array:
@@ -165,8 +179,5 @@ def train_step(graphdef, optim: OptimConfig, state: dict, batch: dict) -> tuple[
 def eval_step(graphdef, params, constants, batch) -> tuple[jax.Array, jax.Array]:
     """(sum of target NLL in nats, number of targets) of one batch, for exact averaging."""
     model = nnx.merge(graphdef, params, constants)
-    logits = model(batch["inputs"])  # (B, T, V)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]  # (B, T)
-    weights = batch.get("weights", jnp.ones_like(nll))
-    return jnp.sum(nll * weights), jnp.sum(weights)
+    h = model.hidden(batch["inputs"])  # (B, T, D)
+    return model.nll_sums(h, batch["targets"], batch.get("weights"))

@@ -8,6 +8,7 @@ the restored state has seen), the SIGTERM flag, and the progress bar.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import math
@@ -45,6 +46,7 @@ RESUMABLE_CHANGES = {
     "train.profile_steps",
     "train.peak_flops",
     "train.tensorboard",
+    "model.remat",  # recomputation in the backward pass: the same numbers, less memory
 }
 
 
@@ -214,11 +216,23 @@ def write_or_check_config(workdir: pathlib.Path, config: ml_collections.ConfigDi
     if path.exists():
         before = json.loads(path.read_text())
         old, new = _flatten(before), _flatten(current)
+        # A model key added since the run started had its default then.
+        defaults = {
+            f"model.{f.name}": f.default for f in dataclasses.fields(config_lib.ModelConfig)
+        }
+        old.update({k: defaults[k] for k in new if k in defaults and k not in old})
         changed = sorted(
             k
             for k in set(old) | set(new)
             if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES
         )
+        if "model.scan_layers" in changed:  # the checkpoints' parameter layout differs
+            was = old.get("model.scan_layers", False)
+            raise config_lib.ConfigError(
+                f"{workdir}'s checkpoints hold parameters in the model.scan_layers={was} layout; "
+                f"resume with --config.model.scan_layers={was} (posattn.nn.model.convert_layout "
+                "converts a restored state to the other layout, for a new --workdir)"
+            )
         if changed:
             detail = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:5])
             raise config_lib.ConfigError(

@@ -1,0 +1,87 @@
+"""Layers: the 2-D dense product, RMSNorm, shared modules handed to a layer of a scanned stack,
+parameter dtypes, cache row writes and token positions."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import ROOT
+from flax import nnx
+
+from posattn import config as config_lib
+from posattn.nn import layers
+
+
+def make_cfg(**model):
+    config = config_lib.load_config(
+        ROOT / "configs" / "tiny.py", [f"--config.model.{k}={v}" for k, v in model.items()]
+    )
+    return config_lib.validate(config)
+
+
+def test_dense_is_the_einsum_over_the_last_and_first_axes():
+    x = jax.random.normal(jax.random.key(0), (2, 3, 8))
+    w = jax.random.normal(jax.random.key(1), (8, 4, 5))
+    np.testing.assert_allclose(
+        layers.dense(x, w), jnp.einsum("btd,dnh->btnh", x, w), rtol=1e-5, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.bfloat16])
+def test_rms_norm_normalises_in_float32_and_scales(param_dtype):
+    norm = layers.RMSNorm(8, dtype=jnp.bfloat16, param_dtype=param_dtype)
+    assert norm.scale[...].dtype == param_dtype
+    norm.scale[...] = jnp.arange(1, 9, dtype=param_dtype)
+    x = jax.random.normal(jax.random.key(0), (3, 8)) * 5
+    y = norm(x)
+    assert y.dtype == jnp.bfloat16
+    want = x / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + 1e-6) * np.arange(1, 9)
+    np.testing.assert_allclose(np.asarray(y, np.float32), want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("position", ["rope", "t5"])
+def test_a_layer_given_the_shared_modules_equals_one_that_holds_them(position):
+    """A layer of a scanned stack holds no RoPE frequencies or shared T5 table; handed them as
+    `shared=(rotary, bias)` it computes what the layer holding them computes."""
+    cfg = make_cfg(position=position, d_model=32, num_layers=2)
+    rotary = layers.Rotary(cfg) if cfg.family.rotary else None
+    spec = cfg.family.bias
+    bias = None
+    if spec is not None:
+        bias = layers.PositionBias(spec, layers.bias_settings(cfg), rngs=nnx.Rngs(params=7))
+
+    def attention(**modules):
+        return layers.Attention(cfg, owns_kv=True, rngs=nnx.Rngs(params=0), **modules)
+
+    holds = attention(rotary_module=rotary, bias_module=bias)
+    bare = attention(rotary_module=None, bias_module=None)
+    x = jax.random.normal(jax.random.key(1), (2, 12, 32))
+    out, (k, v) = holds(x)
+    out_shared, (k_shared, v_shared) = bare(x, shared=(rotary, bias))
+    np.testing.assert_allclose(out_shared, out, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(k_shared, k, rtol=1e-6, atol=1e-6)
+    # Without them it is another function (the test would notice a layer ignoring `shared`).
+    assert not np.allclose(bare(x)[0], out, atol=1e-4)
+
+
+def test_parameter_dtype_covers_projections_and_norms_not_bias_values():
+    cfg = make_cfg(position="kerple_log", d_model=32, num_layers=2, param_dtype="bfloat16")
+    spec = cfg.family.bias
+    bias = layers.PositionBias(spec, layers.bias_settings(cfg), rngs=nnx.Rngs(params=0))
+    block = layers.Block(
+        cfg, owns_kv=True, rotary_module=None, bias_module=bias, rngs=nnx.Rngs(params=0)
+    )
+    dtypes = {"/".join(map(str, p)): v[...].dtype for p, v in nnx.to_flat_state(nnx.state(block))}
+    assert dtypes["attn/wq"] == dtypes["mlp/w2"] == dtypes["attn_norm/scale"] == jnp.bfloat16
+    assert dtypes["attn/bias/values/r1"] == jnp.float32
+    out, _ = block(jax.random.normal(jax.random.key(1), (2, 12, 32)))
+    assert out.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(out)))
+
+
+def test_write_rows_drops_rows_past_the_cache_and_token_positions_offset():
+    cache = jnp.zeros((2, 4, 1))
+    chunk = jnp.ones((2, 3, 1)) * jnp.array([1.0, 2.0])[:, None, None]
+    out = layers.write_rows(cache, chunk, jnp.array([0, 2]))
+    np.testing.assert_array_equal(out[..., 0], [[1, 1, 1, 0], [0, 0, 2, 2]])  # row 4 dropped
+    np.testing.assert_array_equal(layers.token_positions(3, 2), [3, 4])
+    np.testing.assert_array_equal(layers.token_positions(jnp.array([0, 5]), 2), [[0, 1], [5, 6]])
