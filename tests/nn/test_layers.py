@@ -9,7 +9,7 @@ from conftest import ROOT
 from flax import nnx
 
 from posattn import config as config_lib
-from posattn.nn import layers
+from posattn.nn import layers, model
 
 
 def make_cfg(**model):
@@ -44,14 +44,27 @@ def test_a_layer_given_the_shared_modules_equals_one_that_holds_them(position):
     """A layer of a scanned stack holds no RoPE frequencies or shared T5 table; handed them as
     `shared=(rotary, bias)` it computes what the layer holding them computes."""
     cfg = make_cfg(position=position, d_model=32, num_layers=2)
-    rotary = layers.Rotary(cfg) if cfg.family.rotary else None
+    rotary = layers.Rotary(cfg.head_dim, cfg.settings) if cfg.family.rotary else None
     spec = cfg.family.bias
     bias = None
     if spec is not None:
-        bias = layers.PositionBias(spec, layers.bias_settings(cfg), rngs=nnx.Rngs(params=7))
+        bias = layers.PositionBias(spec, cfg.context, cfg.settings, rngs=nnx.Rngs(params=7))
 
     def attention(**modules):
-        return layers.Attention(cfg, owns_kv=True, rngs=nnx.Rngs(params=0), **modules)
+        return layers.Attention(
+            cfg.d_model,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            num_layers=cfg.num_layers,
+            causal=True,
+            scale_free=cfg.family.scale_free,
+            init_scale=1.0,
+            implementation="auto",
+            dtype=jnp.float32,
+            owns_kv=True,
+            rngs=nnx.Rngs(params=0),
+            **modules,
+        )
 
     holds = attention(rotary_module=rotary, bias_module=bias)
     bare = attention(rotary_module=None, bias_module=None)
@@ -67,8 +80,8 @@ def test_a_layer_given_the_shared_modules_equals_one_that_holds_them(position):
 def test_parameter_dtype_covers_projections_and_norms_not_bias_values():
     cfg = make_cfg(position="kerple_log", d_model=32, num_layers=2, param_dtype="bfloat16")
     spec = cfg.family.bias
-    bias = layers.PositionBias(spec, layers.bias_settings(cfg), rngs=nnx.Rngs(params=0))
-    block = layers.Block(
+    bias = layers.PositionBias(spec, cfg.context, cfg.settings, rngs=nnx.Rngs(params=0))
+    block = model._block(
         cfg, owns_kv=True, rotary_module=None, bias_module=bias, rngs=nnx.Rngs(params=0)
     )
     dtypes = {"/".join(map(str, p)): v[...].dtype for p, v in nnx.to_flat_state(nnx.state(block))}

@@ -274,7 +274,7 @@ def test_bfloat16_parameters_are_stored_as_bfloat16_and_give_close_logits():
     [
         ("remat", "half", r"model.remat='half'.*'none', 'full'"),
         ("param_dtype", "float16", r"model.param_dtype='float16'.*'float32', 'bfloat16'"),
-        ("scan_layers", 1, r"model.scan_layers=1.*must be a bool"),
+        ("scan_layers", 1, r"model.scan_layers=1.*must be True or False"),
     ],
 )
 def test_large_model_settings_are_validated(key, value, match):

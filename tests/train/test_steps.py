@@ -6,6 +6,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 from conftest import ROOT
@@ -145,7 +146,7 @@ def test_a_scanned_train_step_matches_the_loops():
     included), gives the loop's metrics and a state of the scanned layout's structure."""
     common = dict(position="fire", d_model=32, num_layers=2)
     cfg, scan_cfg = make_cfg(**common), make_cfg(scan_layers=True, remat="full", **common)
-    optim = steps.OptimConfig(learning_rate=1e-2, total_steps=10, warmup_steps=0)
+    optim = _optim(learning_rate=1e-2)
     tx = steps.make_optimizer(optim)
     state = steps.init_train_state(cfg, tx, jax.random.key(0))
     scan_state = convert_layout(state, cfg, scan_layers=True)
@@ -170,7 +171,7 @@ def test_bfloat16_parameters_train_with_float32_moments_and_keep_their_dtypes():
     """A step returns the state's dtypes unchanged (donation and checkpoint restore targets rely
     on it): bfloat16 parameters, float32 AdamW moments."""
     cfg = make_cfg(position="t5", d_model=32, num_layers=1, param_dtype="bfloat16")
-    optim = steps.OptimConfig(total_steps=10, warmup_steps=0)
+    optim = _optim()
     tx = steps.make_optimizer(optim)
     state = steps.init_train_state(cfg, tx, jax.random.key(0))
     graphdef = steps.init_model(cfg, jax.random.key(0))[0]
@@ -213,3 +214,10 @@ def test_a_workdir_refuses_another_layer_layout_by_name(tmp_path):
         workdir_lib.write_or_check_config(
             tmp_path, config_lib.apply_overrides(config, ["model.param_dtype=bfloat16"])
         )
+
+
+def _optim(**train):
+    """The default optimiser (posattn.config.TRAIN) for 10 steps without warmup."""
+    defaults = {k: v for k, (v, _) in config_lib.TRAIN.items()}
+    train = ml_collections.ConfigDict({**defaults, "steps": 10, "warmup_steps": 0, **train})
+    return steps.OptimConfig.from_config(train)
