@@ -1,4 +1,5 @@
-"""Models: shapes for every family, the big config by eval_shape, causality, equivariance, GQA, KV sharing."""
+"""Models: shapes for every family, the big config by eval_shape, causality, equivariance, GQA,
+KV sharing, remat, scanned layers and parameter dtypes."""
 
 import functools
 
@@ -153,7 +154,7 @@ def test_auto_attention_gives_the_references_loss_and_gradients(position, kind):
     # Separately compiled programs summing in other orders: float32 rounding apart (a loss ~5.5).
     np.testing.assert_allclose(auto_loss, ref_loss, rtol=1e-5, atol=1e-6)
     for (path, w), g in zip(
-        jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(auto_grads)
+        jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(auto_grads), strict=True
     ):
         err = float(jnp.max(jnp.abs(g - w)))
         assert err <= 1e-5 * float(jnp.max(jnp.abs(w))) + 1e-8, (jax.tree_util.keystr(path), err)

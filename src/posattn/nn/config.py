@@ -220,7 +220,8 @@ class ModelConfig:
         if self.scan_layers and self.kv_share != 1:
             raise ConfigError(
                 f"config.model.kv_share={self.kv_share} is not supported with "
-                "config.model.scan_layers=True (a scanned stack needs identical layers, and a layer "
+                "config.model.scan_layers=True (a scanned stack needs identical layers, and a "
+                "layer "
                 "that reads another's keys/values has no key/value projections); set "
                 "model.kv_share=1 or model.scan_layers=False"
             )

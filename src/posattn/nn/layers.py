@@ -141,7 +141,8 @@ class Rotary(nnx.Module):
     ) -> jax.Array:
         """Rotates x[..., T, N, H] at `positions` ([T] or [B, T]).
 
-        `seq_len` (int, or int[B] for x[B, T, N, H]: one length per sequence) feeds dynamic NTK only:
+        `seq_len` (int, or int[B] for x[B, T, N, H]: one length per sequence) feeds dynamic NTK
+        only:
         each sequence's base comes from its own current length, so a padded row or a row of a KV
         cache is rotated exactly as if it were alone at that length.
         """
@@ -152,7 +153,8 @@ class Rotary(nnx.Module):
             )
         inv_freq = self.inv_freq[...]
         if self.dynamic:
-            # Dynamic NTK recomputes the base from the current length (HF `_compute_dynamic_ntk_parameters`).
+            # Dynamic NTK recomputes the base from the current length (Hugging Face
+            # `_compute_dynamic_ntk_parameters`).
             inv_freq, _ = rotary.rope_frequencies(
                 self.head_dim, base=self.base, scaling=dict(self.scaling), seq_len=seq_len
             )
@@ -231,7 +233,7 @@ class Attention(nnx.Module):
     def project_kv(
         self, x: jax.Array, positions: jax.Array, *, seq_len, rotate: bool = True, shared=None
     ) -> tuple[jax.Array, jax.Array]:
-        """Keys and values of x[B, S, D] at `positions`; keys already rotated for RoPE unless not `rotate`."""
+        """Keys and values of x[B, S, D] at `positions` (keys rotated for RoPE when `rotate`)."""
         k = dense(x, self.wk[...].astype(self.dtype))  # (B, S, K, H)
         v = dense(x, self.wv[...].astype(self.dtype))  # (B, S, K, H)
         rotary_module = self._rotary(shared)
@@ -300,7 +302,8 @@ class Attention(nnx.Module):
         attend_len: int | None = None,
         shared=None,
     ):
-        """Attention of a chunk x[B, T, D] at positions q_offset + t over a KV cache (posattn.nn.decode).
+        """Attention of a chunk x[B, T, D] at positions q_offset + t over a KV cache
+        (posattn.nn.decode).
 
         Args:
           x: the normalised residual stream of the chunk.

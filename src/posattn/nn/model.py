@@ -206,7 +206,8 @@ class TransformerLM(nnx.Module):
         keys_rotated: bool = True,
         attend_len: int | None = None,
     ):
-        """Hidden states of a chunk of tokens at positions q_offset + t, reading and writing a KV cache.
+        """Hidden states of a chunk of tokens at positions q_offset + t, reading and writing a KV
+        cache.
 
         The KV-cache counterpart of `hidden` (the cache itself and its bookkeeping live in
         `posattn.nn.decode`).

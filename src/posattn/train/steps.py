@@ -155,7 +155,7 @@ def _global_norm(tree) -> jax.Array:
 
 
 def train_step(graphdef, optim: OptimConfig, state: dict, batch: dict) -> tuple[dict, dict]:
-    """One optimiser update; returns the new state and this step's metrics (`loss` is pre-update)."""
+    """One optimiser update; returns the new state and this step's metrics (`loss`: pre-update)."""
     tx = make_optimizer(optim)
     loss, grads = jax.value_and_grad(loss_fn)(state["params"], state["constants"], graphdef, batch)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
