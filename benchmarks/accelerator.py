@@ -6,9 +6,9 @@ from the float32 reference, and what training throughput does `configs/gpt2_smal
 position family with implementation "auto"?
 
 Run (from the repository root; needs nothing but the project):
-    .venv/bin/python benchmarks/accelerator.py                      # full sizes (GPU or TPU)
-    .venv/bin/python benchmarks/accelerator.py --smoke              # tiny sizes (automatic on CPU)
-    .venv/bin/python benchmarks/accelerator.py --lengths 8192 --families alibi fire \
+    python benchmarks/accelerator.py                      # full sizes (GPU or TPU)
+    python benchmarks/accelerator.py --smoke              # tiny sizes (automatic on CPU)
+    python benchmarks/accelerator.py --lengths 8192 --families alibi fire \
         --implementations cudnn pallas --skip-training              # one goal, quickly
 
 Part 1, attention alone: for T = S in --lengths (default 1k, 2k, 4k, 8k, 16k, 64k), B 4, 16 query

@@ -4,8 +4,9 @@ Question: under a device mesh, is each device's share of attention forward + bac
 single-device program, for every implementation, data parallel and data x fsdp?
 
 Run (from the repository root; about two minutes of compiling on 2 CPU cores):
-    .venv/bin/python benchmarks/scaling.py                      # every section
-    .venv/bin/python benchmarks/scaling.py --sections attention --shape 64,64,4,16
+    python benchmarks/scaling.py                      # every section
+    python benchmarks/scaling.py --sections attention --shape 64,64,4,16
+    python benchmarks/scaling.py --sections remat scan --rounds 2
 
 The script re-executes itself with 8 simulated CPU devices
 (`XLA_FLAGS=--xla_force_host_platform_device_count=8`, set before jax starts) and builds the
@@ -162,7 +163,49 @@ def attention_section(args) -> None:
             print(f"| {impl} | {name} | " + " | ".join(cells) + " |")
 
 
-SECTIONS = {"attention": attention_section}
+def remat_section(args) -> None:
+    """model.remat: the step's temporaries and peak memory (benchmarks/scaling_model.py)."""
+    import scaling_model
+
+    D, L, B, T = args.remat_shape
+    print(f"\n## remat: train step, d_model {D}, {L} layers, batch {B}, length {T} (RoPE, bytes)")
+    print("| layout | remat | temp MiB | peak MiB | temp / none | peak / none |")
+    print("|---|---|---|---|---|---|")
+    rows = scaling_model.remat_memory(D, L, B, T) + scaling_model.remat_memory(
+        D, L, B, T, scan_layers=True
+    )
+    for r in rows:
+        print(
+            f"| {r['layout']} | {r['remat']} | {r['temp'] / 2**20:.1f} | {r['peak'] / 2**20:.1f} "
+            f"| {r['temp_ratio']:.3f} | {r['peak_ratio']:.3f} |"
+        )
+
+
+def scan_section(args) -> None:
+    """model.scan_layers: seconds to trace and compile the training step at several depths."""
+    import scaling_model
+
+    print(
+        f"\n## scan_layers: trace + compile seconds of the train step, d_model "
+        f"{args.scan_d_model}, best of {args.rounds}"
+    )
+    rows = scaling_model.scan_compile_times(
+        tuple(args.layers), args.scan_d_model, rounds=args.rounds
+    )
+    print("| layers | loop s | scan s | loop / scan |\n|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['layers']} | {r['loop']:.2f} | {r['scan']:.2f} | {r['loop'] / r['scan']:.2f} |"
+        )
+    if len(rows) > 1:
+        first, last = rows[0], rows[-1]
+        print(
+            f"growth {first['layers']} -> {last['layers']} layers: loop "
+            f"{last['loop'] / first['loop']:.2f}x, scan {last['scan'] / first['scan']:.2f}x"
+        )
+
+
+SECTIONS = {"attention": attention_section, "remat": remat_section, "scan": scan_section}
 
 
 def main(argv=None) -> None:
@@ -177,6 +220,17 @@ def main(argv=None) -> None:
         help="attention B,T,N,K,H (default 16,512,8,8,64)",
     )
     parser.add_argument("--devices", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument(
+        "--remat-shape",
+        type=int,
+        nargs=4,
+        default=(128, 8, 8, 256),
+        metavar=("D", "LAYERS", "B", "T"),
+        help="remat section: d_model, layers, batch, length",
+    )
+    parser.add_argument("--layers", type=int, nargs="+", default=(4, 32), help="scan section")
+    parser.add_argument("--scan-d-model", type=int, default=64, help="scan section")
+    parser.add_argument("--rounds", type=int, default=1, help="scan section: best of")
     parser.add_argument(
         "--implementations", nargs="+", default=["reference", "xla", "chunked", "blockwise"]
     )

@@ -3,9 +3,8 @@
 Questions: how much does `model.remat` ("full", "dots") lower the training step's peak memory,
 and does `model.scan_layers` keep the step's compile time flat as the model deepens?
 
-Run (from the repository root):
-    .venv/bin/python benchmarks/scaling_model.py                 # both tables
-    .venv/bin/python benchmarks/scaling_model.py --only remat    # or --only scan
+Run through benchmarks/scaling.py (its sections "remat" and "scan"):
+    python benchmarks/scaling.py --sections remat scan
 
 Both measure `posattn.train.steps.train_step` (AdamW, clipping, metrics) jitted with donated
 state, as `posattn.train` runs it, lowered from abstract shapes (nothing is allocated or run):
@@ -23,10 +22,7 @@ state, as `posattn.train` runs it, lowered from abstract shapes (nothing is allo
 
 from __future__ import annotations
 
-import argparse
 import functools
-import subprocess
-import sys
 import time
 
 import jax
@@ -47,7 +43,8 @@ def _cfg(**model) -> config_lib.ModelConfig:
 
 def _compile_step(cfg: config_lib.ModelConfig, batch: int, length: int):
     """(compiled train step, seconds to trace, lower and compile it) from abstract shapes."""
-    optim = steps.OptimConfig(total_steps=100, warmup_steps=10)
+    train = config_lib.load_config("configs/tiny.py", ["train.steps=100", "train.warmup_steps=10"])
+    optim = steps.OptimConfig.from_config(train.train)
     tx = steps.make_optimizer(optim)
     start = time.perf_counter()
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(params=0))))
@@ -104,66 +101,3 @@ def scan_compile_times(layers=(4, 32), d_model=64, batch=4, length=64, rounds=1)
             row[layout] = min(times)
         rows.append(row)
     return rows
-
-
-def _cpu() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(
-            line.split(":", 1)[1].strip() for line in out.splitlines() if "Model name" in line
-        )
-    except (OSError, StopIteration):
-        return "unknown"
-
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("remat", "scan"))
-    parser.add_argument(
-        "--remat-shape",
-        type=int,
-        nargs=4,
-        default=(128, 8, 8, 256),
-        metavar=("D", "LAYERS", "B", "T"),
-    )
-    parser.add_argument("--layers", type=int, nargs="+", default=(4, 32))
-    parser.add_argument("--scan-d-model", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=1)
-    args = parser.parse_args(argv)
-    print(f"# {' '.join(sys.argv)}")
-    print(f"# {jax.devices()[0].platform}: {_cpu()}, jax {jax.__version__}")
-    if args.only in (None, "remat"):
-        D, L, B, T = args.remat_shape
-        print(f"\nremat: train step, d_model {D}, {L} layers, batch {B}, length {T} (RoPE, bytes)")
-        print(
-            f"{'layout':>6} {'remat':>6} {'temp MiB':>10} {'peak MiB':>10} {'temp/none':>10} "
-            f"{'peak/none':>10}"
-        )
-        rows = remat_memory(D, L, B, T) + remat_memory(D, L, B, T, scan_layers=True)
-        for r in rows:
-            print(
-                f"{r['layout']:>6} {r['remat']:>6} "
-                f"{r['temp'] / 2**20:10.1f} {r['peak'] / 2**20:10.1f} "
-                f"{r['temp_ratio']:10.3f} {r['peak_ratio']:10.3f}"
-            )
-    if args.only in (None, "scan"):
-        print(
-            f"\nscan_layers: seconds to trace + compile the train step, d_model "
-            f"{args.scan_d_model}, best of {args.rounds}"
-        )
-        rows = scan_compile_times(tuple(args.layers), args.scan_d_model, rounds=args.rounds)
-        print(f"{'layers':>6} {'loop s':>8} {'scan s':>8} {'loop/scan':>10}")
-        for r in rows:
-            print(
-                f"{r['layers']:>6} {r['loop']:8.2f} {r['scan']:8.2f} {r['loop'] / r['scan']:10.2f}"
-            )
-        if len(rows) > 1:
-            first, last = rows[0], rows[-1]
-            print(
-                f"growth {first['layers']} -> {last['layers']} layers: loop "
-                f"{last['loop'] / first['loop']:.2f}x, scan {last['scan'] / first['scan']:.2f}x"
-            )
-
-
-if __name__ == "__main__":
-    main()
