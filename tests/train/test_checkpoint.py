@@ -191,8 +191,8 @@ def test_a_damaged_checkpoint_is_moved_aside_and_the_previous_one_used(
 
 
 def _rename_rmsnorm_scale_to_gain(monkeypatch):
-    def init(self, dim, *, dtype=jnp.float32, eps=1e-6):
-        self.gain = nnx.Param(jnp.ones((dim,), jnp.float32))
+    def init(self, dim, *, dtype=jnp.float32, param_dtype=jnp.float32, eps=1e-6):
+        self.gain = nnx.Param(jnp.ones((dim,), param_dtype))
         self.dtype, self.eps = dtype, eps
 
     def call(self, x):
