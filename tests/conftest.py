@@ -14,25 +14,28 @@ os.environ.setdefault("JAX_ENABLE_X64", "0")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
+# configs/tiny.py shrunk further (key=value overrides): the small model most tests train.
+SMALL_OVERRIDES = (
+    "model.d_model=32",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "data.seq_len=32",
+    "train.steps=20",
+    "train.batch_size=8",
+    "train.warmup_steps=2",
+    "train.checkpoint_every=10",
+    "train.eval_every=0",
+    "train.log_every=5",
+)
+
 
 def small_config(**overrides):
     """configs/tiny.py shrunk further, with `section.key=value` overrides (dots as double
     underscores)."""
     from posattn import config as config_lib
 
-    base = [
-        "model.d_model=32",
-        "model.num_layers=2",
-        "model.num_heads=4",
-        "model.num_kv_heads=2",
-        "data.seq_len=32",
-        "train.steps=20",
-        "train.batch_size=8",
-        "train.warmup_steps=2",
-        "train.checkpoint_every=10",
-        "train.eval_every=0",
-        "train.log_every=5",
-    ]
+    base = list(SMALL_OVERRIDES)
     extra = [f"{k.replace('__', '.')}={v}" for k, v in overrides.items()]
     return config_lib.load_config(ROOT / "configs" / "tiny.py", base + extra)
 

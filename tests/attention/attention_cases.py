@@ -164,3 +164,35 @@ def _reference_case(bias_kind, case):
     q, k, v, d_out = _inputs(K, key)
     bias = _bias(bias_kind, jax.random.fold_in(key, 1))
     return (q, k, v, d_out), bias, kw, _value_and_grads("reference", q, k, v, d_out, bias, **kw)
+
+
+def check_decode_step(impl):
+    """One query per row at a per-row position (KV-cache decoding), under jit and vmap, with a
+    traced scale whose gradient flows."""
+    key = jax.random.key(9)
+    q, k, v, _ = _inputs(2, key, T=1)
+    bias = _bias("fire", key)
+    step = jnp.array([44, 20], jnp.int32)
+    kw = dict(causal=True, q_offset=step, kv_lengths=step + 1)
+
+    def attend(q, k, v, **kw):
+        if impl == "blockwise":
+            return blockwise_attention(q, k, v, bias=bias, **kw, **TILES)
+        return attention(q, k, v, bias=bias, implementation=impl, **kw)
+
+    got = jax.jit(
+        lambda q, k, v, step: attend(q, k, v, causal=True, q_offset=step, kv_lengths=step + 1)
+    )(q, k, v, step)
+    _assert_close(got, attention(q, k, v, bias=bias, implementation="reference", **kw), rtol=1e-5)
+    # kv_lengths = step + 1 hides exactly what causal hides, so each row alone must agree.
+    per_row = jax.vmap(
+        lambda q, k, v, s: attend(q[None], k[None], v[None], causal=True, q_offset=s)[0]
+    )(q, k, v, step)
+    _assert_close(per_row, got, rtol=1e-6)
+    d_scale = [
+        jax.grad(lambda s, name=name: attention(q, k, v, scale=s, implementation=name, **kw).sum())(
+            0.3
+        )
+        for name in (impl, "reference")
+    ]
+    _assert_close(d_scale[0], d_scale[1], rtol=1e-5)

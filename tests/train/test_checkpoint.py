@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ROOT, small_config
+from conftest import ROOT, SMALL_OVERRIDES, small_config
 from flax import nnx
 
 from posattn import config as config_lib
@@ -18,19 +18,7 @@ from posattn.train import main, restore_trained, steps, train_and_evaluate
 from posattn.train.checkpoint import Checkpointer, IncompatibleCheckpointError
 
 # The small model of conftest.small_config, as command-line overrides (so that `main` is tested).
-CLI_OVERRIDES = [
-    "model.d_model=32",
-    "model.num_layers=2",
-    "model.num_heads=4",
-    "model.num_kv_heads=2",
-    "data.seq_len=32",
-    "train.steps=20",
-    "train.batch_size=8",
-    "train.warmup_steps=2",
-    "train.checkpoint_every=10",
-    "train.eval_every=0",
-    "train.log_every=5",
-]
+CLI_OVERRIDES = list(SMALL_OVERRIDES)
 
 
 def _cli(workdir):
