@@ -46,7 +46,7 @@ from posattn.sweep import report as sweep_report
 from posattn.train import data as data_lib
 from posattn.train import sharding, steps
 from posattn.train import workdir as workdir_lib
-from posattn.train.checkpoint import Checkpointer
+from posattn.train.checkpoint import Checkpointer, IncompatibleCheckpointError
 from posattn.train.loop import Schedule, restore_for_resume, run_loop
 
 __all__ = ["main", "run_sweep", "sweep_mesh"]
@@ -480,7 +480,12 @@ def main(argv: list[str] | None = None) -> int:
         records = run_sweep(
             args.config, workdir, cli_overrides=args.overrides, config_path=args.config_path
         )
-    except (config_lib.ConfigError, data_lib.DataError, workdir_lib.WorkdirBusyError) as e:
+    except (
+        config_lib.ConfigError,
+        data_lib.DataError,
+        workdir_lib.WorkdirBusyError,
+        IncompatibleCheckpointError,
+    ) as e:
         print(f"posattn.sweep: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, (config_lib.ConfigError, data_lib.DataError)) else 1
     print(f"posattn.sweep: {len(records)} members done; see {pathlib.Path(workdir) / 'sweep.md'}")

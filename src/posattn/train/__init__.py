@@ -1,6 +1,7 @@
 """Training: the step (`steps`), the one loop (`loop`), and what a run needs around it (`data`,
 `sharding`, `checkpoint`, `workdir`). `python -m posattn.train` is `posattn.train.main`."""
 
+from posattn.train.checkpoint import IncompatibleCheckpointError
 from posattn.train.loop import (
     NonFiniteLossError,
     main,
@@ -11,6 +12,7 @@ from posattn.train.loop import (
 from posattn.train.workdir import WorkdirBusyError
 
 __all__ = [
+    "IncompatibleCheckpointError",
     "NonFiniteLossError",
     "WorkdirBusyError",
     "main",
