@@ -26,10 +26,11 @@ per-position NLL at the longest length, passkey exact-match accuracy per (length
 copy accuracy per length. RoPE is also evaluated with eval-time scaling (rows `rope+linear`,
 `rope+ntk`, `rope+dynamic`, `rope+yarn`): the trained RoPE parameters with the Hugging Face
 `rope_scaling` {rope_type, factor = eval_len / L, original_max_position_embeddings = L}
-(`posattn.eval.lengths.rope_scaling_row`); at eval_len <= L they are plain RoPE. "dynamic"
-recomputes its base from the window length it reads, which in a whole-window evaluation is eval_len,
-so it stretches the base by (s * eval_len / L - (s - 1))^(d/(d-2)) = (s^2 - s + 1)^(d/(d-2)), as
-Hugging Face does when its factor is set to the extension ratio.
+(`posattn.eval.lengths.rope_scaling_row`); at eval_len <= L they are plain RoPE. "dynamic" keeps
+Hugging Face's meaning: a configured factor s (2 by default) and the base recomputed from the
+window length T it reads, b (s T / L - (s - 1))^(d/(d-2)). An entry may set a kind's options
+("yarn:beta_fast=16,beta_slow=2", "dynamic:factor=4"; `ROPE_OPTIONS`), giving the row
+`rope+<entry>`, so one run compares settings of the same trained model.
 
 Writes `WORKDIR/results.json` (`train_len`, `corpus`, `families`: {name: {eval_len, loss,
 passkey_acc}}, plus extra top-level keys), `results.md` and PNGs.
@@ -54,7 +55,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from posattn import cli, families
+from posattn import cli, families, rotary
 from posattn import config as config_lib
 from posattn.attention import IMPLEMENTATIONS
 from posattn.eval import attention_stats, heldout, intervals, probes, retrieval, scoring, summary
@@ -148,9 +149,19 @@ def check_experiment(config: ml_collections.ConfigDict) -> None:
             f"config.families={tuple(config.families)!r}: unknown {unknown}; "
             f"known: {', '.join(families.names())}"
         )
-    bad = [k for k in config.rope_scalings if k not in ROPE_KINDS]
-    if bad:
-        raise fail(f"config.rope_scalings has {bad[0]!r}; allowed: {', '.join(ROPE_KINDS)}")
+    scalings = [rope_scaling_entry(e, fail) for e in config.rope_scalings]
+    names = [f"rope+{e}" for e in config.rope_scalings]
+    if len(set(names)) != len(names):
+        raise fail(f"config.rope_scalings={tuple(config.rope_scalings)!r} repeats an entry")
+    L = config.data.seq_len
+    for entry, (kind, options) in zip(config.rope_scalings, scalings, strict=True):
+        try:  # the dict at 2L, as the model will check it
+            rotary.validate_rope_scaling(
+                evaluate.rope_scaling_row(kind, train_len=L, eval_len=2 * L, **options),
+                config.model.d_model // config.model.num_heads,
+            )
+        except ValueError as err:
+            raise fail(f"config.rope_scalings entry {entry!r}: {err}") from None
     if config.rope_scalings and "rope" not in config.families:
         raise fail(
             "config.rope_scalings needs 'rope' in config.families "
@@ -187,6 +198,48 @@ def check_experiment(config: ml_collections.ConfigDict) -> None:
             f"config.copy.segment={config.copy.segment} must lie in [2, shortest eval length / 2 = "
             f"{lengths[0] // 2}]"
         )
+
+
+# Options an entry of config.rope_scalings may set per kind ("yarn:beta_fast=16,beta_slow=2"),
+# and the defaults. "dynamic" keeps Hugging Face's meaning: a configured factor (2, as in HF's
+# documentation), the base recomputed from the length the model reads; linear / ntk / yarn take the
+# factor eval_len / L.
+ROPE_OPTIONS = {
+    "linear": {},
+    "ntk": {},
+    "dynamic": {"factor": 2.0},
+    "yarn": {"beta_fast": 32.0, "beta_slow": 1.0},
+}
+
+
+def rope_scaling_entry(entry: str, fail=ValueError) -> tuple[str, dict[str, float]]:
+    """(kind, options) of an entry of config.rope_scalings: "kind" or "kind:key=value,...".
+
+    The options are the kind's defaults (`ROPE_OPTIONS`) updated by the entry's, so "dynamic" is
+    {"factor": 2.0} and "yarn:beta_fast=16" is {"beta_fast": 16.0, "beta_slow": 1.0}.
+    """
+    kind, _, rest = str(entry).partition(":")
+    if kind not in ROPE_KINDS:
+        raise fail(
+            f"config.rope_scalings has {entry!r}; allowed: {', '.join(ROPE_KINDS)}, optionally "
+            "with options as 'yarn:beta_fast=16,beta_slow=2' or 'dynamic:factor=4'"
+        )
+    options = dict(ROPE_OPTIONS[kind])
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key not in ROPE_OPTIONS[kind]:
+            allowed = ", ".join(ROPE_OPTIONS[kind]) or "none"
+            raise fail(
+                f"config.rope_scalings entry {entry!r}: {item!r} is not key=value with a key of "
+                f"{kind!r} (allowed: {allowed})"
+            )
+        try:
+            options[key] = float(value)
+        except ValueError:
+            raise fail(
+                f"config.rope_scalings entry {entry!r}: {key}={value!r} is not a number"
+            ) from None
+    return kind, options
 
 
 def family_config(config: ml_collections.ConfigDict, family: str) -> ml_collections.ConfigDict:
@@ -450,11 +503,12 @@ def _rope_rows(cfg, params, plain: dict, text, config, lengths) -> dict[str, dic
     """rope+<kind> rows: plain RoPE up to L, the trained params under each scaling past it."""
     L = config.data.seq_len
     rows = {}
-    for kind in config.rope_scalings:
+    for entry in config.rope_scalings:
+        kind, options = rope_scaling_entry(entry)
         row = json.loads(json.dumps(plain))  # a deep copy: the <= L entries are plain RoPE's
         row["curve"] = None
         for i, length in enumerate(lengths):
-            scaling = evaluate.rope_scaling_row(kind, train_len=L, eval_len=length)
+            scaling = evaluate.rope_scaling_row(kind, train_len=L, eval_len=length, **options)
             if scaling is None:
                 continue  # <= L: the plain RoPE numbers
             graphdef, constants = evaluate.with_rope_scaling(cfg, scaling)
@@ -472,7 +526,7 @@ def _rope_rows(cfg, params, plain: dict, text, config, lengths) -> dict[str, dic
                 row["passkey_grid"] = row["passkey"]["acc"]
             if length == lengths[-1]:
                 row["curve"] = one["curve"]
-        rows[f"rope+{kind}"] = row
+        rows[f"rope+{entry}"] = row
     return rows
 
 

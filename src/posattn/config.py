@@ -61,6 +61,10 @@ DATA: dict[str, tuple[Any, str]] = {
         0.0,
         "share of training rows replaced by passkey sequences (posattn.eval.probes)",
     ),
+    "passkey_distractors": (
+        False,
+        "training passkeys carry distractor numbers in their filler (the evaluation's format)",
+    ),
 }
 TRAIN: dict[str, tuple[Any, str]] = {
     "steps": (1000, "optimiser steps"),

@@ -70,6 +70,13 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
                 value,
                 "must be a fraction in [0, 1]",
             )
+    if "passkey_distractors" in data:
+        _require(
+            isinstance(data.passkey_distractors, bool),
+            "data.passkey_distractors",
+            data.passkey_distractors,
+            "must be True or False",
+        )
     if data.get("passkey_fraction") and not cfg.causal:
         raise ConfigError(
             f"config.data.passkey_fraction={data.passkey_fraction} mixes passkey sequences into "

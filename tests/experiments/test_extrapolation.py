@@ -11,6 +11,7 @@ import pytest
 from conftest import ROOT, small_config
 
 from posattn import config as config_lib
+from posattn import rotary
 from posattn.eval import lengths as evaluate
 from posattn.eval import probes
 from posattn.train import data, steps
@@ -372,7 +373,31 @@ def test_bad_settings_fail_before_compute(tmp_path):
     assert experiment.main(["--config.eval.sliding_stride=65", "--workdir", str(tmp_path)]) == 2
     assert experiment.main(["--config.eval.max_tokens=0", "--workdir", str(tmp_path)]) == 2
     assert experiment.main(["--config.induction.gaps=(2000,)", "--workdir", str(tmp_path)]) == 2
+    assert experiment.main(["--config.rope_scalings=('yarn:beta=2',)", "--workdir", str(tmp_path)])
+    assert experiment.main(
+        ["--config.rope_scalings=('dynamic:factor=0.5',)", "--workdir", str(tmp_path)]
+    )
     assert not any(tmp_path.iterdir())
+
+
+def test_rope_scaling_entries_keep_hugging_face_meanings():
+    experiment = _experiment()
+    entry = experiment.rope_scaling_entry
+    assert entry("ntk") == ("ntk", {})
+    assert entry("dynamic") == ("dynamic", {"factor": 2.0})  # a configured factor, not T / L
+    assert entry("yarn:beta_fast=16") == ("yarn", {"beta_fast": 16.0, "beta_slow": 1.0})
+    for bad in ("ntk:factor=2", "yarn:beta=3", "yarn:beta_fast", "dynamic:factor=x", "pi"):
+        with pytest.raises(ValueError, match="rope_scalings"):
+            entry(bad)
+    # HF dynamic at T = 16L with its factor 2: the base grows by (2 * 16 - 1)^(d/(d-2)), from the
+    # length of the window read, not by the extension ratio's (16^2 - 16 + 1)^(d/(d-2)).
+    options = entry("dynamic")[1]
+    scaling = evaluate.rope_scaling_row("dynamic", train_len=64, eval_len=1024, **options)
+    assert scaling["factor"] == 2.0 and scaling["original_max_position_embeddings"] == 64
+    d = 16
+    got, _ = rotary.rope_frequencies(d, base=10000.0, scaling=scaling, seq_len=1024)
+    base = 10000.0 * 31.0 ** (d / (d - 2))
+    np.testing.assert_allclose(got, 1.0 / base ** (np.arange(0, d, 2) / d), rtol=1e-5)
 
 
 def test_paper_config_builds_a_247m_class_model_for_every_family():

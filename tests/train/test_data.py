@@ -21,8 +21,13 @@ _KW = dict(seed=3, step=7, batch_size=8, seq_len=32)
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"passkey_fraction": 0.5}, {"mask_rate": 0.3, "mask_id": 256}],
-    ids=["lm", "passkeys", "encoder"],
+    [
+        {},
+        {"passkey_fraction": 0.5},
+        {"passkey_fraction": 0.5, "passkey_distractors": True},
+        {"mask_rate": 0.3, "mask_id": 256},
+    ],
+    ids=["lm", "passkeys", "distractors", "encoder"],
 )
 def test_any_split_of_the_rows_concatenates_to_the_global_batch(options):
     corpus = _corpus()
@@ -88,3 +93,20 @@ def test_bad_corpora_are_refused_naming_what_to_change(tmp_path):
         data.check_length(_corpus(size=20), 64)
     with pytest.raises(data.DataError, match="model.vocab_size=100"):
         _corpus().check_vocab(100)
+
+
+def test_training_passkeys_in_the_evaluated_format_carry_distractor_numbers():
+    corpus = _corpus()
+    kw = dict(seed=5, step=2, batch_size=16, seq_len=96, passkey_fraction=1.0)
+    plain = data.train_batch(corpus, **kw)
+    with_distractors = data.train_batch(corpus, **kw, passkey_distractors=True)
+    rooms = {}
+    for name, batch in (("plain", plain), ("distractors", with_distractors)):
+        rooms[name] = 0
+        for inputs, targets in zip(batch["inputs"], batch["targets"], strict=True):
+            text = np.concatenate([inputs, targets[-1:]]).astype(np.uint8).tobytes()
+            key = text.rsplit(b"=", 1)[1]
+            assert key.isdigit() and b"passkey=" + key + b". " in text  # the answer is the needle
+            rooms[name] += text.count(b"Room ")
+    # About one filler sentence in three is a number sentence: ~1.3 a row here.
+    assert rooms["plain"] == 0 and rooms["distractors"] >= 8

@@ -347,8 +347,10 @@ def rope_scaling_row(
     `eval_len`: factor s = eval_len / train_len, original_max_position_embeddings = train_len.
 
     At eval_len <= train_len it is None (plain RoPE: nothing to stretch; HF requires factor >= 1).
-    "dynamic" gets the same dict; its model recomputes the base from the window it reads
-    (`posattn.nn.layers.Rotary`).
+    `extra` adds keys or overrides them: "dynamic" keeps Hugging Face's meaning when its configured
+    factor is passed here (`factor=2.0`): the model then recomputes the base from the window it
+    reads (`posattn.nn.layers.Rotary`), b (s T / L - (s - 1))^(d/(d-2)) at T > L. Without it the
+    factor is the extension ratio too, which stretches by s^2 - s + 1 at T = s L.
     """
     if eval_len <= train_len:
         return None

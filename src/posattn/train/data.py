@@ -190,7 +190,10 @@ def batch_options(data_config, *, causal: bool, vocab_size: int) -> dict:
     `posattn.nn.model.mask_token_id`).
     """
     if causal:
-        return {"passkey_fraction": float(data_config.passkey_fraction)}
+        return {
+            "passkey_fraction": float(data_config.passkey_fraction),
+            "passkey_distractors": bool(data_config.get("passkey_distractors", False)),
+        }
     return {"mask_rate": float(data_config.mask_rate), "mask_id": vocab_size}
 
 
@@ -242,6 +245,7 @@ def train_batch(
     mask_rate: float = 0.0,
     mask_id: int | None = None,
     passkey_fraction: float = 0.0,
+    passkey_distractors: bool = False,
 ) -> dict[str, np.ndarray]:
     """The training batch of `step`: random windows of the train split, a pure function of
     (seed, step).
@@ -260,6 +264,9 @@ def train_batch(
         digits) so that the skill the extrapolation experiment measures is learnable at the training
         length. Drawn from its own stream of (seed, step), so 0 leaves every batch exactly as it
         was; causal LM only.
+      passkey_distractors: the passkeys' filler holds distractor numbers of the key's length
+        (`probes.passkey_sample(distractors=True)`, the evaluation's format), so that the skill
+        learned is retrieval by the `passkey=` cue, not "copy the only digits in the window".
 
     Returns:
       `inputs`, `targets` int32[b, T] and `weights` float32[b, T] (which targets count), b the
@@ -295,6 +302,7 @@ def train_batch(
             fraction=passkey_fraction,
             rows=rows,
             batch_size=batch_size,
+            distractors=passkey_distractors,
         )
     inputs, targets = windows[:, :-1], windows[:, 1:]
     if mask_rate <= 0:
@@ -304,7 +312,14 @@ def train_batch(
 
 
 def mix_passkeys(
-    windows: np.ndarray, *, seed: int, step: int, fraction: float, rows: slice, batch_size: int
+    windows: np.ndarray,
+    *,
+    seed: int,
+    step: int,
+    fraction: float,
+    rows: slice,
+    batch_size: int,
+    distractors: bool = False,
 ) -> np.ndarray:
     """This process's `rows` of the global batch with the chosen rows replaced by passkey sequences.
 
@@ -317,6 +332,7 @@ def mix_passkeys(
       fraction: the probability that a row is a passkey sequence, in [0, 1].
       rows: which global rows `windows` holds.
       batch_size: the global batch size B.
+      distractors: distractor numbers in the filler (`probes.passkey_sample`).
     """
     if not 0.0 <= fraction <= 1.0:
         raise DataError(f"data.passkey_fraction={fraction!r} must lie in [0, 1]")
@@ -338,7 +354,11 @@ def mix_passkeys(
                 rng.integers(1, probes.TRAIN_DIGITS + 1)
             )  # keys of 1..5 digits: any eval key length
             out[local] = probes.passkey_sample(
-                rng, length=windows.shape[1], depth=float(rng.random()), digits=digits
+                rng,
+                length=windows.shape[1],
+                depth=float(rng.random()),
+                digits=digits,
+                distractors=distractors,
             ).tokens
     return out
 
