@@ -304,9 +304,28 @@ def test_registry_derives_keys_and_continuous_keys_from_the_settings():
         "fire_mlp_width",
         "fire_init_c",
         "fire_init_L",
+        "kerple_per_layer",
+        "sandwich_dim",
     }
     assert set(families.continuous_keys()) == {"rope_base", "alibi_slope_scale", "fire_init_c"}
     assert families.owners("t5_max_distance") == ("t5",)
+    assert set(families.owners("kerple_per_layer")) == {"kerple_power", "kerple_log"}
+
+
+def test_sandwich_dim_sets_d_bar_and_zero_means_the_head_dim():
+    spec = families.get("sandwich").bias
+    q, k = jnp.arange(40), jnp.arange(40)
+    for dim, d_bar in ((0, CTX.head_dim), (128, 128)):
+        settings = families.SandwichSettings(dim=dim)
+        settings.validate(CTX)
+        got = spec.bind(CTX, settings)({}, q, k)
+        want = positions.sandwich_bias(
+            jnp.abs(q[:, None] - k[None, :]), head_dim=d_bar, num_heads=CTX.num_heads
+        )
+        np.testing.assert_array_equal(got, want)
+    for bad in (3, -2, 1.5):
+        with pytest.raises(ValueError, match="sandwich_dim"):
+            families.SandwichSettings(dim=bad).validate(CTX)
 
 
 def test_register_refuses_inconsistent_families():

@@ -281,15 +281,46 @@ class AlibiSettings(Settings):
 
 
 @dataclasses.dataclass(frozen=True)
-class SandwichSettings(Settings):
-    """Sandwich has no settings of its own, but needs an even head dim."""
+class KerpleSettings(Settings):
+    """Kerple (Chi et al. 2022): whether each layer learns its own (r1, r2)."""
+
+    prefix: ClassVar[str] = "kerple_"
+    per_layer: bool = setting(
+        False,
+        help="one (r1, r2) per layer; False: one set for the whole stack, as the reference code",
+    )
 
     def validate(self, ctx: Context) -> None:
-        if ctx.head_dim % 2:
+        if not isinstance(self.per_layer, bool):
+            raise _invalid(self._key("per_layer"), self.per_layer, "must be True or False")
+
+
+@dataclasses.dataclass(frozen=True)
+class SandwichSettings(Settings):
+    """Sandwich (Chi et al. 2023): d-bar, the dimension of the two sinusoidal embeddings."""
+
+    prefix: ClassVar[str] = "sandwich_"
+    dim: int = setting(
+        0,
+        help="d-bar, the sinusoids' dimension (even; the bias sums d-bar/2 cosines); 0: the head "
+        "dim, as the NeMo implementation",
+    )
+
+    def validate(self, ctx: Context) -> None:
+        if not (isinstance(self.dim, int) and not isinstance(self.dim, bool) and self.dim >= 0):
+            raise _invalid(self._key("dim"), self.dim, "must be 0 (the head dim) or an even int")
+        if self.dim % 2:
+            raise _invalid(self._key("dim"), self.dim, "must be even (d-bar/2 cosines)")
+        if not self.dim and ctx.head_dim % 2:
             raise ValueError(
                 f"config.model.d_model gives an odd head dim {ctx.head_dim}; Sandwich sums d'/2 "
-                "cosines and needs an even head dim"
+                "cosines and needs an even head dim (or set config.model.sandwich_dim to an even "
+                "d-bar)"
             )
+
+    def bar_dim(self, ctx: Context) -> int:
+        """d-bar: `dim`, or the head dim when it is 0."""
+        return self.dim or ctx.head_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,14 +356,21 @@ class BiasSpec:
       trainable: whether the values are learned (`nnx.Param`) or fixed constants (ALiBi slopes).
       bounds: `{name: (low, high)}` a value is projected into after every optimiser step and at
         initialisation, as the reference code clamps its parameters' data in place.
-      shared_across_layers: one bias for the whole stack (T5) or one per layer.
+      shared_across_layers: one bias for the whole stack (T5) or one per layer; a callable
+        `(settings) -> bool` when a setting decides (Kerple). Ask `shared(settings)`.
     """
 
     init: Callable[[Array, Context, Settings], dict[str, Array]]
     fn: Callable[..., Array]
     trainable: bool = True
     bounds: Mapping[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
-    shared_across_layers: bool = False
+    shared_across_layers: bool | Callable[[Settings], bool] = False
+
+    def shared(self, settings: Settings) -> bool:
+        """Whether one bias module serves every layer, for these settings."""
+        if callable(self.shared_across_layers):
+            return bool(self.shared_across_layers(settings))
+        return bool(self.shared_across_layers)
 
     def bind(self, ctx: Context, settings: Settings) -> BiasFn:
         """The `BiasFn` for these static settings, as the attention core takes it."""
@@ -511,6 +549,12 @@ def _kerple_log_init(key: Array, ctx: Context, s: Settings) -> dict[str, Array]:
     return {"r1": jnp.clip(r1, _KERPLE_EPS), "r2": jnp.clip(r2, _KERPLE_EPS)}
 
 
+def _kerple_shared(s: KerpleSettings) -> bool:
+    # The reference builds one ParallelKerplePower / ParallelKerpleLog module in GPT2ModelPipe and
+    # hands it to every ParallelTransformerLayerPipe: one (r1, r2) per head for the whole stack.
+    return not s.per_layer
+
+
 def _kerple_power_fn(params: Params, q_pos: Array, k_pos: Array, ctx, s) -> Array:
     return positions.kerple_power_bias(_distance(q_pos, k_pos), params["r1"], params["r2"])
 
@@ -527,7 +571,7 @@ def _sandwich_init(key: Array, ctx: Context, s: Settings) -> dict[str, Array]:
 def _sandwich_fn(params: Params, q_pos: Array, k_pos: Array, ctx: Context, s: Settings) -> Array:
     del params
     return positions.sandwich_bias(
-        _distance(q_pos, k_pos), head_dim=ctx.head_dim, num_heads=ctx.num_heads
+        _distance(q_pos, k_pos), head_dim=s.bar_dim(ctx), num_heads=ctx.num_heads
     )
 
 
@@ -606,9 +650,11 @@ register(
 register(
     Family(
         "kerple_power",
+        settings=KerpleSettings,
         bias=BiasSpec(
             _kerple_power_init,
             _kerple_power_fn,
+            shared_across_layers=_kerple_shared,
             bounds={"r1": (_KERPLE_EPS, math.inf), "r2": (_KERPLE_EPS, 2.0)},
         ),
         description="Kerple power kernel -r1 |i-j|^r2",
@@ -617,9 +663,11 @@ register(
 register(
     Family(
         "kerple_log",
+        settings=KerpleSettings,
         bias=BiasSpec(
             _kerple_log_init,
             _kerple_log_fn,
+            shared_across_layers=_kerple_shared,
             bounds={"r1": (_KERPLE_EPS, math.inf), "r2": (_KERPLE_EPS, math.inf)},
         ),
         description="Kerple logarithmic kernel -r1 log(1 + r2 |i-j|)",

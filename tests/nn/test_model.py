@@ -84,12 +84,19 @@ def test_grouped_query_and_kv_sharing_shrink_parameters():
         assert bool(jnp.all(jnp.isfinite(build(cfg)(tokens))))
 
 
-def test_t5_bias_is_shared_across_layers_and_kerple_is_not():
-    t5 = nnx.state(build(make_cfg(position="t5")), nnx.Param)
-    kerple = nnx.state(build(make_cfg(position="kerple_log")), nnx.Param)
-    t5_tables = [p for path, p in nnx.to_flat_state(t5) if "table" in path]
-    kerple_r1 = [p for path, p in nnx.to_flat_state(kerple) if "r1" in path]
-    assert len(t5_tables) == 1 and len(kerple_r1) == 2
+def test_t5_and_kerple_biases_are_shared_across_layers_unless_kerple_per_layer():
+    def count(name, **kw):
+        state = nnx.state(build(make_cfg(**kw)), nnx.Param)
+        return len([p for path, p in nnx.to_flat_state(state) if name in path])
+
+    assert count("table", position="t5") == 1
+    for kind in ("kerple_log", "kerple_power"):  # one (r1, r2) for the stack, as the reference
+        assert count("r1", position=kind) == count("r2", position=kind) == 1
+        assert count("r1", position=kind, kerple_per_layer=True) == 2  # the named variant
+        for scan in (False, True):
+            cfg = make_cfg(position=kind, scan_layers=scan)
+            tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 256)
+            assert bool(jnp.all(jnp.isfinite(build(cfg)(tokens))))
 
 
 def test_learned_positions_past_the_table_raise():

@@ -126,7 +126,7 @@ class TransformerLM(nnx.Module):
         # The family's modules get the family's own settings; the blocks get plain sizes.
         rotary_module = layers.Rotary(cfg.head_dim, cfg.settings) if family.rotary else None
         shared_bias = None
-        if family.bias is not None and family.bias.shared_across_layers:
+        if family.bias is not None and family.bias.shared(cfg.settings):
             shared_bias = layers.PositionBias(family.bias, cfg.context, cfg.settings, rngs=rngs)
 
         def bias_for_layer():
@@ -363,7 +363,7 @@ def _block(cfg: ModelConfig, *, owns_kv, rotary_module, bias_module, rngs) -> la
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> layers.Block:
     """`cfg.num_layers` blocks as one Block whose variables have a leading layer axis."""
     spec = cfg.family.bias
-    per_layer_bias = spec is not None and not spec.shared_across_layers
+    per_layer_bias = spec is not None and not spec.shared(cfg.settings)
 
     @nnx.split_rngs(splits=cfg.num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -398,7 +398,7 @@ def convert_layout(tree, cfg: ModelConfig, *, scan_layers: bool):
             "(model.scan_layers needs kv_share=1)"
         )
     spec = cfg.family.bias
-    shared_bias = spec is not None and spec.shared_across_layers
+    shared_bias = spec is not None and spec.shared(cfg.settings)
     L = cfg.num_layers
 
     def value(v):
