@@ -68,7 +68,7 @@ def get_config(arg=None):
         t5_max_distance=max(L, 32),
         fire_init_L=float(L // 4),
     )
-    config.data.update(corpus="stdlib", seq_len=L, passkey_fraction=0.2)
+    config.data.update(corpus="stdlib", seq_len=L, passkey_fraction=0.2, passkey_distractors=True)
     config.train.update(
         steps=2000,
         batch_size=32,

@@ -143,12 +143,16 @@ def check_experiment(config: ml_collections.ConfigDict) -> None:
     """Validates the experiment's own sections (the training sections are validated by
     load_config)."""
     fail = config_lib.ConfigError
-    unknown = [f for f in config.families if f not in families.names()]
-    if unknown or not config.families:
-        raise fail(
-            f"config.families={tuple(config.families)!r}: unknown {unknown}; "
-            f"known: {', '.join(families.names())}"
-        )
+    if not config.families:
+        raise fail("config.families is empty; name at least one family")
+    entries = [family_entry(e, config, fail) for e in config.families]
+    if len(set(config.families)) != len(config.families):
+        raise fail(f"config.families={tuple(config.families)!r} repeats an entry")
+    for entry in config.families:
+        try:
+            config_lib.validate(family_config(config, entry))
+        except config_lib.ConfigError as err:
+            raise fail(f"config.families entry {entry!r}: {err}") from None
     scalings = [rope_scaling_entry(e, fail) for e in config.rope_scalings]
     names = [f"rope+{e}" for e in config.rope_scalings]
     if len(set(names)) != len(names):
@@ -162,7 +166,7 @@ def check_experiment(config: ml_collections.ConfigDict) -> None:
             )
         except ValueError as err:
             raise fail(f"config.rope_scalings entry {entry!r}: {err}") from None
-    if config.rope_scalings and "rope" not in config.families:
+    if config.rope_scalings and not any(name == "rope" for name, _ in entries):
         raise fail(
             "config.rope_scalings needs 'rope' in config.families "
             "(the rows rescale the trained RoPE model)"
@@ -242,10 +246,52 @@ def rope_scaling_entry(entry: str, fail=ValueError) -> tuple[str, dict[str, floa
     return kind, options
 
 
-def family_config(config: ml_collections.ConfigDict, family: str) -> ml_collections.ConfigDict:
-    """The training config of one family: the shared model/data/train sections, its position."""
+def family_entry(
+    entry: str, config: ml_collections.ConfigDict | None = None, fail=ValueError
+) -> tuple[str, dict[str, Any]]:
+    """(family, {model key: value}) of an entry of config.families: "fire", or a family with
+    settings of its own, "fire:fire_init_c=3.2,fire_init_L=64" (keys of the `model` section).
+
+    Such an entry is a row of its own, trained in its own directory (`entry_dir`): a settings
+    sweep is an experiment whose families are one family under several settings.
+    """
+    name, _, rest = str(entry).partition(":")
+    if name not in families.names():
+        raise fail(
+            f"config.families has {entry!r}: unknown family {name!r}; known: "
+            f"{', '.join(families.names())} (settings as 'fire:fire_init_c=3.2,fire_init_L=64')"
+        )
+    overrides = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        known = config is None or key in config.model
+        if not eq or not known or key in ("position",):
+            raise fail(
+                f"config.families entry {entry!r}: {item!r} is not key=value with a key of the "
+                "model section (e.g. fire_init_c=3.2; the family is the part before ':')"
+            )
+        if key in families.keys() and name not in families.owners(key):
+            raise fail(
+                f"config.families entry {entry!r}: model.{key} is a setting of "
+                f"{', '.join(families.owners(key))}, not of {name}"
+            )
+        overrides[key] = config_lib.parse_value(value)
+    return name, overrides
+
+
+def entry_dir(workdir: pathlib.Path, entry: str) -> pathlib.Path:
+    """Where an entry of config.families trains: WORKDIR/<family>, or WORKDIR/<family>@<k=v,...>."""
+    return workdir / str(entry).replace(":", "@")
+
+
+def family_config(config: ml_collections.ConfigDict, entry: str) -> ml_collections.ConfigDict:
+    """The training config of one entry of config.families: the shared model/data/train sections,
+    its position and its own settings."""
     out = ml_collections.ConfigDict({k: config[k].to_dict() for k in ("model", "data", "train")})
-    out.model.position = family
+    name, overrides = family_entry(entry, config)
+    out.model.position = name
+    for key, value in overrides.items():
+        out.model[key] = value
     config_lib.validate(out)
     return out
 
@@ -554,7 +600,7 @@ def _evaluate_family(
     )
     rows = {family: _evaluate_model((graphdef, params, constants), text, config, lengths)}
     rows[family]["eval_seconds"] = round(time.perf_counter() - start, 1)
-    if family == "rope" and config.rope_scalings:
+    if family == "rope" and config.rope_scalings:  # plain RoPE only, not a variant of it
         rows.update(_rope_rows(cfg, params, rows[family], text, config, lengths))
         for row in rows.values():
             row["eval_seconds"] = round(time.perf_counter() - start, 1)
@@ -734,11 +780,11 @@ def run(
         "corpus_sha256": corpus.sha256,
     }
     for family in config.families:  # refuse runs made by other code before any training
-        _finished_run(family_config(config, family), workdir / family, code, reuse=reuse)
+        _finished_run(family_config(config, family), entry_dir(workdir, family), code, reuse=reuse)
     begin = time.perf_counter()
     rows, training, origins = {}, {}, {}
     for family in config.families:
-        fam_dir = workdir / family
+        fam_dir = entry_dir(workdir, family)
         train_config = family_config(config, family)
         _say(f"{family}: training ({train_config.train.steps} steps at L={config.data.seq_len})")
         if len(seed_list(config)) > 1:
