@@ -1202,6 +1202,7 @@ def markdown(results: dict) -> str:
         out += _table(
             "Copy accuracy (repeated random-letter segment)", lengths, results["copy_acc"], ".2f"
         )
+    out += _attention_table(results, lengths)
     out += [
         "### Training",
         "",
@@ -1215,6 +1216,41 @@ def markdown(results: dict) -> str:
         for n, t in results["training"].items()
     ]
     return "\n".join(out) + "\n"
+
+
+def _attention_table(results: dict, lengths) -> list[str]:
+    """Per row and layer, at L and at the longest length: attention entropy, mean attended
+    distance (means over heads) and the mass on keys >= L away (mean over heads, and its largest
+    head)."""
+    block = results.get("attention_stats")
+    if not block:
+        return []
+    first, last = lengths[0], lengths[-1]
+    out = [
+        f"### Attention per layer at {first} and {last} (the last min(T, L) queries of "
+        f"{block['windows']} windows; means over heads, the largest head in brackets)",
+        "",
+        f"| row | layer | entropy {first} | entropy {last} | distance {first} | "
+        f"distance {last} | mass >= L at {last} |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, per_length in block["rows"].items():
+        if not per_length or per_length[0] is None or per_length[-1] is None:
+            continue
+        at_first, at_last = per_length[0], per_length[-1]
+        for layer in range(len(at_last["entropy"])):
+
+            def mean(stats, key, layer=layer):
+                return float(np.mean(stats[key][layer]))
+
+            mass = at_last["mass_beyond_L"][layer]
+            out.append(
+                f"| {name} | {layer} | {mean(at_first, 'entropy'):.2f} | "
+                f"{mean(at_last, 'entropy'):.2f} | {mean(at_first, 'distance'):.1f} | "
+                f"{mean(at_last, 'distance'):.1f} | {float(np.mean(mass)):.2f} "
+                f"[{float(np.max(mass)):.2f}] |"
+            )
+    return out + [""]
 
 
 def corpus_sentence(results: dict) -> str:

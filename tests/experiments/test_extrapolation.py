@@ -380,6 +380,33 @@ def test_bad_settings_fail_before_compute(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+def test_family_entries_carry_their_own_settings_and_directories(tmp_path):
+    experiment = _experiment()
+    config = config_lib.load_config(ROOT / "configs" / "extrapolation.py", [])
+    name, overrides = experiment.family_entry("fire:fire_init_c=3.2,fire_init_L=64", config)
+    assert (name, overrides) == ("fire", {"fire_init_c": 3.2, "fire_init_L": 64})
+    train = experiment.family_config(config, "fire:fire_init_c=3.2,fire_init_L=64")
+    assert train.model.position == "fire" and train.model.fire_init_c == 3.2
+    assert experiment.family_config(config, "fire").model.fire_init_c == config.model.fire_init_c
+    assert experiment.entry_dir(tmp_path, "fire") == tmp_path / "fire"
+    assert experiment.entry_dir(tmp_path, "t5:t5_max_distance=16").name == "t5@t5_max_distance=16"
+    for entry, words in (
+        ("fire:bogus=1", ["bogus"]),
+        ("alibi:fire_init_c=3.2", ["fire_init_c", "fire", "alibi"]),
+        ("sandwich:sandwich_dim=3", ["sandwich_dim", "even"]),
+        ("rope:position=alibi", ["position"]),
+        ("firefly", ["firefly", "unknown"]),
+    ):
+        config.families = ("alibi", entry)
+        with pytest.raises(config_lib.ConfigError) as err:
+            experiment.check_experiment(config)
+        assert all(w in str(err.value) for w in words), str(err.value)
+    for arg in ("fire", "t5", "sandwich", "kerple", "rope"):  # every settings sweep is valid
+        experiment.check_experiment(
+            config_lib.load_config(f"{ROOT / 'configs' / 'extrapolation_settings.py'}:{arg}", [])
+        )
+
+
 def test_rope_scaling_entries_keep_hugging_face_meanings():
     experiment = _experiment()
     entry = experiment.rope_scaling_entry
