@@ -40,6 +40,8 @@ import ml_collections
 
 from posattn.config import defaults
 
+LEARNING_RATE = 6e-3  # the training's peak
+
 FAMILIES = (
     "nope",
     "sinusoidal",
@@ -72,7 +74,7 @@ def get_config(arg=None):
     config.train.update(
         steps=2000,
         batch_size=32,
-        learning_rate=6e-3,
+        learning_rate=LEARNING_RATE,
         warmup_steps=60,
         min_lr_ratio=0.1,
         checkpoint_every=500,
@@ -86,6 +88,21 @@ def get_config(arg=None):
     # (posattn.sweep) and reports mean ± standard error over seeds. The record runs 3.
     config.seeds = 1
     config.rope_scalings = ("linear", "ntk", "dynamic", "yarn")  # extra rows rope+<kind>
+    # Position interpolation as Chen et al. 2023 run it: the trained RoPE model fine-tuned at
+    # multiple x L under rope_scaling {kind, factor = multiple, original L}, kept at every length
+    # (rows rope+<kind>+ft). Same optimizer as training, fresh moments, `warmup_steps` then a
+    # constant `learning_rate`; batch_size 0: train.batch_size // multiple (same tokens a step).
+    config.finetune = ml_collections.ConfigDict(
+        dict(
+            kinds=("linear", "ntk", "yarn"),
+            multiple=4,
+            steps=150,
+            learning_rate=LEARNING_RATE / 10,
+            warmup_steps=10,
+            batch_size=0,
+            enabled=True,
+        )
+    )
     config.eval = ml_collections.ConfigDict(
         dict(
             multiples=(1, 2, 4, 8, 16),  # eval lengths = multiples x L, unless `lengths` is given

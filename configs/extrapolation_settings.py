@@ -69,6 +69,7 @@ def get_config(arg=None):
     config = record_config()
     config.families = SETTINGS[arg]
     config.rope_scalings = ROPE_SETTINGS if arg == "rope" else ()
+    config.finetune.enabled = False  # the record's fine-tune rows are not a setting measured here
     config.seeds = 2
     L = config.data.seq_len
     config.eval.update(

@@ -31,6 +31,11 @@ Hugging Face's meaning: a configured factor s (2 by default) and the base recomp
 window length T it reads, b (s T / L - (s - 1))^(d/(d-2)). An entry may set a kind's options
 ("yarn:beta_fast=16,beta_slow=2", "dynamic:factor=4"; `ROPE_OPTIONS`), giving the row
 `rope+<entry>`, so one run compares settings of the same trained model.
+Rows `rope+<kind>+ft` (kinds
+linear, ntk, yarn; `finetune` in the config) run position interpolation as Chen et al. 2023 do,
+with a short fine-tune: the trained RoPE params fine-tuned at `finetune.multiple` x L under the
+scaling of factor `finetune.multiple`, evaluated with that factor at every length (cached in
+`WORKDIR/rope/finetune/<kind>-seed<k>.npz`).
 
 Writes `WORKDIR/results.json` (`train_len`, `corpus`, `families`: {name: {eval_len, loss,
 passkey_acc}}, plus extra top-level keys), `results.md` and PNGs.
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import hashlib
 import json
 import os
@@ -61,8 +67,14 @@ from posattn.attention import IMPLEMENTATIONS
 from posattn.eval import attention_stats, heldout, intervals, probes, retrieval, scoring, summary
 from posattn.eval import lengths as evaluate
 from posattn.nn.model import TransformerLM
-from posattn.train import NonFiniteLossError, WorkdirBusyError, restore_trained, train_and_evaluate
+from posattn.train import (
+    NonFiniteLossError,
+    WorkdirBusyError,
+    restore_trained,
+    train_and_evaluate,
+)
 from posattn.train import data as data_lib
+from posattn.train import steps as steps_lib
 
 __all__ = ["eval_lengths", "family_config", "main", "run"]
 
@@ -183,6 +195,7 @@ def check_experiment(config: ml_collections.ConfigDict) -> None:
             f"allowed: {', '.join(IMPLEMENTATIONS)}"
         )
     check_evaluation(config, lengths)
+    check_finetune(config)
     seeds = config.get("seeds", 1)
     if not (isinstance(seeds, int) and seeds >= 1):
         raise fail(f"config.seeds={seeds!r} must be a positive integer (seeds per family)")
@@ -282,6 +295,95 @@ def family_entry(
 def entry_dir(workdir: pathlib.Path, entry: str) -> pathlib.Path:
     """Where an entry of config.families trains: WORKDIR/<family>, or WORKDIR/<family>@<k=v,...>."""
     return workdir / str(entry).replace(":", "@")
+
+
+FINETUNE_KINDS = ("linear", "ntk", "yarn")  # "dynamic" rescales per window: nothing fixed to tune
+
+
+def finetune_enabled(config: ml_collections.ConfigDict) -> bool:
+    """Whether the config asks for `rope+<kind>+ft` rows (a missing block is off)."""
+    ft = config.get("finetune")
+    return bool(ft is not None and ft.enabled and ft.kinds)
+
+
+def finetune_multiple(config: ml_collections.ConfigDict) -> int:
+    return int(config.finetune.multiple)
+
+
+def finetune_batch_size(config: ml_collections.ConfigDict) -> int:
+    """`finetune.batch_size`, or when 0 the training's tokens per step: train.batch_size //
+    multiple windows (at least 1)."""
+    ft = config.finetune
+    if ft.batch_size:
+        return int(ft.batch_size)
+    return max(1, int(config.train.batch_size) // finetune_multiple(config))
+
+
+def finetune_scaling(config: ml_collections.ConfigDict, kind: str) -> dict[str, Any]:
+    """The fixed Hugging Face `rope_scaling` a `rope+<kind>+ft` row is fine-tuned and evaluated
+    under: factor = finetune.multiple at every length."""
+    L = int(config.data.seq_len)
+    return {
+        "rope_type": kind,
+        "factor": float(finetune_multiple(config)),
+        "original_max_position_embeddings": L,
+    }
+
+
+def check_finetune(config: ml_collections.ConfigDict) -> None:
+    """Validates the `finetune` block (the rope+<kind>+ft rows) before any compute."""
+    if not finetune_enabled(config):
+        return
+    fail = config_lib.ConfigError
+    ft = config.finetune
+    bad = [k for k in ft.kinds if k not in FINETUNE_KINDS]
+    if bad:
+        why = (
+            " ('dynamic' recomputes its factor from each window's length, so there is no fixed "
+            "scaling to fine-tune under)"
+            if "dynamic" in bad
+            else ""
+        )
+        raise fail(
+            f"config.finetune.kinds has {bad[0]!r}{why}; allowed: {', '.join(FINETUNE_KINDS)} "
+            "(or set config.finetune.enabled=False)"
+        )
+    if len(set(ft.kinds)) != len(ft.kinds):
+        raise fail(f"config.finetune.kinds={tuple(ft.kinds)!r} repeats a kind")
+    if "rope" not in config.families:
+        raise fail(
+            "config.finetune needs 'rope' in config.families (the rows fine-tune the trained "
+            "RoPE model); add it or set config.finetune.enabled=False"
+        )
+    m = ft.multiple
+    if isinstance(m, bool) or not isinstance(m, int | float) or m != int(m) or m < 2:
+        raise fail(
+            f"config.finetune.multiple={m!r} must be an integer >= 2 (the fine-tune length is "
+            "multiple x data.seq_len)"
+        )
+    for key in ("steps",):
+        if not (isinstance(ft[key], int) and ft[key] >= 1):
+            raise fail(f"config.finetune.{key}={ft[key]!r} must be a positive integer")
+    for key in ("warmup_steps", "batch_size"):
+        if not (isinstance(ft[key], int) and ft[key] >= 0):
+            raise fail(
+                f"config.finetune.{key}={ft[key]!r} must be an integer >= 0"
+                + (" (0: train.batch_size // multiple)" if key == "batch_size" else "")
+            )
+    if not (isinstance(ft.learning_rate, int | float) and ft.learning_rate > 0):
+        raise fail(f"config.finetune.learning_rate={ft.learning_rate!r} must be a number > 0")
+    length = finetune_multiple(config) * int(config.data.seq_len)
+    if config.data.passkey_fraction and length < probes.passkey_min_length(probes.TRAIN_DIGITS):
+        raise fail(
+            f"config.finetune.multiple={m}: fine-tune windows of {length} cannot hold the "
+            "training passkeys; raise it"
+        )
+    head_dim = config_lib.validate(family_config(config, "rope")).head_dim
+    for kind in ft.kinds:
+        try:
+            rotary.validate_rope_scaling(finetune_scaling(config, kind), head_dim)
+        except ValueError as e:
+            raise fail(f"config.finetune.kinds: {kind!r} at factor {m}: {e}") from None
 
 
 def family_config(config: ml_collections.ConfigDict, entry: str) -> ml_collections.ConfigDict:
@@ -576,16 +678,204 @@ def _rope_rows(cfg, params, plain: dict, text, config, lengths) -> dict[str, dic
     return rows
 
 
+# ----------------------------------------------------------------------------------------------
+# Position interpolation with a fine-tune: rope+<kind>+ft rows.
+
+
+def _params_sha256(params) -> str:
+    """A content hash of a parameter tree (which trained model a fine-tune started from)."""
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(params):
+        array = np.asarray(jax.device_get(leaf))
+        digest.update(str((array.shape, array.dtype)).encode() + b"\0")
+        digest.update(np.ascontiguousarray(array).tobytes())
+    return digest.hexdigest()
+
+
+def _finetune_settings(config, train_config, kind: str, seed: int, trained_sha: str) -> dict:
+    """Everything a fine-tuned parameter file depends on besides the code and the corpus."""
+    ft = config.finetune
+    settings = {
+        "scaling": finetune_scaling(config, kind),
+        "multiple": finetune_multiple(config),
+        "steps": int(ft.steps),
+        "learning_rate": float(ft.learning_rate),
+        "warmup_steps": int(ft.warmup_steps),
+        "batch_size": finetune_batch_size(config),
+        "seed": int(seed),
+        "trained": json.loads(config_lib.to_json(train_config)),
+        "trained_params_sha256": trained_sha,
+    }
+    return json.loads(json.dumps(settings))
+
+
+def finetune_params(cfg, params, corpus, config, kind: str, *, seed: int) -> tuple[Any, dict]:
+    """Fine-tunes trained RoPE `params` at `finetune.multiple` x L under the fixed scaling of
+    `kind` (factor = multiple), as position interpolation is run by Chen et al. 2023.
+
+    The training's optimizer (`posattn.train.steps`: AdamW, clipping, weight decay) with fresh
+    moments, `finetune.warmup_steps` of linear warmup then a constant `finetune.learning_rate`;
+    batches of `finetune_batch_size` windows (the training's tokens per step) from the training
+    corpus by `train_batch` with the training seed at steps train.steps, train.steps + 1, ...
+    (batches the pretraining never drew), passkey rows mixed in as the training config asks.
+
+    Returns:
+      (fine-tuned params, {"seconds", "first_train_loss", "final_train_loss"}).
+    """
+    ft, L = config.finetune, int(config.data.seq_len)
+    cfg = dataclasses.replace(cfg, attention_impl=config.model.attention_impl)
+    graphdef, constants = evaluate.with_rope_scaling(cfg, finetune_scaling(config, kind))
+    optim = dataclasses.replace(
+        steps_lib.OptimConfig.from_config(config.train),
+        learning_rate=float(ft.learning_rate),
+        total_steps=int(ft.steps),
+        warmup_steps=int(ft.warmup_steps),
+        min_lr_ratio=1.0,  # constant after the warmup
+    )
+    tx = steps_lib.make_optimizer(optim)
+    params = jax.tree.map(lambda x: jax.numpy.array(x, copy=True), params)  # donated below
+    state = {
+        "params": params,
+        "constants": constants,
+        "opt_state": tx.init(jax.tree.map(lambda p: p.astype(np.float32), params)),
+        "step": jax.numpy.zeros((), jax.numpy.int32),
+    }
+    step_fn = jax.jit(functools.partial(steps_lib.train_step, graphdef, optim), donate_argnums=0)
+    options = data_lib.batch_options(config.data, causal=cfg.causal, vocab_size=cfg.vocab_size)
+    shape = dict(batch_size=finetune_batch_size(config), seq_len=finetune_multiple(config) * L)
+    start, losses = time.perf_counter(), []
+    for i in range(int(ft.steps)):
+        batch = data_lib.train_batch(
+            corpus, seed=seed, step=int(config.train.steps) + i, **shape, **options
+        )
+        state, metrics = step_fn(state, batch)
+        losses.append(metrics["loss"])
+    losses = [float(x) for x in jax.device_get(losses)]
+    if not all(np.isfinite(losses)):
+        bad = next(i for i, x in enumerate(losses) if not np.isfinite(x))
+        raise NonFiniteLossError(
+            f"rope+{kind}+ft: the fine-tune's loss is {losses[bad]} at step {bad}; lower "
+            "config.finetune.learning_rate or raise config.finetune.warmup_steps"
+        )
+    info = {
+        "seconds": round(time.perf_counter() - start, 1),
+        "first_train_loss": losses[0],
+        "final_train_loss": losses[-1],
+    }
+    return state["params"], info
+
+
+def _save_npz(path: pathlib.Path, arrays: dict[str, np.ndarray]) -> None:
+    """Writes `arrays` to `path` atomically (a temporary file in the same folder, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _finetuned(
+    config, cfg, params, corpus, kind, seed, fam_dir, train_config, code, *, reuse=False
+) -> tuple[Any, dict]:
+    """(params, info) of `finetune_params`, from `fam_dir/finetune/<kind>-seed<seed>.npz` when it
+    holds these settings (the finetune block, the training config, the trained parameters' hash)
+    and was made by this code (or by any code, with `reuse`); else fine-tuned now and saved."""
+    path = fam_dir / "finetune" / f"{kind}-seed{seed}.npz"
+    settings = _finetune_settings(config, train_config, kind, seed, _params_sha256(params))
+    leaves, treedef = jax.tree.flatten(params)
+    if path.exists():
+        with np.load(path, allow_pickle=False) as saved:
+            meta = json.loads(str(saved["meta"]))
+            if meta.get("settings") == settings and (_same_origin(meta, code) or reuse):
+                tuned = [
+                    jax.numpy.asarray(saved[f"p{i}"], dtype=leaf.dtype)
+                    for i, leaf in enumerate(leaves)
+                ]
+                return jax.tree.unflatten(treedef, tuned), meta["info"]
+        if meta.get("settings") == settings:
+            _say(f"rope+{kind}+ft: {path} was made by {_describe_origin(meta)}; fine-tuning again")
+    _say(
+        f"rope+{kind}+ft: fine-tuning seed {seed} for {config.finetune.steps} steps at "
+        f"{finetune_multiple(config) * int(config.data.seq_len)}"
+    )
+    tuned, info = finetune_params(cfg, params, corpus, config, kind, seed=seed)
+    meta = {"settings": settings, "code": code, "info": info}
+    arrays = {
+        f"p{i}": np.asarray(jax.device_get(x), np.float32)
+        for i, x in enumerate(jax.tree.leaves(tuned))
+    }
+    _save_npz(path, {**arrays, "meta": np.array(json.dumps(meta))})
+    return tuned, info
+
+
+def _finetune_rows(
+    cfg, params, text, config, lengths, *, corpus, fam_dir, train_config, code, seed, reuse=False
+) -> dict[str, dict]:
+    """rope+<kind>+ft rows: the trained RoPE params fine-tuned at multiple x L under the scaling
+    of factor `finetune.multiple`, evaluated with that same scaling at every length (<= L
+    included: that is the model a position-interpolation fine-tune leaves)."""
+    rows = {}
+    for kind in config.finetune.kinds:
+        tuned, info = _finetuned(
+            config, cfg, params, corpus, kind, seed, fam_dir, train_config, code, reuse=reuse
+        )
+        graphdef, constants = evaluate.with_rope_scaling(cfg, finetune_scaling(config, kind))
+        row = _evaluate_model((graphdef, tuned, constants), text, config, lengths)
+        row["finetune"] = {
+            "steps": int(config.finetune.steps),
+            "multiple": finetune_multiple(config),
+            "seed": int(seed),
+            **info,
+        }
+        rows[f"rope+{kind}+ft"] = row
+    return rows
+
+
+def _finetune_eval_settings(config) -> dict:
+    """What the rope family's eval.json depends on from the finetune block ({} when off)."""
+    if not finetune_enabled(config):
+        return {}
+    return {"finetune": {**config.finetune.to_dict(), "batch_size": finetune_batch_size(config)}}
+
+
+def _merge_finetune_info(infos: list[dict]) -> dict:
+    """One row's fine-tune record over seeds: seconds summed, final loss mean and per seed."""
+    first = infos[0]
+    return {
+        "steps": first["steps"],
+        "multiple": first["multiple"],
+        "seconds": round(sum(i["seconds"] for i in infos), 1),
+        "final_train_loss": float(np.mean([i["final_train_loss"] for i in infos])),
+        "final_train_loss_seeds": [i["final_train_loss"] for i in infos],
+        "seeds": [i["seed"] for i in infos],
+    }
+
+
 def _evaluate_family(
-    config, family, fam_dir, text, lengths, train_config, code: dict, *, reuse: bool = False
+    config,
+    family,
+    fam_dir,
+    text,
+    lengths,
+    train_config,
+    code: dict,
+    *,
+    reuse: bool = False,
+    corpus=None,
 ) -> tuple[dict[str, dict], dict]:
     """(rows, the code that evaluated them): from eval.json when it holds these settings and was
-    made by this code (or by any code, with `reuse`), else evaluated now."""
+    made by this code (or by any code, with `reuse`), else evaluated now. `corpus` (its train
+    split) is what the rope+<kind>+ft rows fine-tune on."""
     cache = fam_dir / "eval.json"
+    tune = family == "rope" and finetune_enabled(config)
     settings = {
         **_eval_settings(config, lengths),
         "plan": text.plan.fingerprint,
         "trained": json.loads(config_lib.to_json(train_config)),
+        **(_finetune_eval_settings(config) if tune else {}),
     }
     settings = json.loads(json.dumps(settings))  # as eval.json holds them (tuples as lists)
     if cache.exists():
@@ -602,6 +892,23 @@ def _evaluate_family(
     rows[family]["eval_seconds"] = round(time.perf_counter() - start, 1)
     if family == "rope" and config.rope_scalings:  # plain RoPE only, not a variant of it
         rows.update(_rope_rows(cfg, params, rows[family], text, config, lengths))
+    if tune:
+        rows.update(
+            _finetune_rows(
+                cfg,
+                params,
+                text,
+                config,
+                lengths,
+                corpus=corpus,
+                fam_dir=fam_dir,
+                train_config=train_config,
+                code=code,
+                seed=int(train_config.train.seed),
+                reuse=reuse,
+            )
+        )
+    if family == "rope" and (config.rope_scalings or tune):
         for row in rows.values():
             row["eval_seconds"] = round(time.perf_counter() - start, 1)
     cache.write_text(json.dumps({"settings": settings, "code": code, "rows": rows}) + "\n")
@@ -707,13 +1014,28 @@ def combine_seeds(per_seed: list[dict[str, dict]]) -> dict[str, dict]:
 
 
 def _evaluate_seeds(
-    config, family, fam_dir, text, lengths, members, cfg, code: dict, *, reuse: bool = False
+    config,
+    family,
+    fam_dir,
+    text,
+    lengths,
+    members,
+    cfg,
+    code: dict,
+    *,
+    reuse: bool = False,
+    corpus=None,
 ) -> tuple[dict[str, dict], dict]:
     """(each seed's rows combined, the code that evaluated them): from `fam_dir/eval.json` when it
     holds these settings and seeds and was made by this code (or by any code, with `reuse`), else
-    evaluated now."""
+    evaluated now. Each seed's rope+<kind>+ft rows fine-tune that seed's trained params."""
     cache = fam_dir / "eval.json"
-    settings = {**_eval_settings(config, lengths), "plan": text.plan.fingerprint}
+    tune = family == "rope" and finetune_enabled(config)
+    settings = {
+        **_eval_settings(config, lengths),
+        "plan": text.plan.fingerprint,
+        **(_finetune_eval_settings(config) if tune else {}),
+    }
     settings["trained"] = {
         "seeds": seed_list(config),
         **json.loads(config_lib.to_json(family_config(config, family))),
@@ -729,12 +1051,32 @@ def _evaluate_seeds(
     cfg = dataclasses.replace(cfg, attention_impl=config.eval.attention_impl)
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(params=0))))
     per_seed = []
-    for params, constants in members:
+    train_config = family_config(config, family)
+    for seed, (params, constants) in zip(seed_list(config), members, strict=True):
         rows = {family: _evaluate_model((graphdef, params, constants), text, config, lengths)}
         if family == "rope" and config.rope_scalings:
             rows.update(_rope_rows(cfg, params, rows[family], text, config, lengths))
+        if tune:
+            rows.update(
+                _finetune_rows(
+                    cfg,
+                    params,
+                    text,
+                    config,
+                    lengths,
+                    corpus=corpus,
+                    fam_dir=fam_dir,
+                    train_config=train_config,
+                    code=code,
+                    seed=seed,
+                    reuse=reuse,
+                )
+            )
         per_seed.append(rows)
     rows = combine_seeds(per_seed)
+    for name, row in rows.items():
+        if "finetune" in row:
+            row["finetune"] = _merge_finetune_info([r[name]["finetune"] for r in per_seed])
     for row in rows.values():
         row["eval_seconds"] = round(time.perf_counter() - start, 1)
     cache.write_text(json.dumps({"settings": settings, "code": code, "rows": rows}) + "\n")
@@ -769,6 +1111,10 @@ def run(
             "token ids; set config.passkey.enabled, config.induction.enabled and "
             "config.copy.enabled to False"
         )
+    if finetune_enabled(config):
+        data_lib.check_length(
+            corpus, finetune_multiple(config) * int(config.data.seq_len), split="train"
+        )
     text = eval_text(config, corpus, lengths)
     provenance = _provenance()  # the code as the run starts, not as it is when the run ends
     code = {
@@ -797,12 +1143,34 @@ def run(
         )
         if len(seed_list(config)) > 1:
             new, evaluated_by = _evaluate_seeds(
-                config, family, fam_dir, text, lengths, members, cfg, code, reuse=reuse
+                config,
+                family,
+                fam_dir,
+                text,
+                lengths,
+                members,
+                cfg,
+                code,
+                reuse=reuse,
+                corpus=corpus,
             )
         else:
             new, evaluated_by = _evaluate_family(
-                config, family, fam_dir, text, lengths, train_config, code, reuse=reuse
+                config,
+                family,
+                fam_dir,
+                text,
+                lengths,
+                train_config,
+                code,
+                reuse=reuse,
+                corpus=corpus,
             )
+        tuned = {
+            n[len("rope+") : -len("+ft")]: r["finetune"] for n, r in new.items() if "finetune" in r
+        }
+        if tuned:
+            training["finetune"] = tuned
         for name in new:
             origins[name] = {
                 "trained": training[family].get("code") or {},
@@ -1214,7 +1582,24 @@ def markdown(results: dict) -> str:
     out += [
         f"| {n} | {t['steps']} | {t['final_train_loss']:.4f} | {t['seconds']} |"
         for n, t in results["training"].items()
+        if n != "finetune"
     ]
+    tuned = results["training"].get("finetune")
+    if tuned:
+        out += [
+            "",
+            "Position-interpolation fine-tunes (rows `rope+<kind>+ft`): the trained RoPE model at "
+            "multiple x L under the scaling of factor = multiple, which the rows keep at every "
+            "length; train loss: the last step's batch (mean over seeds).",
+            "",
+            "| row | steps | length | train loss | seconds |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        out += [
+            f"| rope+{kind}+ft | {t['steps']} | {t['multiple'] * L} | "
+            f"{t['final_train_loss']:.4f} | {t['seconds']} |"
+            for kind, t in tuned.items()
+        ]
     return "\n".join(out) + "\n"
 
 
@@ -1295,9 +1680,16 @@ def plots(results: dict, workdir: pathlib.Path) -> None:
 
     L, fams = results["train_len"], results["families"]
     lengths = next(iter(fams.values()))["eval_len"]
-    colors = {name: plt.cm.tab20(i % 20) for i, name in enumerate(fams)}
+    # A fine-tuned row rope+<kind>+ft takes the colour of its eval-time row rope+<kind>.
+    base = {
+        n: n[: -len("+ft")] if n.endswith("+ft") and n[: -len("+ft")] in fams else n for n in fams
+    }
+    palette = list(dict.fromkeys(base.values()))
+    colors = {name: plt.cm.tab20(palette.index(base[name]) % 20) for name in fams}
 
     def style(name):
+        if name.endswith("+ft"):  # fine-tuned: dash-dot, square markers
+            return dict(ls="-.", marker="s", ms=3, color=colors[name])
         return dict(ls="--" if "+" in name else "-", marker="o", ms=3, color=colors[name])
 
     finite = [v for f in fams.values() for v in f["loss"][:1] if v is not None]

@@ -217,6 +217,10 @@ MINUTE = [
     "--config.copy.enabled=True",
     "--config.copy.samples=2",
     "--config.copy.segment=6",
+    "--config.finetune.kinds=('yarn',)",
+    "--config.finetune.multiple=2",
+    "--config.finetune.steps=2",
+    "--config.finetune.warmup_steps=1",
 ]
 
 ROW_KEYS = {
@@ -245,7 +249,7 @@ def test_end_to_end_files_schema_and_rerun_skips(tmp_path, capsys):
     assert experiment.main([*MINUTE, "--workdir", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["train_len"] == 32 and results["corpus"] == "stdlib"
-    assert set(results["families"]) == {"learned", "rope", "rope+yarn"}
+    assert set(results["families"]) == {"learned", "rope", "rope+yarn", "rope+yarn+ft"}
     for row in results["families"].values():
         assert set(row) == ROW_KEYS
         assert row["eval_len"] == [32, 64]
@@ -304,7 +308,12 @@ def test_provenance_other_code_is_refused_reused_or_reevaluated(tmp_path, capsys
     """trained.json / eval.json record the code that made them; results made by other code are
     refused without --reuse, reported under their own commit with it, and re-evaluated."""
     experiment = _experiment()
-    minute = [*MINUTE, "--config.families=('learned',)", "--config.rope_scalings=()"]
+    minute = [
+        *MINUTE,
+        "--config.families=('learned',)",
+        "--config.rope_scalings=()",
+        "--config.finetune.enabled=False",
+    ]
     run = [*minute, "--workdir", str(tmp_path)]
     assert experiment.main(run) == 0
     code = experiment.code_sha256()
@@ -452,6 +461,7 @@ def test_seeds_train_as_one_sweep_program_and_report_mean_and_spread(tmp_path):
     args = [
         "--config.families=('alibi',)",
         "--config.rope_scalings=()",
+        "--config.finetune.enabled=False",
         "--config.seeds=2",
         "--config.data.seq_len=32",
         "--config.model.max_len=32",
@@ -488,3 +498,126 @@ def test_seeds_train_as_one_sweep_program_and_report_mean_and_spread(tmp_path):
     assert (tmp_path / "alibi" / "eval.json").stat().st_mtime_ns == written
     assert _read(tmp_path / "results.json")["families"]["alibi"]["loss"] == row["loss"]
     assert experiment.main(["--config.seeds=0", "--workdir", str(tmp_path / "x")]) == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# Position interpolation with a fine-tune (rows rope+<kind>+ft).
+
+TUNE = [  # the probes are off: the end-to-end test checks that a +ft row carries them
+    *MINUTE,
+    "--config.families=('rope',)",
+    "--config.rope_scalings=()",
+    "--config.finetune.kinds=('linear',)",
+    "--config.finetune.steps=3",
+    "--config.copy.enabled=False",
+    "--config.eval.attention_windows=0",
+    "--config.passkey.enabled=False",
+    "--config.induction.enabled=False",
+]
+
+
+def _counting_finetunes(experiment, monkeypatch) -> list:
+    calls, real = [], experiment.finetune_params
+
+    def counting(*args, **kwargs):
+        calls.append((args[4], kwargs["seed"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(experiment, "finetune_params", counting)
+    return calls
+
+
+def test_finetune_rows_keep_the_factor_at_every_length_and_are_cached(tmp_path, monkeypatch):
+    from posattn import cli
+
+    experiment = _experiment()
+    calls = _counting_finetunes(experiment, monkeypatch)
+    run = [*TUNE, "--workdir", str(tmp_path)]
+    assert experiment.main(run) == 0
+    assert calls == [("linear", 0)]
+    results = _read(tmp_path / "results.json")
+    assert set(results["families"]) == {"rope", "rope+linear+ft"}
+    row = results["families"]["rope+linear+ft"]
+    assert set(row) == ROW_KEYS and all(np.isfinite(row["loss"]))
+    info = results["training"]["finetune"]["linear"]
+    assert info["steps"] == 3 and info["multiple"] == 2 and np.isfinite(info["final_train_loss"])
+    assert "| rope+linear+ft | 3 | 64 |" in (tmp_path / "results.md").read_text()
+
+    # The fine-tune moved the params; the row is those params under factor 2 at every length,
+    # L included (where the eval-time row rope+linear is plain RoPE).
+    config = cli.parse(experiment.COMMAND, run).config
+    train_config = experiment.family_config(config, "rope")
+    cfg, graphdef, params, constants = experiment.restore_model(
+        train_config, tmp_path / "rope", attention_impl=config.eval.attention_impl
+    )
+    leaves, treedef = jax.tree.flatten(params)
+    with np.load(tmp_path / "rope" / "finetune" / "linear-seed0.npz") as saved:
+        tuned = [saved[f"p{i}"] for i in range(len(leaves))]
+    assert any(not np.array_equal(a, np.asarray(b)) for a, b in zip(tuned, leaves, strict=True))
+    tuned = jax.tree.unflatten(treedef, tuned)
+    lengths = experiment.eval_lengths(config)
+    text = experiment.eval_text(config, data.load_corpus("stdlib"), lengths)
+    scaling = {"rope_type": "linear", "factor": 2.0, "original_max_position_embeddings": 32}
+    g2, c2 = evaluate.with_rope_scaling(cfg, scaling)
+    rows = _read(tmp_path / "rope" / "eval.json")["rows"]
+    ft = experiment.plain_losses(rows["rope+linear+ft"])
+    for i, length in enumerate(lengths):
+        one = experiment._evaluate_model((g2, tuned, c2), text, config, lengths, only=[length])
+        assert experiment.plain_losses(one)[0] == pytest.approx(ft[i], rel=1e-5)
+    unscaled = experiment._evaluate_model((graphdef, tuned, constants), text, config, lengths)
+    assert experiment.plain_losses(unscaled)[0] != pytest.approx(ft[0], rel=1e-5)
+
+    # Re-evaluating reuses the fine-tuned params (no second fine-tune) ...
+    (tmp_path / "rope" / "eval.json").unlink()
+    assert experiment.main(run) == 0
+    assert calls == [("linear", 0)]
+    assert _read(tmp_path / "results.json")["families"]["rope+linear+ft"]["loss"] == row["loss"]
+    # ... and another finetune setting fine-tunes again and re-evaluates.
+    assert experiment.main([*run, "--config.finetune.learning_rate=1e-4"]) == 0
+    assert calls == [("linear", 0), ("linear", 0)]
+    again = _read(tmp_path / "results.json")["families"]["rope+linear+ft"]["loss"]
+    assert again != row["loss"] and _read(tmp_path / "rope" / "eval.json")["settings"]["finetune"][
+        "learning_rate"
+    ] == pytest.approx(1e-4)
+
+
+def test_finetune_runs_once_per_seed(tmp_path, monkeypatch):
+    experiment = _experiment()
+    calls = _counting_finetunes(experiment, monkeypatch)
+    args = [
+        *TUNE,
+        "--config.seeds=2",
+        "--config.train.steps=4",
+        "--config.train.checkpoint_every=4",
+        "--config.finetune.steps=2",
+        "--workdir",
+        str(tmp_path),
+    ]
+    assert experiment.main(args) == 0
+    assert calls == [("linear", 0), ("linear", 1)]
+    results = _read(tmp_path / "results.json")
+    seeds = results["families"]["rope+linear+ft"]["loss_seeds"][1]
+    assert len(seeds) == 2 and seeds[0] != seeds[1]
+    info = results["training"]["finetune"]["linear"]
+    assert info["seeds"] == [0, 1] and len(info["final_train_loss_seeds"]) == 2
+    assert {p.name for p in (tmp_path / "rope" / "finetune").iterdir()} == {
+        "linear-seed0.npz",
+        "linear-seed1.npz",
+    }
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("--config.finetune.kinds=('dynamic',)", "config.finetune.kinds"),
+        ("--config.finetune.multiple=1", "config.finetune.multiple"),
+        ("--config.finetune.steps=0", "config.finetune.steps"),
+        ("--config.finetune.learning_rate=0.0", "config.finetune.learning_rate"),
+        ("--config.families=('alibi',) --config.rope_scalings=()", "config.finetune"),
+    ],
+)
+def test_bad_finetune_settings_fail_before_compute(tmp_path, capsys, override, key):
+    experiment = _experiment()
+    assert experiment.main([*override.split(), "--workdir", str(tmp_path)]) == 2
+    assert key in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
