@@ -12,8 +12,8 @@ What the numbers are and why (experiments/README.md has the measured times and t
     need; at this size a CPU step is mostly fixed overhead, so width buys little.
   * data: bytes of the Python standard library (real text; held-out files are the evaluation
     split), L = 64, batch 32 x 64 = 2048 bytes per step; 20% of the rows are passkey sequences
-    (keys of 1-5 digits at random depths) so that retrieval is learnable at L
-    (`posattn.eval.probes`).
+    (keys of 1-5 digits at random depths, distractor numbers in the filler: the format the
+    evaluation asks for) so that retrieval is learnable at L (`posattn.eval.probes`).
   * 2000 steps (4.1M bytes per family, 14% of the 30.2M training bytes) at peak learning
     rate 6e-3 (60 warmup steps, cosine to 10%): the budget that keeps ten families plus evaluation
     under 15 minutes on two CPU cores (~60 s of training per family); 6e-3 gave every family tried
