@@ -924,10 +924,20 @@ def seed_list(config: ml_collections.ConfigDict) -> list[int]:
     return [int(config.train.seed) + k for k in range(int(config.get("seeds", 1)))]
 
 
-def _train_seeds(config, family: str, fam_dir: pathlib.Path, code: dict):
+def seeds_config(config: ml_collections.ConfigDict, family: str) -> ml_collections.ConfigDict:
+    """The `posattn.sweep` config that trains `config.seeds` seeds of one family entry."""
+    sweep_config = ml_collections.ConfigDict(family_config(config, family).to_dict())
+    sweep_config.sweep = ml_collections.ConfigDict(
+        {"continuous": {"train": {"seed": tuple(seed_list(config))}}, "eval_lengths": ()}
+    )
+    return sweep_config
+
+
+def _train_seeds(config, family: str, fam_dir: pathlib.Path, code: dict, *, reuse: bool = False):
     """Trains `config.seeds` seeds of one family as one `jax.vmap` program (`posattn.sweep`, in
-    `fam_dir/seeds/`; resumable, a finished one is not retrained) and restores each seed's final
-    parameters on one device.
+    `fam_dir/seeds/`; resumable, a finished one is not retrained: `seeds/trained.json` records
+    the code that trained it, checked as `_finished_run` checks a single run) and restores each
+    seed's final parameters on one device.
 
     Returns:
       (training info, graphdef-free members [(params, constants)] in seed order, validated cfg).
@@ -937,13 +947,13 @@ def _train_seeds(config, family: str, fam_dir: pathlib.Path, code: dict):
     from posattn.train.checkpoint import Checkpointer
 
     train_config = family_config(config, family)
-    sweep_config = ml_collections.ConfigDict(train_config.to_dict())
-    sweep_config.sweep = ml_collections.ConfigDict(
-        {"continuous": {"train": {"seed": tuple(seed_list(config))}}, "eval_lengths": ()}
-    )
+    sweep_config = seeds_config(config, family)
+    finished = _finished_run(sweep_config, fam_dir / "seeds", code, reuse=reuse)
     start = time.perf_counter()
     records = sweep_run.run_sweep(sweep_config, fam_dir / "seeds")
     seconds = round(time.perf_counter() - start, 1)
+    if finished is not None:
+        seconds, code = finished["seconds"], finished["code"]
     if len(records) != len(seed_list(config)):
         raise Interrupted(f"the seed sweep in {fam_dir / 'seeds'} stopped early; rerun to resume")
     program = sweep_plan.plan(sweep_config)[0]
@@ -968,6 +978,13 @@ def _train_seeds(config, family: str, fam_dir: pathlib.Path, code: dict):
     members = [
         jax.tree.map(lambda x, k=k: x[k], (state["params"], state["constants"])) for k in range(K)
     ]
+    if finished is None:
+        marker = {
+            "seconds": seconds,
+            "config": json.loads(config_lib.to_json(sweep_config)),
+            "code": code,
+        }
+        (fam_dir / "seeds" / "trained.json").write_text(json.dumps(marker) + "\n")
     info = {
         "seconds": seconds,
         "final_train_loss": float(np.mean([r["final_train_loss"] for r in records])),
@@ -1126,7 +1143,17 @@ def run(
         "corpus_sha256": corpus.sha256,
     }
     for family in config.families:  # refuse runs made by other code before any training
-        _finished_run(family_config(config, family), entry_dir(workdir, family), code, reuse=reuse)
+        if len(seed_list(config)) > 1:
+            _finished_run(
+                seeds_config(config, family),
+                entry_dir(workdir, family) / "seeds",
+                code,
+                reuse=reuse,
+            )
+        else:
+            _finished_run(
+                family_config(config, family), entry_dir(workdir, family), code, reuse=reuse
+            )
     begin = time.perf_counter()
     rows, training, origins = {}, {}, {}
     for family in config.families:
@@ -1134,7 +1161,9 @@ def run(
         train_config = family_config(config, family)
         _say(f"{family}: training ({train_config.train.steps} steps at L={config.data.seq_len})")
         if len(seed_list(config)) > 1:
-            training[family], members, cfg = _train_seeds(config, family, fam_dir, code)
+            training[family], members, cfg = _train_seeds(
+                config, family, fam_dir, code, reuse=reuse
+            )
         else:
             training[family] = _train(train_config, fam_dir, code, reuse=reuse)
         _say(

@@ -497,6 +497,17 @@ def test_seeds_train_as_one_sweep_program_and_report_mean_and_spread(tmp_path):
     assert experiment.main([*args, "--workdir", str(tmp_path)]) == 0
     assert (tmp_path / "alibi" / "eval.json").stat().st_mtime_ns == written
     assert _read(tmp_path / "results.json")["families"]["alibi"]["loss"] == row["loss"]
+    # The seeds' training records its code too: seeds trained by other code are refused before
+    # any compute (nothing touched) unless --reuse, and then reported under their own commit.
+    marker = tmp_path / "alibi" / "seeds" / "trained.json"
+    trained = _read(marker)
+    assert trained["code"]["code_sha256"] == code
+    older = dict(trained, code=dict(trained["code"], commit="0123456789ab", code_sha256="0" * 64))
+    marker.write_text(json.dumps(older))
+    assert experiment.main([*args, "--workdir", str(tmp_path)]) == 1
+    assert experiment.main([*args, "--reuse", "--workdir", str(tmp_path)]) == 0
+    provenance = _read(tmp_path / "results.json")["row_provenance"]["alibi"]
+    assert provenance["trained"]["commit"] == "0123456789ab"
     assert experiment.main(["--config.seeds=0", "--workdir", str(tmp_path / "x")]) == 2
 
 
