@@ -13,11 +13,13 @@ What the numbers are and why (experiments/README.md has the measured times and t
   * data: bytes of the Python standard library (real text; held-out files are the evaluation
     split), L = 64, batch 32 x 64 = 2048 bytes per step; 20% of the rows are passkey sequences
     (keys of 1-5 digits at random depths, distractor numbers in the filler: the format the
-    evaluation asks for) so that retrieval is learnable at L (`posattn.eval.probes`).
+    evaluation asks for) so that retrieval can be learned at L (`posattn.eval.probes`; at this
+    budget it is not: the record's passkey is at chance even at L).
   * 2000 steps (4.1M bytes per family, 14% of the 30.2M training bytes) at peak learning
     rate 6e-3 (60 warmup steps, cosine to 10%): the budget that keeps ten families plus evaluation
-    under 15 minutes on two CPU cores (~60 s of training per family); 6e-3 gave every family tried
-    a lower loss at L than 3e-3 (measured at 600 steps).
+    under 15 minutes on two CPU cores (45-68 s of training per family); 6e-3 was preferred to 3e-3
+    in an earlier 600-step run whose command was not recorded (experiments/README.md says how to
+    check it).
   * evaluation at L, 2L, 4L, 8L, 16L (`posattn.eval.heldout`, `scoring`): chunks of 16L drawn
     round-robin over the held-out files, the same bytes at every length, under two protocols
     (non-overlapping windows, plus positions >= L alone; sliding windows of stride L scoring each
