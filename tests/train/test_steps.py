@@ -119,12 +119,9 @@ def test_eval_step_sums_the_nll_of_the_weighted_targets():
 
 def test_weight_decay_covers_the_same_weights_in_both_layer_layouts():
     """Matrices decay, vectors do not: a stacked layer axis does not make a norm scale a matrix."""
-    cfg = make_cfg(position="kerple_log", d_model=32, num_layers=3)
-    _, params, _ = steps.init_model(cfg, jax.random.key(0))
-    _, scan_params, _ = steps.init_model(
-        make_cfg(position="kerple_log", d_model=32, num_layers=3, scan_layers=True),
-        jax.random.key(0),
-    )
+    common = dict(position="kerple_log", kerple_per_layer=True, d_model=32, num_layers=3)
+    _, params, _ = steps.init_model(make_cfg(**common), jax.random.key(0))
+    _, scan_params, _ = steps.init_model(make_cfg(scan_layers=True, **common), jax.random.key(0))
 
     def flat(mask):
         return {path: bool(v.get_value()) for path, v in nnx.to_flat_state(mask)}
