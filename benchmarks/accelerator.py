@@ -219,8 +219,9 @@ def training_case(family, *, overrides, steps_count, device):
     from flax import nnx
 
     from posattn import config as config_lib
+    from posattn import data
     from posattn.nn.model import TransformerLM
-    from posattn.train import data, steps
+    from posattn.train import steps
 
     args = [f"--config.{o}" for o in overrides + [f"model.position={family}"]]
     args.append("--config.model.attention_impl=auto")

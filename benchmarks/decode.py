@@ -37,11 +37,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from posattn import data as data_lib
 from posattn.config import ModelConfig
 from posattn.eval import lengths as evaluate
 from posattn.generate import load_model
 from posattn.nn import decode
-from posattn.train import data as data_lib
 from posattn.train import steps
 
 

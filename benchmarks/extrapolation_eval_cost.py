@@ -22,10 +22,11 @@ import jax
 from flax import nnx
 
 from posattn import config as config_lib
+from posattn import data
 from posattn.eval import attention_stats, retrieval, scoring
 from posattn.eval import lengths as evaluate
 from posattn.nn.model import TransformerLM
-from posattn.train import data, steps
+from posattn.train import steps
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -72,9 +72,9 @@ from flax import nnx
 
 from posattn import attention as attention_lib
 from posattn import config as config_lib
-from posattn import families
+from posattn import data, families
 from posattn.nn.model import TransformerLM
-from posattn.train import data, steps
+from posattn.train import steps
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = {

@@ -13,7 +13,7 @@ What the numbers are and why (experiments/README.md has the measured times and t
   * data: bytes of the Python standard library (real text; held-out files are the evaluation
     split), L = 64, batch 32 x 64 = 2048 bytes per step; 20% of the rows are passkey sequences
     (keys of 1-5 digits at random depths, distractor numbers in the filler: the format the
-    evaluation asks for) so that retrieval can be learned at L (`posattn.eval.probes`; at this
+    evaluation asks for) so that retrieval can be learned at L (`posattn.data.probes`; at this
     budget it is not: the record's passkey is at chance even at L).
   * 2000 steps (4.1M bytes per family, 14% of the 30.2M training bytes) at peak learning
     rate 6e-3 (60 warmup steps, cosine to 10%): the budget that keeps ten families plus evaluation

@@ -63,6 +63,7 @@ from flax import nnx
 
 from posattn import cli, families, rotary
 from posattn import config as config_lib
+from posattn import data as data_lib
 from posattn.attention import IMPLEMENTATIONS
 from posattn.eval import attention_stats, heldout, intervals, probes, retrieval, scoring, summary
 from posattn.eval import lengths as evaluate
@@ -73,7 +74,6 @@ from posattn.train import (
     restore_trained,
     train_and_evaluate,
 )
-from posattn.train import data as data_lib
 from posattn.train import steps as steps_lib
 
 __all__ = ["eval_lengths", "family_config", "main", "run"]

@@ -59,7 +59,7 @@ DATA: dict[str, tuple[Any, str]] = {
     "mask_rate": (0.15, "encoder only: the share of input bytes masked"),
     "passkey_fraction": (
         0.0,
-        "share of training rows replaced by passkey sequences (posattn.eval.probes)",
+        "share of training rows replaced by passkey sequences (posattn.data.probes)",
     ),
     "passkey_distractors": (
         False,

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
+from posattn import data
 from posattn.eval import heldout, intervals, summary
-from posattn.train import data
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,10 @@ import pytest
 from conftest import small_config
 
 from posattn import config as config_lib
+from posattn import data
 from posattn.eval import heldout, intervals, scoring, summary
 from posattn.eval import lengths as evaluate
-from posattn.train import data, steps
+from posattn.train import steps
 
 
 def _model(position):

@@ -11,10 +11,10 @@ import pytest
 from conftest import ROOT, small_config
 
 from posattn import config as config_lib
-from posattn import rotary
+from posattn import data, rotary
+from posattn.data import probes
 from posattn.eval import lengths as evaluate
-from posattn.eval import probes
-from posattn.train import data, steps
+from posattn.train import steps
 
 # ----------------------------------------------------------------------------------------------
 # Probes.

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from conftest import ROOT, losses, small_config
 
+from posattn.data import DataError, load_corpus
 from posattn.train import NonFiniteLossError, WorkdirBusyError, main, steps, train_and_evaluate
-from posattn.train.data import DataError, load_corpus
 
 # A run long enough to be interrupted: the schedule is that of 10^5 steps, we stop it much earlier.
 LONG = dict(

@@ -2,16 +2,16 @@
 
 Shape legend: U units (held-out files), C chunks, W windows, T window length, S stride.
 
-The held-out split of a file corpus (`posattn.train.data.load_corpus`) is its held-out files
+The held-out split of a file corpus (`posattn.data.load_corpus`) is its held-out files
 joined by one newline each. Scoring its first bytes (as a plain prefix evaluation does) measures
 one or two files; a number that is to carry a comparison between families needs text drawn from
 every file, and an interval that knows consecutive windows of one file are not independent
 samples. So:
 
-* `held_out_units` recovers where each held-out file starts and stops in `corpus.val` (the same
-  listing and hold-out rule as the loader; checked against the split's size). A corpus without
-  file boundaries (a nanoGPT token file, a single text file) is cut into blocks of `block`
-  tokens, which then play the files' part.
+* `held_out_units` takes where each held-out file starts and stops in `corpus.val` from the
+  corpus, which records it when it loads (`Corpus.val_spans`). A corpus without file boundaries
+  (a nanoGPT token file, a single text file) is cut into blocks of `block` tokens, which then
+  play the files' part.
 * `make_plan` draws, per protocol, the pieces to score, spread over the units round-robin (one
   piece per unit in a random unit order, then a second per unit, ...) so that every unit long
   enough contributes before any contributes twice; the draw is a pure function of the seed.
@@ -33,11 +33,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import pathlib
 
 import numpy as np
 
-from posattn.train import data as data_lib
+from posattn import data as data_lib
 
 __all__ = ["EvalPlan", "HeldOut", "held_out_units", "make_plan"]
 
@@ -49,22 +48,6 @@ class HeldOut:
     tokens: np.ndarray  # int[N], the corpus's val split
     spans: np.ndarray  # int64[U, 2], [start, stop) of each unit in `tokens`
     unit: str  # "file" or "block of <n> tokens"
-
-
-def _held_out_files(root: pathlib.Path, files: list[pathlib.Path]) -> list[int]:
-    """Sizes of the held-out files in the order the loader joins them (`data._from_files`)."""
-    held, kept = [], []
-    for path in files:
-        relative = path.relative_to(root).as_posix()
-        content = path.read_bytes()
-        if b"\x00" in content[:4096]:
-            continue
-        kept.append(len(content))
-        if data_lib._is_held_out(relative):
-            held.append(len(content))
-    if not held and len(kept) > 1:
-        held.append(kept[-1])  # the loader holds out the last file of a tiny directory
-    return held
 
 
 def held_out_units(corpus: data_lib.Corpus, *, block: int) -> HeldOut:
@@ -79,27 +62,8 @@ def held_out_units(corpus: data_lib.Corpus, *, block: int) -> HeldOut:
       text files, else consecutive blocks of `block` tokens (the last one possibly shorter).
     """
     tokens = corpus.val
-    sizes = None
-    if corpus.name == "stdlib":
-        sizes = _held_out_files(*data_lib._stdlib_files())
-    else:
-        path = pathlib.Path(corpus.name)
-        if path.is_dir() and not (path / "train.bin").exists():
-            files = sorted(
-                (p for p in path.rglob("*") if p.is_file()),
-                key=lambda p: p.relative_to(path).as_posix(),
-            )
-            sizes = _held_out_files(path, files)
-    if sizes is not None:
-        starts = np.cumsum([0] + [s + 1 for s in sizes[:-1]])  # files are joined by b"\n"
-        spans = np.stack([starts, starts + np.asarray(sizes)], axis=1).astype(np.int64)
-        if not sizes or spans[-1, 1] != tokens.size:
-            raise ValueError(
-                f"the held-out files of corpus {corpus.name!r} ({sum(sizes)} bytes in "
-                f"{len(sizes)} files) do not add up to its val split ({tokens.size} tokens): "
-                "the files changed since the corpus was loaded"
-            )
-        return HeldOut(tokens, spans, "file")
+    if corpus.val_spans is not None:
+        return HeldOut(tokens, np.asarray(corpus.val_spans, np.int64), "file")
     if block < 2:
         raise ValueError(f"block={block!r} must be at least 2 tokens")
     starts = np.arange(0, tokens.size, block, dtype=np.int64)

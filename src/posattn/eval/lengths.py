@@ -32,10 +32,9 @@ import numpy as np
 from flax import nnx
 
 from posattn import rotary
-from posattn.config import ModelConfig
-from posattn.eval import probes
+from posattn.data import eval_windows, probes
+from posattn.nn.config import ModelConfig
 from posattn.nn.model import TransformerLM
-from posattn.train.data import eval_windows
 
 __all__ = [
     "copy_accuracy",

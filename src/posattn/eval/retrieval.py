@@ -2,7 +2,7 @@
 
 Shape legend: A lengths, Dp depths, G gaps, n samples per cell.
 
-Both probes are teacher-forced byte sequences from `posattn.eval.probes`; a model reads each once
+Both probes are teacher-forced byte sequences from `posattn.data.probes`; a model reads each once
 (`posattn.eval.lengths` runs it, batched by tokens per pass) and is scored on the positions that
 can only be answered by looking back:
 
@@ -26,8 +26,8 @@ from collections.abc import Sequence
 import numpy as np
 from flax import nnx
 
+from posattn.data import probes
 from posattn.eval import lengths as lengths_lib
-from posattn.eval import probes
 from posattn.eval.scoring import windows_per_pass
 
 __all__ = ["induction_scores", "passkey_scores"]

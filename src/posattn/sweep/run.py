@@ -40,10 +40,10 @@ from jax.sharding import PartitionSpec as P
 
 from posattn import cli
 from posattn import config as config_lib
+from posattn import data as data_lib
 from posattn.nn.model import TransformerLM
 from posattn.sweep import plan as sweep_config
 from posattn.sweep import report as sweep_report
-from posattn.train import data as data_lib
 from posattn.train import sharding, steps
 from posattn.train import workdir as workdir_lib
 from posattn.train.checkpoint import Checkpointer, IncompatibleCheckpointError

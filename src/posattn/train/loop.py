@@ -38,8 +38,8 @@ from jax.sharding import PartitionSpec as P
 
 from posattn import cli
 from posattn import config as config_lib
+from posattn import data as data_lib
 from posattn.nn.model import TransformerLM
-from posattn.train import data as data_lib
 from posattn.train import sharding, steps
 from posattn.train import workdir as workdir_lib
 from posattn.train.checkpoint import Checkpointer, IncompatibleCheckpointError

@@ -1,14 +1,5 @@
-"""Data: byte-level corpora from real text on the machine, and nanoGPT token files.
-
-`load_corpus(spec)` understands:
-  * `"stdlib"`: the Python standard library's source (`*.py` under `sysconfig` stdlib, without
-    site-packages), files in sorted order, each file held out for validation by a hash of its
-    relative path (so the split is stable when files are added), bytes as tokens (vocab 256);
-  * a text file or a directory of text files (every file, sorted; held out by file the same way;
-    a single file is split 95/5 by position);
-  * a directory holding nanoGPT's `train.bin` / `val.bin` (uint16 tokens, memory-mapped), or a
-    single `.bin` file (split 95/5).
-Its `sha256` identifies the exact content, so a result records which corpus it came from.
+"""Batches: training batches (a pure function of seed and step, passkeys mixed in), held-out
+evaluation batches and windows, the encoder's masked bytes.
 
 Batches are a pure function of (seed, step): a resumed run sees exactly the batches it would have
 seen, and on several hosts each process builds only its own rows of the same global batch.
@@ -16,171 +7,22 @@ seen, and on several hosts each process builds only its own rows of the same glo
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import pathlib
-import sysconfig
 from collections.abc import Iterator
 
 import numpy as np
 
-from posattn.eval import probes
+from posattn.data import probes
+from posattn.data.corpus import Corpus, DataError
 
 __all__ = [
-    "Corpus",
-    "DataError",
     "batch_options",
     "batched",
-    "check_length",
     "eval_batches",
     "eval_windows",
-    "load_corpus",
     "mask_tokens",
     "mix_passkeys",
     "train_batch",
 ]
-
-_HELD_OUT_PERCENT = 5
-
-
-class DataError(ValueError):
-    """A corpus that cannot be used as asked; the message says what to change."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Corpus:
-    """Token arrays of a corpus (uint8 bytes or uint16 memmaps) and where they came from."""
-
-    name: str
-    train: np.ndarray
-    val: np.ndarray
-    vocab_size: int
-    sha256: str
-    num_files: int
-
-    def describe(self) -> dict:
-        return {
-            "corpus": self.name,
-            "sha256": self.sha256,
-            "files": self.num_files,
-            "train_tokens": int(self.train.size),
-            "val_tokens": int(self.val.size),
-            "vocab_size": self.vocab_size,
-        }
-
-    def check_vocab(self, vocab_size: int) -> None:
-        """Rejects a corpus whose token ids do not fit a model's vocabulary."""
-        if self.vocab_size > vocab_size:
-            raise DataError(
-                f"corpus {self.name!r} has token ids up to {self.vocab_size - 1} but "
-                f"model.vocab_size={vocab_size}; "
-                f"set --config.model.vocab_size={self.vocab_size} (or more)"
-            )
-
-
-def _stdlib_files() -> tuple[pathlib.Path, list[pathlib.Path]]:
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts]
-    return root, sorted(files, key=lambda p: p.relative_to(root).as_posix())
-
-
-def _is_held_out(relative: str) -> bool:
-    return int(hashlib.sha1(relative.encode()).hexdigest(), 16) % 100 < _HELD_OUT_PERCENT
-
-
-def _from_files(name: str, root: pathlib.Path, files: list[pathlib.Path]) -> Corpus:
-    digest = hashlib.sha256()
-    train_parts, val_parts = [], []
-    for path in files:
-        relative = path.relative_to(root).as_posix()
-        content = path.read_bytes()
-        if b"\x00" in content[:4096]:
-            continue  # a binary file in a text directory
-        digest.update(relative.encode() + b"\0" + content + b"\0")
-        (val_parts if _is_held_out(relative) else train_parts).append(content)
-    if not val_parts and len(train_parts) > 1:
-        val_parts.append(train_parts.pop())  # tiny directories: still hold out one file
-
-    def to_array(parts):
-        return np.frombuffer(b"\n".join(parts), dtype=np.uint8)
-
-    return Corpus(
-        name,
-        to_array(train_parts),
-        to_array(val_parts),
-        256,
-        digest.hexdigest(),
-        len(train_parts) + len(val_parts),
-    )
-
-
-def _split_by_position(name: str, tokens: np.ndarray, vocab: int, digest: str) -> Corpus:
-    cut = int(tokens.size * (100 - _HELD_OUT_PERCENT) / 100)
-    return Corpus(name, tokens[:cut], tokens[cut:], vocab, digest, 1)
-
-
-def _token_vocab(*arrays: np.ndarray) -> int:
-    """One past the largest id, read in chunks (works on memmaps of any size)."""
-    top = 0
-    for a in arrays:
-        for start in range(0, a.size, 1 << 24):
-            top = max(top, int(a[start : start + (1 << 24)].max(initial=0)))
-    return top + 1
-
-
-def _hash_arrays(*arrays: np.ndarray) -> str:
-    digest = hashlib.sha256()
-    for a in arrays:
-        for start in range(0, a.size, 1 << 24):
-            digest.update(np.ascontiguousarray(a[start : start + (1 << 24)]).tobytes())
-    return digest.hexdigest()
-
-
-def load_corpus(spec: str) -> Corpus:
-    """Loads a corpus by name or path (see the module docstring)."""
-    if spec == "stdlib":
-        root, files = _stdlib_files()
-        return _from_files("stdlib", root, files)
-    path = pathlib.Path(spec).expanduser()
-    if not path.exists():
-        raise DataError(
-            f"data.corpus={spec!r}: no such file or directory; use 'stdlib', a text file or "
-            "directory, or a directory with nanoGPT train.bin/val.bin"
-        )
-    if path.is_dir() and (path / "train.bin").exists():
-        if not (path / "val.bin").exists():
-            raise DataError(
-                f"{path} has train.bin but no val.bin (nanoGPT layout: both, uint16 tokens)"
-            )
-        train = np.memmap(path / "train.bin", dtype=np.uint16, mode="r")
-        val = np.memmap(path / "val.bin", dtype=np.uint16, mode="r")
-        return Corpus(str(path), train, val, _token_vocab(train, val), _hash_arrays(train, val), 2)
-    if path.is_file() and path.suffix == ".bin":
-        tokens = np.memmap(path, dtype=np.uint16, mode="r")
-        return _split_by_position(str(path), tokens, _token_vocab(tokens), _hash_arrays(tokens))
-    if path.is_file():
-        content = path.read_bytes()
-        return _split_by_position(
-            str(path), np.frombuffer(content, np.uint8), 256, hashlib.sha256(content).hexdigest()
-        )
-    files = sorted(
-        (p for p in path.rglob("*") if p.is_file()), key=lambda p: p.relative_to(path).as_posix()
-    )
-    if not files:
-        raise DataError(f"data.corpus={spec!r} is an empty directory")
-    return _from_files(str(path), path, files)
-
-
-def check_length(corpus: Corpus, seq_len: int, *, split: str = "both") -> None:
-    """Refuses a corpus too short to cut one window of `seq_len + 1` tokens from a split."""
-    for name in ("train", "val") if split == "both" else (split,):
-        size = getattr(corpus, name).size
-        if size < seq_len + 1:
-            raise DataError(
-                f"corpus {corpus.name!r}: the {name} split has {size} tokens, fewer than one "
-                "window of "
-                f"seq_len + 1 = {seq_len + 1}; use a larger corpus or a shorter data.seq_len"
-            )
 
 
 def batch_options(data_config, *, causal: bool, vocab_size: int) -> dict:
@@ -260,7 +102,7 @@ def train_batch(
       mask_rate, mask_id: the encoder's masked-byte objective (BERT-style; every chosen position
         becomes `[MASK]` and is predicted); 0 for the causal LM.
       passkey_fraction: each row of the global batch is, with this probability, replaced by a
-        passkey-retrieval sequence (`posattn.eval.probes`: random depth, a key of 1 to 5 random
+        passkey-retrieval sequence (`posattn.data.probes`: random depth, a key of 1 to 5 random
         digits) so that the skill the extrapolation experiment measures is learnable at the training
         length. Drawn from its own stream of (seed, step), so 0 leaves every batch exactly as it
         was; causal LM only.

@@ -6,9 +6,11 @@ import pytest
 from conftest import small_config
 
 from posattn import config as config_lib
+from posattn import data
+from posattn.data import probes
 from posattn.eval import lengths as evaluate
-from posattn.eval import probes, retrieval
-from posattn.train import data, steps
+from posattn.eval import retrieval
+from posattn.train import steps
 
 
 def test_passkey_with_distractors_holds_other_numbers_of_the_key_length():

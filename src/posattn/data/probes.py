@@ -5,7 +5,7 @@ Both probes are teacher-forced: a model reads the whole sequence once, its argma
 each position is compared with the true next byte, and only the positions that can be answered
 by looking back (the passkey's digits, the repeated segment) are scored. Everything here is NumPy
 and a pure function of its arguments (an explicit `np.random.Generator` or seed), so the same
-probe can be rebuilt anywhere: in a training batch (`posattn.train.data.train_batch` mixes passkeys
+probe can be rebuilt anywhere: in a training batch (`posattn.data.train_batch` mixes passkeys
 in with `data.passkey_fraction`) and in the evaluation (`experiments/length_extrapolation.py`).
 
 Passkey (Mohtashami & Jaggi 2023, "Landmark Attention", the format also used by Chen et al. 2023

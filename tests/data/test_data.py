@@ -6,7 +6,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from posattn.train import data
+from posattn import data
 
 
 def _corpus(size: int = 5000) -> data.Corpus:
@@ -110,3 +110,16 @@ def test_training_passkeys_in_the_evaluated_format_carry_distractor_numbers():
             rooms[name] += text.count(b"Room ")
     # About one filler sentence in three is a number sentence: ~1.3 a row here.
     assert rooms["plain"] == 0 and rooms["distractors"] >= 8
+
+
+def test_a_directory_corpus_records_each_held_out_file_span(tmp_path):
+    contents = {f"f{i:02d}.txt": bytes([97 + i % 26]) * (50 + 7 * i) for i in range(40)}
+    for name, content in contents.items():
+        (tmp_path / name).write_bytes(content)
+    corpus = data.load_corpus(str(tmp_path))
+    pieces = [bytes(corpus.val[a:b]) for a, b in corpus.val_spans]
+    assert len(pieces) >= 1 and all(p in contents.values() for p in pieces)
+    assert sum(len(p) for p in pieces) + len(pieces) - 1 == corpus.val.size
+    # A token file has no file boundaries.
+    (tmp_path / "t.bin").write_bytes(np.arange(600, dtype=np.uint16).tobytes())
+    assert data.load_corpus(str(tmp_path / "t.bin")).val_spans is None
