@@ -65,6 +65,11 @@ DATA: dict[str, tuple[Any, str]] = {
         False,
         "training passkeys carry distractor numbers in their filler (the evaluation's format)",
     ),
+    "induction_fraction": (
+        0.0,
+        "share of training rows given a random string repeated later in the row (in-context "
+        "copying, as the induction probe asks; posattn.data.probes)",
+    ),
 }
 TRAIN: dict[str, tuple[Any, str]] = {
     "steps": (1000, "optimiser steps"),

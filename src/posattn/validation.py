@@ -61,7 +61,7 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
         "must be 'stdlib', a text file or directory, or a directory holding nanoGPT "
         "train.bin/val.bin",
     )
-    for name in ("passkey_fraction", "mask_rate"):
+    for name in ("passkey_fraction", "induction_fraction", "mask_rate"):
         if name in data:
             value = data[name]
             _require(
@@ -77,12 +77,12 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
             data.passkey_distractors,
             "must be True or False",
         )
-    if data.get("passkey_fraction") and not cfg.causal:
-        raise ConfigError(
-            f"config.data.passkey_fraction={data.passkey_fraction} mixes passkey sequences into "
-            "a causal LM's batches, but config.model.kind='encoder'; set the fraction to 0 or "
-            "use the decoder"
-        )
+    for name in ("passkey_fraction", "induction_fraction"):
+        if data.get(name) and not cfg.causal:
+            raise ConfigError(
+                f"config.data.{name}={data[name]} mixes probe rows into a causal LM's batches, "
+                "but config.model.kind='encoder'; set the fraction to 0 or use the decoder"
+            )
     for name in ("steps", "batch_size", "checkpoint_every"):
         _positive_int(train, "train", name)
     _positive_int(train, "train", "seed", allow_zero=True)

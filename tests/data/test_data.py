@@ -123,3 +123,40 @@ def test_a_directory_corpus_records_each_held_out_file_span(tmp_path):
     # A token file has no file boundaries.
     (tmp_path / "t.bin").write_bytes(np.arange(600, dtype=np.uint16).tobytes())
     assert data.load_corpus(str(tmp_path / "t.bin")).val_spans is None
+
+
+def test_induction_rows_repeat_a_random_string_inside_the_window_and_leave_the_rest():
+    corpus = _corpus(20000)
+    base = dict(seed=3, step=7, batch_size=64, seq_len=64)
+    plain = data.train_batch(corpus, **base)
+    mixed = data.train_batch(corpus, **base, induction_fraction=0.5)
+    both = data.train_batch(corpus, **base, induction_fraction=0.5, passkey_fraction=0.3)
+    changed = np.flatnonzero((plain["inputs"] != mixed["inputs"]).any(axis=1))
+    assert 16 < changed.size < 48  # about half of 64 rows
+    letters = set(range(ord("a"), ord("z") + 1))
+    for row in changed:
+        full = np.concatenate([mixed["inputs"][row], mixed["targets"][row, -1:]])
+        # The row ends with a string of 4..12 letters that also stands earlier in the row.
+        span = next(
+            s
+            for s in range(12, 3, -1)
+            if set(full[-s:]) <= letters
+            and any((full[i : i + s] == full[-s:]).all() for i in range(len(full) - 2 * s + 1))
+        )
+        assert 4 <= span <= 12
+        untouched = plain["inputs"][row] == mixed["inputs"][row]
+        assert untouched.sum() >= 64 - 2 * 12  # only the two copies were written
+    # Rows taken by passkeys are left to them; the passkey rows are those of passkeys alone.
+    alone = data.train_batch(corpus, **base, passkey_fraction=0.3)
+    keys = np.flatnonzero((alone["inputs"] != plain["inputs"]).any(axis=1))
+    np.testing.assert_array_equal(both["inputs"][keys], alone["inputs"][keys])
+    rest = np.setdiff1d(np.arange(64), keys)
+    np.testing.assert_array_equal(both["inputs"][rest], mixed["inputs"][rest])
+    # A pure function of (seed, step), split over rows like every batch.
+    halves = [
+        data.train_batch(corpus, **base, induction_fraction=0.5, rows=slice(a, a + 32))
+        for a in (0, 32)
+    ]
+    np.testing.assert_array_equal(np.concatenate([h["inputs"] for h in halves]), mixed["inputs"])
+    with pytest.raises(data.DataError, match="induction_fraction"):
+        data.train_batch(corpus, **{**base, "seq_len": 16}, induction_fraction=0.5)

@@ -1,4 +1,4 @@
-"""Batches: training batches (a pure function of seed and step, passkeys mixed in), held-out
+"""Batches: training batches (a pure function of seed and step, probe rows mixed in), held-out
 evaluation batches and windows, the encoder's masked bytes.
 
 Batches are a pure function of (seed, step): a resumed run sees exactly the batches it would have
@@ -20,6 +20,7 @@ __all__ = [
     "eval_batches",
     "eval_windows",
     "mask_tokens",
+    "mix_inductions",
     "mix_passkeys",
     "train_batch",
 ]
@@ -35,6 +36,7 @@ def batch_options(data_config, *, causal: bool, vocab_size: int) -> dict:
         return {
             "passkey_fraction": float(data_config.passkey_fraction),
             "passkey_distractors": bool(data_config.get("passkey_distractors", False)),
+            "induction_fraction": float(data_config.get("induction_fraction", 0.0)),
         }
     return {"mask_rate": float(data_config.mask_rate), "mask_id": vocab_size}
 
@@ -88,6 +90,7 @@ def train_batch(
     mask_id: int | None = None,
     passkey_fraction: float = 0.0,
     passkey_distractors: bool = False,
+    induction_fraction: float = 0.0,
 ) -> dict[str, np.ndarray]:
     """The training batch of `step`: random windows of the train split, a pure function of
     (seed, step).
@@ -109,6 +112,11 @@ def train_batch(
       passkey_distractors: the passkeys' filler holds distractor numbers of the key's length
         (`probes.passkey_sample(distractors=True)`, the evaluation's format), so that the skill
         learned is retrieval by the `passkey=` cue, not "copy the only digits in the window".
+      induction_fraction: each row not taken by a passkey is, with this probability, its own text
+        with a random lowercase string written into it and repeated later in the window
+        (`mix_inductions`: the evaluation's induction probe at random spans and gaps inside L),
+        so that in-context copying, which the induction probe measures, is rewarded by the
+        training loss. Its own stream of (seed, step): 0 leaves every batch as it was.
 
     Returns:
       `inputs`, `targets` int32[b, T] and `weights` float32[b, T] (which targets count), b the
@@ -126,17 +134,22 @@ def train_batch(
     windows = np.asarray(
         corpus.train[starts[rows, None] + np.arange(seq_len + 1)], dtype=np.int32
     )  # (b, T+1)
-    if passkey_fraction:
+    for key, fraction in (("passkey", passkey_fraction), ("induction", induction_fraction)):
+        if not fraction:
+            continue
         if mask_rate > 0:
             raise DataError(
-                "data.passkey_fraction mixes passkey sequences into a causal LM's batches; "
+                f"data.{key}_fraction mixes {key} sequences into a causal LM's batches; "
                 "set it to 0 for the encoder (model.kind='encoder')"
             )
         if corpus.train.dtype != np.uint8:
             raise DataError(
-                f"data.passkey_fraction: passkeys are written in bytes, but corpus {corpus.name!r} "
-                "holds token ids; use a byte-level corpus (text) or set the fraction to 0"
+                f"data.{key}_fraction: {key} rows are written in bytes, but corpus "
+                f"{corpus.name!r} holds token ids; use a byte-level corpus (text) or set the "
+                "fraction to 0"
             )
+    taken = np.zeros(batch_size, bool)
+    if passkey_fraction:
         windows = mix_passkeys(
             windows,
             seed=seed,
@@ -145,6 +158,17 @@ def train_batch(
             rows=rows,
             batch_size=batch_size,
             distractors=passkey_distractors,
+        )
+        taken = _chosen_rows(seed, step, _PASSKEY_STREAM, passkey_fraction, batch_size)
+    if induction_fraction:
+        windows = mix_inductions(
+            windows,
+            seed=seed,
+            step=step,
+            fraction=induction_fraction,
+            rows=rows,
+            batch_size=batch_size,
+            skip=taken,
         )
     inputs, targets = windows[:, :-1], windows[:, 1:]
     if mask_rate <= 0:
@@ -184,14 +208,11 @@ def mix_passkeys(
             f"{probes.passkey_min_length(probes.TRAIN_DIGITS)} bytes to hold a passkey; "
             f"data.seq_len={windows.shape[1] - 1} is too short (raise it or set the fraction to 0)"
         )
-    chosen = (
-        np.random.default_rng(np.random.SeedSequence([seed, step, 0x9A55])).random(batch_size)
-        < fraction
-    )
+    chosen = _chosen_rows(seed, step, _PASSKEY_STREAM, fraction, batch_size)
     out = windows.copy()
     for local, row in enumerate(range(rows.start, rows.stop)):
         if chosen[row]:
-            rng = np.random.default_rng(np.random.SeedSequence([seed, step, 0x9A55, row]))
+            rng = np.random.default_rng(np.random.SeedSequence([seed, step, _PASSKEY_STREAM, row]))
             digits = int(
                 rng.integers(1, probes.TRAIN_DIGITS + 1)
             )  # keys of 1..5 digits: any eval key length
@@ -203,6 +224,68 @@ def mix_passkeys(
                 distractors=distractors,
             ).tokens
     return out
+
+
+def mix_inductions(
+    windows: np.ndarray,
+    *,
+    seed: int,
+    step: int,
+    fraction: float,
+    rows: slice,
+    batch_size: int,
+    skip: np.ndarray | None = None,
+) -> np.ndarray:
+    """This process's `rows` of the global batch with chosen rows turned into induction rows.
+
+    An induction row keeps its own text and gets a random lowercase string of 4 to
+    `probes.TRAIN_SPAN` letters written into it and repeated at its end after a random gap
+    (`probes.induction_sample`, the evaluation's probe, with every span and gap that fits the
+    window). The choice and content depend only on (seed, step, row), as for the passkeys.
+
+    Args:
+      windows: int32[b, T+1], this process's rows `rows` of the global batch.
+      seed, step: the batch's identity.
+      fraction: the probability that a row (not in `skip`) becomes an induction row, in [0, 1].
+      rows: which global rows `windows` holds.
+      batch_size: the global batch size B.
+      skip: bool[B], global rows already taken (by passkeys), left as they are.
+    """
+    if not 0.0 <= fraction <= 1.0:
+        raise DataError(f"data.induction_fraction={fraction!r} must lie in [0, 1]")
+    n = windows.shape[1]
+    if fraction and n < 2 * probes.TRAIN_SPAN:
+        raise DataError(
+            f"data.induction_fraction={fraction} needs windows of at least "
+            f"{2 * probes.TRAIN_SPAN} bytes to hold a string and its repeat; "
+            f"data.seq_len={n - 1} is too short (raise it or set the fraction to 0)"
+        )
+    chosen = _chosen_rows(seed, step, _INDUCTION_STREAM, fraction, batch_size)
+    if skip is not None:
+        chosen &= ~skip
+    out = windows.copy()
+    for local, row in enumerate(range(rows.start, rows.stop)):
+        if chosen[row]:
+            rng = np.random.default_rng(
+                np.random.SeedSequence([seed, step, _INDUCTION_STREAM, row])
+            )
+            span = int(rng.integers(4, probes.TRAIN_SPAN + 1))
+            gap = int(rng.integers(0, n - 2 * span + 1))
+            sample = probes.induction_sample(
+                rng, windows[local].astype(np.uint8), span=span, gap=gap
+            )
+            out[local] = sample.tokens
+    return out
+
+
+_PASSKEY_STREAM = 0x9A55
+_INDUCTION_STREAM = 0x1DC7
+
+
+def _chosen_rows(seed: int, step: int, stream: int, fraction: float, batch_size: int) -> np.ndarray:
+    """bool[B]: which global rows of (seed, step) a probe `stream` replaces."""
+    rng = np.random.default_rng(np.random.SeedSequence([seed, step, stream]))
+    return rng.random(batch_size) < fraction
 
 
 def mask_tokens(tokens: np.ndarray, chosen: np.ndarray, mask_id: int) -> dict[str, np.ndarray]:

@@ -6,7 +6,8 @@ each position is compared with the true next byte, and only the positions that c
 by looking back (the passkey's digits, the repeated segment) are scored. Everything here is NumPy
 and a pure function of its arguments (an explicit `np.random.Generator` or seed), so the same
 probe can be rebuilt anywhere: in a training batch (`posattn.data.train_batch` mixes passkeys
-in with `data.passkey_fraction`) and in the evaluation (`experiments/length_extrapolation.py`).
+in with `data.passkey_fraction`, induction rows with
+`data.induction_fraction`) and in the evaluation (`experiments/length_extrapolation.py`).
 
 Passkey (Mohtashami & Jaggi 2023, "Landmark Attention", the format also used by Chen et al. 2023
 for position interpolation): a random digit string hidden at a chosen depth of repeated filler
@@ -46,6 +47,7 @@ __all__ = [
     "FILLER",
     "NEEDLE_PREFIX",
     "TRAIN_DIGITS",
+    "TRAIN_SPAN",
     "CopySample",
     "InductionSample",
     "PasskeySample",
@@ -64,6 +66,7 @@ FILLER = (
 )
 NEEDLE_PREFIX = b"passkey="
 TRAIN_DIGITS = 5  # the longest key of the passkeys mixed into training batches (1..5 digits)
+TRAIN_SPAN = 12  # the longest string of the induction rows mixed into training (4..12 letters)
 _ASCII_DIGITS = np.frombuffer(b"0123456789", np.uint8)
 _ASCII_LOWER = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", np.uint8)
 _DISTRACTOR = (b"Room ", b" is free. ")  # a filler sentence around a random number
