@@ -65,7 +65,8 @@ from posattn import cli, families, rotary
 from posattn import config as config_lib
 from posattn import data as data_lib
 from posattn.attention import IMPLEMENTATIONS
-from posattn.eval import attention_stats, heldout, intervals, probes, retrieval, scoring, summary
+from posattn.data import probes
+from posattn.eval import attention_stats, heldout, intervals, retrieval, scoring, summary
 from posattn.eval import lengths as evaluate
 from posattn.nn.model import TransformerLM
 from posattn.train import (

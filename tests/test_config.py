@@ -249,3 +249,89 @@ def test_adding_a_family_is_its_function_its_settings_and_one_registry_entry():
     finally:
         del families._REGISTRY["shift"]
     assert "shift" not in families.names()
+
+
+PLUGIN = """
+import dataclasses
+import jax.numpy as jnp
+from posattn import families
+
+
+@dataclasses.dataclass(frozen=True)
+class PlugSettings(families.Settings):
+    prefix = "plug_"
+    slope: float = families.setting(0.5, help="bias per unit of distance")
+
+    def validate(self, ctx):
+        if not 0 < self.slope < 10:
+            raise ValueError(f"config.model.plug_slope={self.slope!r} must lie in (0, 10)")
+
+
+def init(key, ctx, s):
+    return {"slope": jnp.full((ctx.num_heads,), s.slope, jnp.float32)}
+
+
+def fn(params, q_pos, k_pos, ctx, s):
+    d = jnp.abs(q_pos[:, None] - k_pos[None, :]).astype(jnp.float32)
+    return -params["slope"][:, None, None] * d
+
+
+families.register(families.Family("plug", settings=PlugSettings, bias=families.BiasSpec(init, fn)))
+"""
+
+
+def test_a_family_registered_outside_the_package_works_in_train_and_generate(tmp_path):
+    """`plugins` names the user's module; config.json keeps it, so generate finds the family."""
+    (tmp_path / "user_families.py").write_text(PLUGIN)
+    env = dict(
+        __import__("os").environ,
+        PYTHONPATH=f"{tmp_path}{__import__('os').pathsep}{ROOT / 'src'}",
+        JAX_PLATFORMS="cpu",
+    )
+    workdir = tmp_path / "run"
+    small = [
+        "--config.model.d_model=16",
+        "--config.model.num_layers=1",
+        "--config.data.seq_len=16",
+        "--config.train.steps=2",
+        "--config.train.batch_size=2",
+        "--config.train.warmup_steps=1",
+        "--config.train.eval_every=0",
+    ]
+    train = [sys.executable, "-m", "posattn.train", "--config", TINY, "--workdir", str(workdir)]
+    plugin = ["--config.plugins=('user_families',)", "--config.model.position=plug"]
+    done = subprocess.run(
+        train + plugin + ["--config.model.plug_slope=0.25"] + small,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    saved = __import__("json").loads((workdir / "config.json").read_text())
+    assert saved["plugins"] == ["user_families"] and saved["model"]["plug_slope"] == 0.25
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "posattn.generate",
+            "--workdir",
+            str(workdir),
+            "--prompt",
+            "de",
+            "--max_new_tokens",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_plugins_that_cannot_be_imported_are_refused_naming_the_module():
+    with pytest.raises(ConfigError, match="config.plugins names module 'no_such_mod'"):
+        load("plugins=('no_such_mod',)")
+    with pytest.raises(ConfigError, match="must be a tuple of module names"):
+        config_lib.import_plugins((3,))

@@ -101,9 +101,38 @@ TRAIN: dict[str, tuple[Any, str]] = {
 }
 
 
+PLUGINS_HELP = (
+    "modules imported before the config is read (families registered outside posattn: "
+    "docs/adding-a-family.md)"
+)
+
+
+def import_plugins(modules: Any) -> None:
+    """Imports the modules a config's `plugins` key names, so that the families they register
+    (`posattn.families.register`) exist before any `model` key is read. A workdir's config.json
+    keeps the key, so every entry point (train, sweep, generate, eval, the experiment) finds the
+    same families."""
+    if isinstance(modules, str):
+        modules = (modules,)
+    if not isinstance(modules, (tuple, list)) or not all(isinstance(m, str) for m in modules):
+        raise ConfigError(
+            f"config.plugins={modules!r} must be a tuple of module names, e.g. "
+            "--config.plugins=\"('my_families',)\""
+        )
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as error:
+            raise ConfigError(
+                f"config.plugins names module {name!r}, which cannot be imported ({error}); "
+                "put its directory on PYTHONPATH or install it"
+            ) from None
+
+
 def defaults() -> ml_collections.ConfigDict:
     """Every `model`, `data` and `train` key with its default: what config files start from."""
     config = ml_collections.ConfigDict()
+    config.plugins = ()
     config.model = ml_collections.ConfigDict(model_lib.defaults())
     config.data = ml_collections.ConfigDict({k: v for k, (v, _) in DATA.items()})
     config.train = ml_collections.ConfigDict({k: v for k, (v, _) in TRAIN.items()})
@@ -115,6 +144,7 @@ def describe(config: ml_collections.ConfigDict) -> list[tuple[str, Any, str]]:
     helps = {f"model.{k}": h for k, h in model_lib.describe().items()}
     helps |= {f"data.{k}": h for k, (_, h) in DATA.items()}
     helps |= {f"train.{k}": h for k, (_, h) in TRAIN.items()}
+    helps["plugins"] = PLUGINS_HELP
     out = []
     order = {key: i for i, key in enumerate(["model", "data", "train", *helps])}
 
@@ -194,7 +224,10 @@ def complete(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """A copy of `config` whose `model`, `data` and `train` sections hold every key: those the
     config leaves out take their defaults."""
     out = ml_collections.ConfigDict(config.to_dict())
+    import_plugins(out.get("plugins", ()))
     base = defaults()
+    if "plugins" not in out:
+        out.plugins = ()
     for section in ("model", "data", "train"):
         if section in out and isinstance(out[section], ml_collections.ConfigDict):
             for key, value in base[section].items():
@@ -213,8 +246,26 @@ def parse_value(text: str) -> Any:
 def apply_overrides(
     config: ml_collections.ConfigDict, overrides: Sequence[str]
 ) -> ml_collections.ConfigDict:
-    """Returns a copy of `config` with `key=value` overrides applied, refusing unknown keys."""
+    """Returns a copy of `config` with `key=value` overrides applied, refusing unknown keys.
+
+    A `plugins=...` override is applied first and its modules imported, so that the other
+    overrides may set the keys of the families they register.
+    """
     config = ml_collections.ConfigDict(config.to_dict())
+    plugins = [x for x in overrides if _override_key(x) == "plugins"]
+    if plugins:
+        config = complete(_apply(config, plugins))
+        overrides = [x for x in overrides if _override_key(x) != "plugins"]
+    return _apply(config, overrides)
+
+
+def _override_key(item: str) -> str:
+    return item.removeprefix("--").removeprefix("config.").split("=", 1)[0]
+
+
+def _apply(
+    config: ml_collections.ConfigDict, overrides: Sequence[str]
+) -> ml_collections.ConfigDict:
     for item in overrides:
         item = item.removeprefix("--").removeprefix("config.")
         if "=" not in item:
