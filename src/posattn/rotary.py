@@ -67,7 +67,7 @@ _KEYS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     # config validator calls the key unrecognised, but the computation divides by it).
     "proportional": ((), {"factor": 1.0}),
 }
-_PARTIAL = "partial_rotary_factor"
+PARTIAL_KEY = _PARTIAL = "partial_rotary_factor"  # HF's key, in every kind's dict
 
 
 # ----------------------------------------------------------------------------------------------
