@@ -176,3 +176,22 @@ def test_the_keys_are_refused_with_another_family_and_checked_before_compute():
         "rope_type": "proportional",
         "partial_rotary_factor": 0.25,
     }
+
+
+def test_longrope_from_a_command_line_dict_literal():
+    literal = (
+        "{'rope_type': 'longrope', 'short_factor': [1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7], "
+        "'long_factor': [2, 2, 2, 2, 3, 3, 3, 3], 'original_max_position_embeddings': 16, "
+        "'max_position_embeddings': 64}"
+    )
+    cfg = make_cfg(position="rope", rope_scaling=literal)
+    hash(cfg)  # the lists became tuples: the config keys jit caches
+    params = cfg.settings.rope_parameters
+    assert params["long_factor"] == (2, 2, 2, 2, 3, 3, 3, 3)
+    inv_freq, factor = rotary.rope_frequencies(16, scaling=params, seq_len=17)
+    np.testing.assert_allclose(
+        inv_freq,
+        10000.0 ** (-np.arange(0, 16, 2) / 16) / np.array(params["long_factor"]),
+        rtol=1e-6,
+    )
+    assert factor == pytest.approx((1 + np.log(4) / np.log(16)) ** 0.5)
