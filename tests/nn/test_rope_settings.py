@@ -12,7 +12,7 @@ from flax import nnx
 
 from posattn import config as config_lib
 from posattn import families, rotary
-from posattn.nn import layers
+from posattn.nn import decode, layers
 from posattn.train import steps
 
 CTX = families.Context(num_heads=4, head_dim=16)
@@ -195,3 +195,35 @@ def test_longrope_from_a_command_line_dict_literal():
         rtol=1e-6,
     )
     assert factor == pytest.approx((1 + np.log(4) / np.log(16)) ** 0.5)
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        {"rope_partial_factor": 0.25, "rope_layout": "half"},
+        {"rope_proportion": 0.25, "rope_base": 1e6},
+    ],
+    ids=["partial-half", "proportional-interleaved"],
+)
+def test_cached_decoding_equals_the_full_forward(model):
+    # Partial and proportional frequencies do not depend on the length: keys rotated when
+    # written stay right, so prefill + cached steps give the full forward's logits.
+    cfg = make_cfg(position="rope", **model)
+    graphdef, params, constants = steps.init_model(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 10), 0, 256)
+
+    def run(params, constants, tokens):
+        full = nnx.merge(graphdef, params, constants)(tokens)
+        cache = decode.init_cache(cfg, batch_size=2, capacity=10)
+        lengths = jnp.array([6, 6], jnp.int32)
+        first, cache = decode.prefill(graphdef, params, constants, cache, tokens[:, :6], lengths)
+
+        def body(cache, tok):
+            out, cache = decode.decode_step(graphdef, params, constants, cache, tok)
+            return cache, out
+
+        _, outs = jax.lax.scan(body, cache, tokens[:, 6:].T)
+        return full[:, 5:], jnp.concatenate([first[:, None], outs.transpose(1, 0, 2)], axis=1)
+
+    full, cached = jax.jit(run)(params, constants, tokens)
+    np.testing.assert_allclose(cached, full, rtol=1e-5, atol=2e-5)
