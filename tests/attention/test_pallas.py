@@ -354,3 +354,136 @@ def test_unsupported_reason_guards_what_auto_may_pick():
     odd = (fn_bias[0], jnp.ones(12))
     assert "power-of-two" in pallas_mod.unsupported_reason(q, q, bias=odd, backend="gpu")
     assert "VMEM" in pallas_mod.unsupported_reason(q, long_k, bias=None, backend="tpu")
+
+
+# ----------------------------------------------------------------------------------------------
+# Sliding windows and forgetting attention (FoX) inside the kernels.
+
+
+def naive_attention(q, k, v, *, bias=None, causal=False, q_offset=0, kv_lengths=None, window=None,
+                    log_forget=None):  # fmt: skip
+    """The oracle, dense in float32: logits scale q.k + bias + the FoX term, masked by causality,
+    the sliding window (Hugging Face's `sliding_window`: i - j < w, and j - i < w when not causal)
+    and the key lengths; a row that sees nothing gives 0. The FoX term is written as the sum it
+    stands for, sum over l in (j, i] of log_forget[b, l, h] (the kernels use cumulative sums)."""
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    k, v = jnp.repeat(k, N // K, axis=2), jnp.repeat(v, N // K, axis=2)
+    logits = jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(H)
+    q_pos = jnp.broadcast_to(jnp.asarray(q_offset, jnp.int32), (B,))[:, None] + jnp.arange(T)
+    k_pos = jnp.arange(S)
+    if bias is not None:
+        logits = logits + jax.vmap(lambda qp: bias[0](bias[1], qp, k_pos))(q_pos)
+    if log_forget is not None:
+        ell = jnp.arange(S)
+        between = (k_pos[None, None, :, None] < ell) & (ell <= q_pos[:, :, None, None])  # b t j l
+        logits = logits + jnp.einsum("btjl,bln->bntj", between.astype(jnp.float32), log_forget)
+    d = q_pos[:, :, None] - k_pos  # (B, T, S): i - j
+    seen = jnp.ones(d.shape, bool)
+    if causal:
+        seen &= d >= 0
+    if window is not None:
+        seen &= d < window
+        if not causal:
+            seen &= d > -window
+    if kv_lengths is not None:
+        seen &= k_pos < jnp.asarray(kv_lengths)[:, None, None]
+    seen = seen[:, None]  # (B, 1, T, S)
+    logits = jnp.where(seen, logits, -jnp.inf)
+    m = jnp.max(jnp.where(seen, logits, -1e30), axis=-1, keepdims=True)
+    p = jnp.where(seen, jnp.exp(logits - m), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom > 0, denom, 1.0)
+    return jnp.einsum("bnts,bsnh->btnh", p, v)
+
+
+def _forget_gates(key, S, n=N):
+    """log f = log sigmoid(x): negative, around -0.3, as a trained FoX layer's gates."""
+    return jax.nn.log_sigmoid(jax.random.normal(key, (B, S, n)) + 1.0)
+
+
+def _grads_with_forget(impl, q, k, v, d_out, bias, log_forget, **kw):
+    """Output and d<out, d_out>/d(q, k, v, bias params, log_forget), jitted."""
+    fn, params = bias if bias is not None else (None, ())
+
+    def loss(q, k, v, params, log_forget):
+        b = None if fn is None else (fn, params)
+        if impl == "pallas":
+            out = pallas_attention(q, k, v, bias=b, log_forget=log_forget, **TILES, **kw)
+        else:
+            out = naive_attention(q, k, v, bias=b, log_forget=log_forget, **kw)
+        return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32)), out
+
+    argnums = (0, 1, 2, 3) if log_forget is None else (0, 1, 2, 3, 4)
+    grads, out = jax.jit(jax.grad(loss, argnums=argnums, has_aux=True))(q, k, v, params, log_forget)
+    return out, grads
+
+
+def test_naive_attention_is_the_reference_without_the_new_terms():
+    """The oracle agrees with the project's reference where both apply (ALiBi, causal, per-row
+    offsets, ragged lengths), and a window >= every distance or log f = 0 changes nothing."""
+    q, k, v, _ = _inputs(2, jax.random.key(40), 12, 20)
+    bias = family_bias("alibi", jax.random.key(41))
+    kw = dict(causal=True, q_offset=np.array([8, -3], np.int32), kv_lengths=np.array([20, 9]))
+    want = attention(q, k, v, bias=bias, implementation="reference", **kw)
+    got = naive_attention(q, k, v, bias=bias, window=40, log_forget=jnp.zeros((B, 20, N)), **kw)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_naive_attention_forget_and_window_by_hand():
+    """One head, one query at position 3 over keys 0..3, window 3, log f = (a0, a1, a2, a3): the
+    logits (zero q.k) are a1 + a2 + a3 (key 0, outside the window), a2 + a3, a3, 0."""
+    a = jnp.array([-0.5, -0.25, -1.0, -0.125])
+    log_forget = jnp.broadcast_to(a[None, :, None], (B, 4, N))
+    v = jnp.broadcast_to(jnp.eye(4)[None, :, None, :], (B, 4, N, 4)).astype(jnp.float32)
+    q = jnp.zeros((B, 1, N, 4))
+    out = naive_attention(q, q.repeat(4, 1), v, causal=True, q_offset=3, window=3,
+                          log_forget=log_forget)  # fmt: skip
+    logits = jnp.array([-jnp.inf, a[2] + a[3], a[3], 0.0])
+    np.testing.assert_allclose(out[0, 0, 0], jax.nn.softmax(logits), rtol=1e-6)
+
+
+# name: (K, T, S, dtype, bias family, keywords). Between them: windows smaller than a 16-tile (5)
+# and spanning several (37, 20 with a 40-key row), causal and bidirectional; FoX alone, with ALiBi
+# and with a window; MHA, GQA and MQA; scalar and per-row offsets; ragged lengths; float32 and
+# bfloat16 (against the float32 oracle on the same values).
+WINDOW_CASES = {
+    "window5_causal_gqa": (
+        2, 24, 40, jnp.float32, "none",
+        dict(causal=True, window=5, q_offset=np.array([0, 12], np.int32),
+             kv_lengths=np.array([40, 19], np.int32)),
+    ),
+    "window37_bidirectional_alibi": (
+        4, 40, 56, jnp.float32, "alibi",
+        dict(window=37, q_offset=np.array([0, 8], np.int32), kv_lengths=np.array([56, 30])),
+    ),
+    "forget_alibi_mqa": (
+        1, 32, 32, jnp.float32, "alibi",
+        dict(causal=True, forget=True, q_offset=5, kv_lengths=np.array([32, 21], np.int32)),
+    ),
+    "forget_window20_bf16": (
+        2, 24, 40, jnp.bfloat16, "none",
+        dict(causal=True, forget=True, window=20, q_offset=np.array([-4, 16], np.int32)),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(WINDOW_CASES))
+def test_window_and_forget_match_the_oracle(name):
+    K, T, S, dtype, family, kw = WINDOW_CASES[name]
+    kw = dict(kw)
+    key = jax.random.key(50 + list(WINDOW_CASES).index(name))
+    q, k, v, d_out = _inputs(K, key, T, S, dtype)
+    bias = family_bias(family, jax.random.fold_in(key, 1), bidirectional=not kw.get("causal"))
+    log_forget = _forget_gates(jax.random.fold_in(key, 2), S) if kw.pop("forget", False) else None
+    got = _grads_with_forget("pallas", q, k, v, d_out, bias, log_forget, **kw)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, d_out)]
+    want = _grads_with_forget("naive", *f32, bias, log_forget, **kw)
+    if dtype == jnp.float32:
+        _assert_close(got, want, rtol=2e-5, atol=1e-5)
+    else:
+        assert got[0].dtype == jnp.bfloat16 and all(g.dtype == dtype for g in got[1][:3])
+        _assert_close(got, want, rtol=3e-2, atol=1e-2)
+    if log_forget is not None:
+        assert float(jnp.max(jnp.abs(want[1][4]))) > 1e-2  # the FoX gradient is not trivial
