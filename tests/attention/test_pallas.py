@@ -275,25 +275,29 @@ def test_bad_arguments():
         pallas_attention(q, q, q, backend="cuda")
 
 
-def _export(platform, name, T=256):
-    """Lower forward + backward for `platform` ("cuda": Triton, "tpu": Mosaic) without running."""
+def _export(platform, name, T=256, window=None, forget=False):
+    """Lower forward + backward for `platform` ("cuda": Triton, "tpu": Mosaic) without running
+    (gradients to q, k, v, the bias parameters and, with `forget`, the log forget gates)."""
     backend = "gpu" if platform == "cuda" else "tpu"
     bias = family_bias(name, jax.random.key(0), num_heads=4, head_dim=64)
 
-    def loss(q, k, v, params, off, lens):
+    def loss(q, k, v, params, off, lens, log_forget):
         b = None if bias is None else (bias[0], params)
         out = pallas_attention(
-            q, k, v, bias=b, causal=True, q_offset=off, kv_lengths=lens, backend=backend
-        )
+            q, k, v, bias=b, causal=True, q_offset=off, kv_lengths=lens, backend=backend,
+            window=window, log_forget=log_forget,
+        )  # fmt: skip
         return jnp.sum(out.astype(jnp.float32))
 
     bf16 = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)  # noqa: E731
     rows = jax.ShapeDtypeStruct((2,), jnp.int32)
     params = () if bias is None else bias[1]
+    log_forget = jax.ShapeDtypeStruct((2, T, 4), jnp.float32) if forget else None
+    argnums = (0, 1, 2, 3, 6) if forget else (0, 1, 2, 3)
     checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     return jax.export.export(
-        jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))), platforms=[platform], disabled_checks=checks
-    )(bf16(2, T, 4, 64), bf16(2, T, 2, 64), bf16(2, T, 2, 64), params, rows, rows)
+        jax.jit(jax.grad(loss, argnums=argnums)), platforms=[platform], disabled_checks=checks
+    )(bf16(2, T, 4, 64), bf16(2, T, 2, 64), bf16(2, T, 2, 64), params, rows, rows, log_forget)
 
 
 @pytest.fixture
@@ -314,6 +318,15 @@ def test_kernels_lower_for_accelerators(platform, pretend_tpu):
     Mosaic's layout checks, which run when a TPU compiles the module, are not reached."""
     exported = _export(platform, "fire")
     text = exported.mlir_module()
+    marker = "__gpu$xla.gpu.triton" if platform == "cuda" else "tpu_custom_call"
+    assert text.count(marker) >= 3, text.count(marker)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_window_and_forget_lower_for_accelerators(platform, pretend_tpu):
+    """With a sliding window (tile ranges with a start) and FoX gates (their rows in, their
+    gradients out of both backward kernels), on top of ALiBi, the three kernels still lower."""
+    text = _export(platform, "alibi", window=100, forget=True).mlir_module()
     marker = "__gpu$xla.gpu.triton" if platform == "cuda" else "tpu_custom_call"
     assert text.count(marker) >= 3, text.count(marker)
 
@@ -399,8 +412,9 @@ def naive_attention(q, k, v, *, bias=None, causal=False, q_offset=0, kv_lengths=
 
 
 def _forget_gates(key, S, n=N):
-    """log f = log sigmoid(x): negative, around -0.3, as a trained FoX layer's gates."""
-    return jax.nn.log_sigmoid(jax.random.normal(key, (B, S, n)) + 1.0)
+    """log f = log sigmoid(x), x ~ N(3, 1): about -0.06 per step, so that keys 20 positions back
+    still weigh e^-1.2 and a key the window or the tile skipping got wrong shows in bfloat16."""
+    return jax.nn.log_sigmoid(jax.random.normal(key, (B, S, n)) + 3.0)
 
 
 def _grads_with_forget(impl, q, k, v, d_out, bias, log_forget, **kw):
@@ -487,3 +501,115 @@ def test_window_and_forget_match_the_oracle(name):
         _assert_close(got, want, rtol=3e-2, atol=1e-2)
     if log_forget is not None:
         assert float(jnp.max(jnp.abs(want[1][4]))) > 1e-2  # the FoX gradient is not trivial
+
+
+def _tile_plan(*, causal, window, tq=16, tk=16, nq=4, nk=5):
+    return pallas_mod._Plan(
+        N=1, G=1, tq=tq, tk=tk, nq=nq, nk=nk, Hp=16, causal=causal, kv_mask=True, scale=1.0,
+        bias_fn=None, treedef=None, is_float=(), leaf_shapes=(), backend="interpret",
+        window=window,
+    )  # fmt: skip
+
+
+def _tile_ranges(plan, offs, lens):
+    """(key start, key end)[off, len, i] and (query start, query end)[off, len, j], computed by
+    the kernels' own helpers."""
+
+    def one(off, kv_len):
+        i, j = jnp.arange(plan.nq), jnp.arange(plan.nk)
+        f = lambda fn, t: jax.vmap(lambda x: fn(plan, off, kv_len, x))(t)  # noqa: E731
+        return (
+            f(pallas_mod._key_tile_start, i),
+            f(pallas_mod._key_tile_end, i),
+            f(pallas_mod._query_tile_start, j),
+            f(pallas_mod._query_tile_end, j),
+        )
+
+    grid = jax.vmap(jax.vmap(one, in_axes=(None, 0)), in_axes=(0, None))
+    return [np.asarray(x) for x in jax.jit(grid)(jnp.asarray(offs), jnp.asarray(lens))]
+
+
+@pytest.mark.parametrize("tiles", [(16, 16), (16, 32), (32, 16)])
+def test_tile_ranges_are_exact(tiles):
+    """For causal or not, with and without windows (1, under a tile, a tile, several tiles), at
+    offsets before, at and past the keys and at every kind of kv length, the key tiles a query
+    tile visits (forward, dQ) and the query tiles a key tile visits (dK/dV) are exactly the tile
+    pairs that hold a visible (query, key) pair, by brute force in numpy: nothing visible is
+    skipped, and nothing is visited in vain."""
+    tq, tk = tiles
+    offs, lens = np.array([0, -20, 8, 37, 100, -70]), np.array([80, 20, 0, 33, 1])
+    nq, nk = 4, 80 // tk
+    for causal in (True, False):
+        for window in (None, 1, 5, 16, 37):
+            plan = _tile_plan(causal=causal, window=window, tq=tq, tk=tk, nq=nq, nk=nk)
+            k_start, k_end, q_start, q_end = _tile_ranges(plan, offs, lens)
+            for a, off in enumerate(offs):
+                for c, kv_len in enumerate(lens):
+                    q_pos = off + np.arange(nq * tq)
+                    k_pos = np.arange(nk * tk)
+                    d = q_pos[:, None] - k_pos[None, :]
+                    seen = np.broadcast_to(k_pos < kv_len, d.shape)
+                    if causal:
+                        seen = seen & (d >= 0)
+                    if window is not None:
+                        seen = seen & (d < window) & (causal | (d > -window))
+                    pairs = seen.reshape(nq, tq, nk, tk).any(axis=(1, 3))  # (nq, nk)
+                    visit_k = np.arange(nk)[None] >= k_start[a, c][:, None]
+                    visit_k &= np.arange(nk)[None] < k_end[a, c][:, None]
+                    visit_q = np.arange(nq)[:, None] >= q_start[a, c][None]
+                    visit_q &= np.arange(nq)[:, None] < q_end[a, c][None]
+                    where = f"causal={causal} window={window} off={off} kv_len={kv_len}"
+                    np.testing.assert_array_equal(visit_k, pairs, err_msg="key tiles " + where)
+                    np.testing.assert_array_equal(visit_q, pairs, err_msg="query tiles " + where)
+
+
+def test_windowed_work_grows_as_t_times_w():
+    """T = S = 1024, 16-tiles, causal: without a window the kernels visit the 2080 tiles on and
+    below the diagonal; with a window of 32 every query tile visits at most 3 key tiles (and every
+    key tile at most 3 query tiles), 189 in all, and doubling T doubles it."""
+    visited = {}
+    for T in (1024, 2048):
+        n = T // 16
+        for window in (None, 32):
+            plan = _tile_plan(causal=True, window=window, nq=n, nk=n)
+            k_start, k_end, q_start, q_end = _tile_ranges(plan, [0], [T])
+            per_q, per_k = (k_end - k_start)[0, 0], (q_end - q_start)[0, 0]
+            assert per_q.sum() == per_k.sum()
+            visited[T, window] = int(per_q.sum())
+            if window is not None:
+                assert per_q.max() <= 3 and per_k.max() <= 3
+    assert visited[1024, None] == 64 * 65 // 2
+    assert visited[1024, 32] == 64 * 3 - 3  # the first query tile sees 1 key tile, the second 2
+    assert visited[2048, 32] == 128 * 3 - 3
+
+
+def test_window_and_forget_bad_arguments():
+    q = jnp.zeros((1, 16, 2, 8))
+    with pytest.raises(ValueError, match="causal=False"):
+        pallas_attention(q, q, q, log_forget=jnp.zeros((1, 16, 2)))
+    with pytest.raises(ValueError, match=r"log_forget has shape \(1, 16, 1\)"):
+        pallas_attention(q, q, q, causal=True, log_forget=jnp.zeros((1, 16, 1)))
+    for window in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="window="):
+            pallas_attention(q, q, q, causal=True, window=window)
+
+
+def test_unsupported_reason_with_window_and_forget():
+    """What auto may pick with the new inputs: a window costs nothing anywhere; FoX is refused
+    without causality (the kernel raises), and on TPU its float32 rows count against VMEM."""
+    q = jax.ShapeDtypeStruct((2, 64, 4, 64), jnp.bfloat16)
+    lf = jax.ShapeDtypeStruct((2, 64, 4), jnp.float32)
+    reason = pallas_mod.unsupported_reason
+    for backend in ("gpu", "tpu", "interpret"):
+        kw = dict(bias=None, backend=backend)
+        assert reason(q, q, causal=True, window=8, log_forget=lf, **kw) is None
+        assert reason(q, q, window=8, **kw) is None
+        assert "causal" in reason(q, q, log_forget=lf, **kw)
+        assert "window" in reason(q, q, window=0, **kw)
+    # 30720 keys of 64 in bfloat16: K and V take 7.5 MiB, under the limit; the keys' FoX row
+    # (float32, padded to 8 sublanes) adds 0.94 MiB and goes over it.
+    mid = jax.ShapeDtypeStruct((2, 30720, 4, 64), jnp.bfloat16)
+    assert reason(q, mid, bias=None, causal=True, backend="tpu") is None
+    assert "VMEM" in reason(q, mid, bias=None, causal=True, log_forget=lf, backend="tpu")
+    assert "VMEM" in reason(mid, q, bias=None, causal=True, backend="tpu")  # dK/dV: whole Q, dO
+    assert reason(q, mid, bias=None, causal=True, log_forget=lf, backend="gpu") is None

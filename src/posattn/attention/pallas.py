@@ -719,12 +719,14 @@ def _ceil_tiles(x, t):
 
 
 def _key_tile_start(plan, off, kv_len, i):
-    """The first key tile that query tile i (at offset `off`) can see."""
-    del kv_len
+    """The first key tile that query tile i (at offset `off`) can see (nk when none can)."""
     if plan.window is None:
         return jnp.int32(0)
     first_k = off + i * plan.tq - (plan.window - 1)  # earliest key the first query sees
-    return jnp.minimum(lax.div(jnp.maximum(first_k, 0), jnp.int32(plan.tk)), plan.nk)
+    start = jnp.minimum(lax.div(jnp.maximum(first_k, 0), jnp.int32(plan.tk)), plan.nk)
+    if plan.kv_mask:
+        start = jnp.where(first_k >= kv_len, plan.nk, start)  # every key it could see is past
+    return start
 
 
 def _key_tile_end(plan, off, kv_len, i):
