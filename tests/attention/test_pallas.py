@@ -8,6 +8,7 @@ slowly, so the default tests are a handful of small programs; larger shapes are 
 """
 
 import functools
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -440,8 +441,9 @@ def test_naive_attention_is_the_reference_without_the_new_terms():
     q, k, v, _ = _inputs(2, jax.random.key(40), 12, 20)
     bias = family_bias("alibi", jax.random.key(41))
     kw = dict(causal=True, q_offset=np.array([8, -3], np.int32), kv_lengths=np.array([20, 9]))
-    want = attention(q, k, v, bias=bias, implementation="reference", **kw)
-    got = naive_attention(q, k, v, bias=bias, window=40, log_forget=jnp.zeros((B, 20, N)), **kw)
+    want = jax.jit(partial(attention, bias=bias, implementation="reference", **kw))(q, k, v)
+    naive = partial(naive_attention, bias=bias, window=40, log_forget=jnp.zeros((B, 20, N)), **kw)
+    got = jax.jit(naive)(q, k, v)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
@@ -452,8 +454,8 @@ def test_naive_attention_forget_and_window_by_hand():
     log_forget = jnp.broadcast_to(a[None, :, None], (B, 4, N))
     v = jnp.broadcast_to(jnp.eye(4)[None, :, None, :], (B, 4, N, 4)).astype(jnp.float32)
     q = jnp.zeros((B, 1, N, 4))
-    out = naive_attention(q, q.repeat(4, 1), v, causal=True, q_offset=3, window=3,
-                          log_forget=log_forget)  # fmt: skip
+    naive = partial(naive_attention, causal=True, q_offset=3, window=3, log_forget=log_forget)
+    out = jax.jit(naive)(q, q.repeat(4, 1), v)
     logits = jnp.array([-jnp.inf, a[2] + a[3], a[3], 0.0])
     np.testing.assert_allclose(out[0, 0, 0], jax.nn.softmax(logits), rtol=1e-6)
 

@@ -39,6 +39,19 @@ row's q_offset), and program (b, h, j) of the dK/dV kernel starts at the first q
 can see key tile j; key tiles wholly at or past the row's kv length are skipped. Masks are
 applied inside every visited tile (hidden logits at -inf; a row that sees nothing returns 0).
 
+Sliding windows (`window`, Hugging Face's `sliding_window`: key j visible from query i when
+i - j < w, and j - i < w when not causal): the same tile ranges get a start as well as an end, so
+a query tile visits only the key tiles of its band and a key tile only the query tiles of its band;
+every range is exactly the tiles holding a visible pair, and the work is T x w, not T x S.
+
+Forgetting attention (`log_forget`, FoX: Lin et al., ICLR 2025, "Forgetting Transformer"; the
+`zhixuan-lin/forgetting-transformer` and `fla-org/flash-linear-attention` kernels): logit (i, j)
+gains c_i - c_j, c = cumsum(log f) over positions in float32, computed outside the kernels along
+with its gather at the query positions. The kernels take the two [B, N, 1, L] rows (per query
+head: c_q over the query tile, c_k over the key tile) and never a [T, S] bias; the backward
+returns d c_q = rowsum(dS) from the dQ kernel and d c_k = -colsum(dS) from the dK/dV kernel, and
+JAX differentiates the gather and the cumulative sum (a reverse cumulative sum) outside.
+
 Layout: the wrapper transposes q, k, v to head-major [B, N or K, T or S, Hp] and pads T and S to
 whole tiles, so every block's last two dimensions are (tile, Hp): powers of two for Triton, the
 full head dimension for Mosaic.
