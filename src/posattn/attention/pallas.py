@@ -39,6 +39,19 @@ row's q_offset), and program (b, h, j) of the dK/dV kernel starts at the first q
 can see key tile j; key tiles wholly at or past the row's kv length are skipped. Masks are
 applied inside every visited tile (hidden logits at -inf; a row that sees nothing returns 0).
 
+Sliding windows (`window`, Hugging Face's `sliding_window`: key j visible from query i when
+i - j < w, and j - i < w when not causal): the same tile ranges get a start as well as an end, so
+a query tile visits only the key tiles of its band and a key tile only the query tiles of its band;
+every range is exactly the tiles holding a visible pair, and the work is T x w, not T x S.
+
+Forgetting attention (`log_forget`, FoX: Lin et al., ICLR 2025, "Forgetting Transformer"; the
+`zhixuan-lin/forgetting-transformer` and `fla-org/flash-linear-attention` kernels): logit (i, j)
+gains c_i - c_j, c = cumsum(log f) over positions in float32, computed outside the kernels along
+with its gather at the query positions. The kernels take the two [B, N, 1, L] rows (per query
+head: c_q over the query tile, c_k over the key tile) and never a [T, S] bias; the backward
+returns d c_q = rowsum(dS) from the dQ kernel and d c_k = -colsum(dS) from the dK/dV kernel, and
+JAX differentiates the gather and the cumulative sum (a reverse cumulative sum) outside.
+
 Layout: the wrapper transposes q, k, v to head-major [B, N or K, T or S, Hp] and pads T and S to
 whole tiles, so every block's last two dimensions are (tile, Hp): powers of two for Triton, the
 full head dimension for Mosaic.
@@ -97,6 +110,8 @@ class _Plan:
     is_float: tuple[bool, ...]  # per leaf: differentiated (floating) or carried (integer)
     leaf_shapes: tuple[tuple[int, ...], ...]  # original leaf shapes (kernel refs are >= 1-D)
     backend: str
+    window: int | None = None  # sliding window: i - j < window (|i - j| < window when not causal)
+    forget: bool = False  # FoX: the kernels take cumulative log forget gates of queries and keys
 
     @property
     def n_leaves(self) -> int:
@@ -114,28 +129,59 @@ def default_backend() -> str:
 
 
 # Mosaic loads a head's whole K and V into VMEM (16 MiB on TPU v4/v5e scoped by default); past
-# this many bytes of K plus V per head the TPU kernel is not offered by "auto".
+# this many bytes of whole-sequence blocks per program (K and V in the forward and dQ kernels; Q,
+# dO and their float32 rows in the dK/dV kernel) the TPU kernel is not offered by "auto".
 TPU_MAX_KV_BYTES = 8 * 1024 * 1024
+# A window at least this wide is clipped to it, so that positions +- window stay in int32.
+_MAX_WINDOW = 2**30
 
 
-def unsupported_reason(q, k, *, bias, causal=False, per_row=False, backend=None) -> str | None:
+def _window_error(window) -> str | None:
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
+        return f"window={window!r}; allowed: None or a Python int >= 1"
+    return None
+
+
+def _tpu_whole_bytes(q, k, *, forget: bool) -> int:
+    """The largest VMEM footprint of the blocks that span a whole sequence in one program: K and V
+    (forward, dQ) or Q and dO (dK/dV), plus float32 rows (log-sum-exp, delta, the cumulative log
+    forget gates), each padded to 8 sublanes as Mosaic lays out a [1, L] block."""
+    T, S, H = q.shape[1], k.shape[1], q.shape[3]
+    Hp = max(16, pl.next_power_of_2(H))
+    row = lambda L: 8 * L * 4  # noqa: E731
+    kv = 2 * S * Hp * jnp.dtype(k.dtype).itemsize + (row(S) if forget else 0)
+    qdo = 2 * T * Hp * jnp.dtype(q.dtype).itemsize + 2 * row(T) + (row(T) if forget else 0)
+    return max(kv, qdo)
+
+
+def unsupported_reason(
+    q, k, *, bias, causal=False, per_row=False, backend=None, window=None, log_forget=None
+) -> str | None:
     """Why `pallas_attention` should not run these inputs on this backend (None: it can).
 
     `posattn.attention.choose_implementation` asks this before "auto" picks "pallas".
     """
-    del causal, per_row  # every mask and offset form is supported
+    del per_row  # every offset and length form is supported
     backend = default_backend() if backend is None else backend
     if bias is not None and not isinstance(bias, tuple):
         return "a materialised [N, T, S] bias (the kernel takes a (BiasFn, params) pair)"
+    if (reason := _window_error(window)) is not None:
+        return reason
+    if log_forget is not None and not causal:
+        return "log_forget with causal=False (forgetting attention is causal)"
     if backend == "gpu" and bias is not None:
         sizes = [int(np.prod(jnp.shape(x))) for x in jax.tree.leaves(bias[1])]
         if any(n & (n - 1) for n in sizes):
             return f"bias parameter sizes {sizes}: Triton loads only power-of-two blocks"
     if backend == "tpu":
-        S, H = k.shape[1], k.shape[3]
-        kv_bytes = 2 * S * max(16, pl.next_power_of_2(H)) * jnp.dtype(k.dtype).itemsize
-        if kv_bytes > TPU_MAX_KV_BYTES:
-            return f"K and V of one head take {kv_bytes} bytes > {TPU_MAX_KV_BYTES} of VMEM"
+        nbytes = _tpu_whole_bytes(q, k, forget=log_forget is not None)
+        if nbytes > TPU_MAX_KV_BYTES:
+            return (
+                f"the whole-sequence blocks of one head (K and V, or Q and dO, with their rows) "
+                f"take {nbytes} bytes > {TPU_MAX_KV_BYTES} of VMEM"
+            )
     return None
 
 
@@ -149,6 +195,8 @@ def pallas_attention(
     q_offset: int | jax.Array = 0,
     kv_lengths: jax.Array | None = None,
     scale: float | None = None,
+    window: int | None = None,
+    log_forget: jax.Array | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
     backend: str | None = None,
@@ -158,6 +206,11 @@ def pallas_attention(
     Args:
       q, k, v, causal, q_offset, kv_lengths, scale: as in `posattn.attention.attention`.
       bias: None or a `(BiasFn, params)` pair (a materialised array is refused: see module doc).
+      window: None or a sliding window (Hugging Face's `sliding_window`): query i sees key j only
+        if i - j < window (|i - j| < window when not causal). Tiles outside the band are skipped.
+      log_forget: None or float[B, S, N] log forget gates (FoX, causal only): logit (i, j) gains
+        c[i] - c[j], c = cumsum(log_forget) over positions in float32, query i reading c at its
+        position q_offset + t (clipped to [0, S - 1]). Differentiated.
       block_q: query tile size, a power of two >= 16 (clipped to T rounded up); default per backend.
       block_k: key tile size, likewise.
       backend: "interpret", "gpu" or "tpu"; default `default_backend()`. Naming "gpu" or "tpu"
@@ -184,6 +237,19 @@ def pallas_attention(
         )
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
+    if (reason := _window_error(window)) is not None:
+        raise ValueError(f"pallas_attention: {reason}")
+    if log_forget is not None:
+        if not causal:
+            raise ValueError(
+                "pallas_attention: log_forget needs causal=True (forgetting attention adds "
+                "c[i] - c[j] for keys j <= i only); got causal=False"
+            )
+        if tuple(jnp.shape(log_forget)) != (B, S, N):
+            raise ValueError(
+                f"pallas_attention: log_forget has shape {tuple(jnp.shape(log_forget))}; "
+                f"allowed: [B, S, N] = {(B, S, N)} (per key position and query head)"
+            )
     if scale is None:
         scale = 1.0 / math.sqrt(H)
     if not isinstance(scale, (int, float, np.number)):
@@ -210,6 +276,19 @@ def pallas_attention(
         # Gathers become one-hot products where the backend cannot lower them.
         bias_fn, leaves, n_consts = _hoist(bias, tq, tk, one_hot_gathers=backend != "interpret")
         treedef = jax.tree.structure(leaves)
+    forget = None
+    if log_forget is not None:
+        # c = cumsum(log f) in float32 (outside the kernels, differentiated by JAX: the gradient
+        # of log f is a reverse cumulative sum of the kernels' d c); queries read c at their own
+        # positions. Head-major rows (B, N, 1, L) like the log-sum-exp.
+        c = jnp.cumsum(jnp.asarray(log_forget).astype(f32), axis=1)  # (B, S, N)
+        pos = jnp.clip(offsets[:, None] + jnp.arange(T, dtype=jnp.int32), 0, S - 1)
+        c_q = jnp.take_along_axis(c, pos[:, :, None], axis=1)  # (B, T, N)
+
+        def rows(x, L):  # (B, L', N) -> (B, N, 1, L)
+            return jnp.pad(x, ((0, 0), (0, L - x.shape[1]), (0, 0))).transpose(0, 2, 1)[:, :, None]
+
+        forget = (rows(c_q, Tp), rows(c, Sp))
     # Floating leaves are differentiated; so are hoisted constants that are traced values (an
     # array the BiasFn closes over, e.g. under jit or grad), whose gradient must not be dropped.
     # True constants (Sandwich's frequencies) ride along undifferentiated, like integer leaves.
@@ -234,6 +313,8 @@ def pallas_attention(
         is_float=is_float,
         leaf_shapes=tuple(tuple(x.shape) for x in leaves),
         backend=backend,
+        window=None if window is None else min(int(window), _MAX_WINDOW),
+        forget=forget is not None,
     )
     floats = [x for x, f in zip(leaves, is_float, strict=True) if f]
     ints = [x for x, f in zip(leaves, is_float, strict=True) if not f]
@@ -242,9 +323,8 @@ def pallas_attention(
         x = jnp.pad(x, ((0, 0), (0, L - x.shape[1]), (0, 0), (0, Hp - H)))
         return x.transpose(0, 2, 1, 3)
 
-    out = _flash(
-        plan, head_major(q, Tp), head_major(k, Sp), head_major(v, Sp), floats, ints, offsets, kv_len
-    )  # (B, N, Tp, Hp)
+    qh, kh, vh = head_major(q, Tp), head_major(k, Sp), head_major(v, Sp)
+    out = _flash(plan, qh, kh, vh, floats, ints, offsets, kv_len, forget)  # (B, N, Tp, Hp)
     return out[:, :, :T, :H].transpose(0, 2, 1, 3)
 
 
@@ -623,36 +703,83 @@ def _head_bias(plan, params, h, q_pos, k_pos):
 def _visible(plan, q_pos, k_pos, kv_len):
     """bool[tq, tk] (True = visible) or None when nothing can be hidden."""
     mask = None
+
+    def both(a, b):
+        return b if a is None else a & b
+
     if plan.causal:
         mask = k_pos[None, :] <= q_pos[:, None]
+    if plan.window is not None:
+        d = q_pos[:, None] - k_pos[None, :]
+        near = d < plan.window
+        if not plan.causal:
+            near = near & (d > -plan.window)
+        mask = both(mask, near)
     if plan.kv_mask:
-        valid = jnp.broadcast_to(k_pos[None, :] < kv_len, (plan.tq, plan.tk))
-        mask = valid if mask is None else mask & valid
+        mask = both(mask, jnp.broadcast_to(k_pos[None, :] < kv_len, (plan.tq, plan.tk)))
     return mask
+
+
+# Tile ranges. A query tile i holds positions off + i tq .. off + i tq + tq - 1, a key tile j
+# positions j tk .. j tk + tk - 1 (those below kv_len). Query q sees key k when k <= q (causal),
+# q - k < w and, not causal, k - q < w (window w). Each range below is exactly the tiles holding
+# at least one visible pair (test_tile_ranges_are_exact), so the work is T x w with a window.
+
+
+def _ceil_tiles(x, t):
+    """ceil(max(x, 0) / t): how many tiles of t hold positions 0 .. x - 1 (lax.div truncates)."""
+    return lax.div(jnp.maximum(x, 0) + t - 1, jnp.int32(t))
+
+
+def _key_tile_start(plan, off, kv_len, i):
+    """The first key tile that query tile i (at offset `off`) can see (nk when none can)."""
+    if plan.window is None:
+        return jnp.int32(0)
+    first_k = off + i * plan.tq - (plan.window - 1)  # earliest key the first query sees
+    start = jnp.minimum(lax.div(jnp.maximum(first_k, 0), jnp.int32(plan.tk)), plan.nk)
+    if plan.kv_mask:
+        start = jnp.where(first_k >= kv_len, plan.nk, start)  # every key it could see is past
+    return start
 
 
 def _key_tile_end(plan, off, kv_len, i):
     """One past the last key tile that query tile i (at offset `off`) can see."""
     end = jnp.int32(plan.nk)
+    last_q = off + (i + 1) * plan.tq - 1  # latest query position of the tile
     if plan.causal:
-        last_q = off + (i + 1) * plan.tq - 1  # latest query position of the tile
-        end = jnp.clip(lax.div(last_q + plan.tk, jnp.int32(plan.tk)), 0, plan.nk)
-        end = jnp.where(last_q < 0, 0, end)  # lax.div rounds toward zero
+        end = jnp.minimum(_ceil_tiles(last_q + 1, plan.tk), plan.nk)
+    elif plan.window is not None:
+        end = jnp.minimum(_ceil_tiles(last_q + plan.window, plan.tk), plan.nk)
     if plan.kv_mask:
-        end = jnp.minimum(end, lax.div(kv_len + plan.tk - 1, jnp.int32(plan.tk)))
+        end = jnp.minimum(end, _ceil_tiles(kv_len, plan.tk))
     return end
 
 
 def _query_tile_start(plan, off, kv_len, j):
     """The first query tile that can see key tile j (nq when none can)."""
     start = jnp.int32(0)
+    first_k = j * plan.tk
+    first_q = None  # earliest query position that sees the tile's first key
     if plan.causal:
-        # ceil((first_k - off - (tq - 1)) / tq), clipped to [0, nq]
-        num = j * plan.tk - off - (plan.tq - 1)
-        start = jnp.clip(lax.div(jnp.maximum(num, 0) + plan.tq - 1, jnp.int32(plan.tq)), 0, plan.nq)
+        first_q = first_k
+    elif plan.window is not None:
+        first_q = first_k - (plan.window - 1)
+    if first_q is not None:
+        start = jnp.minimum(lax.div(jnp.maximum(first_q - off, 0), jnp.int32(plan.tq)), plan.nq)
     if plan.kv_mask:
-        start = jnp.where(j * plan.tk >= kv_len, plan.nq, start)
+        start = jnp.where(first_k >= kv_len, plan.nq, start)
     return start
+
+
+def _query_tile_end(plan, off, kv_len, j):
+    """One past the last query tile that can see key tile j."""
+    if plan.window is None:
+        return jnp.int32(plan.nq)
+    last_k = (j + 1) * plan.tk - 1
+    if plan.kv_mask:
+        last_k = jnp.minimum(last_k, kv_len - 1)  # the tile's last key that exists
+    last_q = last_k + plan.window - 1  # latest query position that sees it
+    return jnp.minimum(_ceil_tiles(last_q - off + 1, plan.tq), plan.nq)
 
 
 def _positions(plan, off, i, j):
@@ -661,12 +788,21 @@ def _positions(plan, off, i, j):
     return q_pos, k_pos
 
 
+def _split(plan, refs):
+    """(forget refs: (c_q, c_k) or None, param refs, the rest) of a kernel's trailing refs."""
+    nf = 2 if plan.forget else 0
+    forget = tuple(refs[:nf]) if nf else None
+    return forget, refs[nf : nf + plan.n_leaves], refs[nf + plan.n_leaves :]
+
+
 # ----------------------------------------------------------------------------------------------
-# Kernel bodies.
+# Kernel bodies. Inputs after q, k, v (and dO, lse, delta in the backward): the cumulative log
+# forget gates of the queries (1, tq or Tp) and keys (1, Sp or tk) when plan.forget, then the
+# bias parameter leaves; then the outputs.
 
 
 def _forward_kernel(plan, off_ref, len_ref, q_ref, k_ref, v_ref, *refs):
-    param_refs, (o_ref, lse_ref) = refs[: plan.n_leaves], refs[plan.n_leaves :]
+    forget, param_refs, (o_ref, lse_ref) = _split(plan, refs)
     b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     off, kv_len = off_ref[b], len_ref[b]
     params = None
@@ -674,6 +810,7 @@ def _forward_kernel(plan, off_ref, len_ref, q_ref, k_ref, v_ref, *refs):
         leaves = _read_params(plan, param_refs)
         params = jax.tree.unflatten(plan.treedef, leaves)
     q = q_ref[...]  # (tq, Hp)
+    c_q = None if forget is None else forget[0][0, :]  # (tq,)
 
     def body(j, carry):
         m, l_sum, acc = carry
@@ -683,6 +820,8 @@ def _forward_kernel(plan, off_ref, len_ref, q_ref, k_ref, v_ref, *refs):
         q_pos, k_pos = _positions(plan, off, i, j)
         if params is not None:
             s = s + _head_bias(plan, params, h, q_pos, k_pos)
+        if forget is not None:
+            s = s + (c_q[:, None] - forget[1][0, ks][None, :])
         mask = _visible(plan, q_pos, k_pos, kv_len)
         if mask is not None:
             s = jnp.where(mask, s, -jnp.inf)
@@ -699,7 +838,8 @@ def _forward_kernel(plan, off_ref, len_ref, q_ref, k_ref, v_ref, *refs):
         jnp.zeros((plan.tq,), f32),
         jnp.zeros((plan.tq, plan.Hp), f32),
     )
-    m, l_sum, acc = lax.fori_loop(0, _key_tile_end(plan, off, kv_len, i), body, init)
+    start = _key_tile_start(plan, off, kv_len, i)
+    m, l_sum, acc = lax.fori_loop(start, _key_tile_end(plan, off, kv_len, i), body, init)
     seen = l_sum > 0.0
     l_safe = jnp.where(seen, l_sum, 1.0)
     o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)  # a row that saw nothing stays 0
@@ -707,18 +847,20 @@ def _forward_kernel(plan, off_ref, len_ref, q_ref, k_ref, v_ref, *refs):
 
 
 def _dkdv_kernel(plan, off_ref, len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs):
-    n = plan.n_leaves
-    param_refs, (dk_ref, dv_ref), dparam_refs = refs[:n], refs[n : n + 2], refs[n + 2 :]
+    forget, param_refs, outs = _split(plan, refs)
+    (dk_ref, dv_ref), outs = outs[:2], outs[2:]
+    dck_ref, dparam_refs = (outs[0], outs[1:]) if forget is not None else (None, outs)
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     off, kv_len = off_ref[b], len_ref[b]
     k, v = k_ref[...], v_ref[...]  # (tk, Hp)
+    c_k = None if forget is None else forget[1][0, :]  # (tk,)
     leaves = floats = None
     if plan.bias_fn is not None:
         leaves = _read_params(plan, param_refs)
         floats = [x for x, f in zip(leaves, plan.is_float, strict=True) if f]
 
     def body(i, carry):
-        dk, dv, d_floats = carry
+        dk, dv, dc_k, d_floats = carry
         qs = pl.ds(pl.multiple_of(i * plan.tq, plan.tq), plan.tq)
         q, do = q_ref[qs, :], do_ref[qs, :]  # (tq, Hp)
         lse, delta = lse_ref[0, qs], delta_ref[0, qs]  # (tq,)
@@ -730,6 +872,8 @@ def _dkdv_kernel(plan, off_ref, len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, d
                 lambda fl: _head_bias(plan, _rebuild(plan, leaves, fl), h, q_pos, k_pos), floats
             )
             s = s + bias_h
+        if forget is not None:
+            s = s + (forget[0][0, qs][:, None] - c_k[None, :])
         mask = _visible(plan, q_pos, k_pos, kv_len)
         if mask is not None:
             s = jnp.where(mask, s, -jnp.inf)
@@ -738,22 +882,30 @@ def _dkdv_kernel(plan, off_ref, len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, d
         dp = _dot(do, v, (1, 1))  # (tq, tk)
         ds = p * (dp - delta[:, None])  # d loss / d logits
         dk = dk + plan.scale * _dot(ds.astype(q.dtype), q, (0, 0))
+        if forget is not None:
+            dc_k = dc_k - jnp.sum(ds, axis=0)  # logit (i, j) has -c_k[j]
         if pull is not None:
             d_floats = [a + g.astype(f32) for a, g in zip(d_floats, pull(ds)[0], strict=True)]
-        return dk, dv, d_floats
+        return dk, dv, dc_k, d_floats
 
     zeros = jnp.zeros((plan.tk, plan.Hp), f32)
     d_floats = [] if floats is None else [jnp.zeros(x.shape, f32) for x in floats]
     start = _query_tile_start(plan, off, kv_len, j)
-    dk, dv, d_floats = lax.fori_loop(start, plan.nq, body, (zeros, zeros, d_floats))
+    end = _query_tile_end(plan, off, kv_len, j)
+    init = (zeros, zeros, jnp.zeros((plan.tk,), f32), d_floats)
+    dk, dv, dc_k, d_floats = lax.fori_loop(start, end, body, init)
     dk_ref[...] = dk
     dv_ref[...] = dv
+    if dck_ref is not None:
+        dck_ref[0, :] = dc_k
     for ref, g in zip(dparam_refs, d_floats, strict=True):
         ref[...] = g.reshape(ref.shape)
 
 
 def _dq_kernel(plan, off_ref, len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs):
-    param_refs, dq_ref = refs[: plan.n_leaves], refs[plan.n_leaves]
+    forget, param_refs, outs = _split(plan, refs)
+    dq_ref = outs[0]
+    dcq_ref = outs[1] if forget is not None else None
     b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     off, kv_len = off_ref[b], len_ref[b]
     params = None
@@ -761,23 +913,34 @@ def _dq_kernel(plan, off_ref, len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, del
         params = jax.tree.unflatten(plan.treedef, _read_params(plan, param_refs))
     q, do = q_ref[...], do_ref[...]  # (tq, Hp)
     lse, delta = lse_ref[0, :], delta_ref[0, :]  # (tq,)
+    c_q = None if forget is None else forget[0][0, :]  # (tq,)
 
-    def body(j, dq):
+    def body(j, carry):
+        dq, dc_q = carry
         ks = pl.ds(pl.multiple_of(j * plan.tk, plan.tk), plan.tk)
         k, v = k_ref[ks, :], v_ref[ks, :]
         s = _dot(q, k, (1, 1)) * plan.scale
         q_pos, k_pos = _positions(plan, off, i, j)
         if params is not None:
             s = s + _head_bias(plan, params, h, q_pos, k_pos)
+        if forget is not None:
+            s = s + (c_q[:, None] - forget[1][0, ks][None, :])
         mask = _visible(plan, q_pos, k_pos, kv_len)
         if mask is not None:
             s = jnp.where(mask, s, -jnp.inf)
         p = jnp.exp(s - lse[:, None])
         ds = p * (_dot(do, v, (1, 1)) - delta[:, None])
-        return dq + plan.scale * _dot(ds.astype(k.dtype), k, (1, 0))
+        if forget is not None:
+            dc_q = dc_q + jnp.sum(ds, axis=1)  # logit (i, j) has +c_q[i]
+        return dq + plan.scale * _dot(ds.astype(k.dtype), k, (1, 0)), dc_q
 
+    start = _key_tile_start(plan, off, kv_len, i)
     end = _key_tile_end(plan, off, kv_len, i)
-    dq_ref[...] = lax.fori_loop(0, end, body, jnp.zeros((plan.tq, plan.Hp), f32))
+    init = (jnp.zeros((plan.tq, plan.Hp), f32), jnp.zeros((plan.tq,), f32))
+    dq, dc_q = lax.fori_loop(start, end, body, init)
+    dq_ref[...] = dq
+    if dcq_ref is not None:
+        dcq_ref[0, :] = dc_q
 
 
 # ----------------------------------------------------------------------------------------------
@@ -845,39 +1008,46 @@ def _specs(plan):
         row_tile=pl.BlockSpec((None, None, 1, tq), lambda b, h, i: (b, h, 0, i)),
         row_all=pl.BlockSpec((None, None, 1, plan.nq * tq), lambda b, h, j: (b, h, 0, 0)),
         key_out=pl.BlockSpec((None, None, tk, Hp), lambda b, h, j: (b, h, j, 0)),
+        # Per query head, over key positions (the keys' cumulative log forget gates, FoX).
+        key_row_tile=pl.BlockSpec((None, None, 1, tk), lambda b, h, j: (b, h, 0, j)),
+        key_row_all=pl.BlockSpec((None, None, 1, plan.nk * tk), lambda b, h, i: (b, h, 0, 0)),
     )
 
 
-def _forward(plan, qh, kh, vh, floats, ints, offsets, kv_len):
+def _forward(plan, qh, kh, vh, floats, ints, offsets, kv_len, forget):
     """out (B, N, Tp, Hp) in q's dtype, lse float32 (B, N, 1, Tp)."""
     B, N, Tp, Hp = qh.shape
     leaves = _kernel_leaves(ints, floats, plan)
     sp = _specs(plan)
     scalar = _scalar_spec(plan)
+    forget = () if forget is None else tuple(forget)
+    forget_specs = [sp["row_tile"], sp["key_row_all"]] if forget else []
     return _call(
         plan,
         _forward_kernel,
         (B, N, plan.nq),
-        [scalar, scalar, sp["q_tile"], sp["kv_all"], sp["kv_all"], *map(_whole, leaves)],
+        [scalar, scalar, sp["q_tile"], sp["kv_all"], sp["kv_all"], *forget_specs]
+        + list(map(_whole, leaves)),
         [sp["q_tile"], sp["row_tile"]],
         [jax.ShapeDtypeStruct(qh.shape, qh.dtype), jax.ShapeDtypeStruct((B, N, 1, Tp), f32)],
-        (offsets, kv_len, qh, kh, vh, *leaves),
+        (offsets, kv_len, qh, kh, vh, *forget, *leaves),
         "posattn_flash_forward",
     )
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(plan, qh, kh, vh, floats, ints, offsets, kv_len):
-    return _forward(plan, qh, kh, vh, floats, ints, offsets, kv_len)[0]
+def _flash(plan, qh, kh, vh, floats, ints, offsets, kv_len, forget):
+    """forget: None or (c_q float32 (B, N, 1, Tp), c_k float32 (B, N, 1, Sp)), differentiated."""
+    return _forward(plan, qh, kh, vh, floats, ints, offsets, kv_len, forget)[0]
 
 
-def _flash_fwd(plan, qh, kh, vh, floats, ints, offsets, kv_len):
-    out, lse = _forward(plan, qh, kh, vh, floats, ints, offsets, kv_len)
-    return out, (qh, kh, vh, floats, ints, offsets, kv_len, out, lse)
+def _flash_fwd(plan, qh, kh, vh, floats, ints, offsets, kv_len, forget):
+    out, lse = _forward(plan, qh, kh, vh, floats, ints, offsets, kv_len, forget)
+    return out, (qh, kh, vh, floats, ints, offsets, kv_len, forget, out, lse)
 
 
 def _flash_bwd(plan, res, d_out):
-    qh, kh, vh, floats, ints, offsets, kv_len, out, lse = res
+    qh, kh, vh, floats, ints, offsets, kv_len, forget, out, lse = res
     B, N, Tp, Hp = qh.shape
     K, Sp = kh.shape[1], kh.shape[2]
     d_out = d_out.astype(qh.dtype)
@@ -887,7 +1057,11 @@ def _flash_bwd(plan, res, d_out):
     float_kernel_leaves = [x for x, f in zip(leaves, plan.is_float, strict=True) if f]
     sp = _specs(plan)
     scalar = _scalar_spec(plan)
-    args = (offsets, kv_len, qh, kh, vh, d_out, lse, delta, *leaves)
+    c_args = () if forget is None else tuple(forget)
+    args = (offsets, kv_len, qh, kh, vh, d_out, lse, delta, *c_args, *leaves)
+    # The logits' gradient dS gives d c_q = rowsum(dS) (dQ kernel) and d c_k = -colsum(dS) (dK/dV).
+    c_row = [jax.ShapeDtypeStruct((B, N, 1, Tp), f32)] if c_args else []
+    c_key = [jax.ShapeDtypeStruct((B, N, 1, Sp), f32)] if c_args else []
 
     # Per-program parameter partials, each leaf flattened to a (1, size) block: the block's last
     # two dimensions are then the array's (as Mosaic requires).
@@ -895,26 +1069,32 @@ def _flash_bwd(plan, res, d_out):
         pl.BlockSpec((None, None, None, 1, x.size), lambda b, h, j: (b, h, j, 0, 0))
         for x in float_kernel_leaves
     ]
-    dk, dv, *d_partials = _call(
+    dk, dv, *rest = _call(
         plan,
         _dkdv_kernel,
         (B, N, plan.nk),
         [scalar, scalar, sp["q_all"], sp["kv_tile"], sp["kv_tile"], sp["q_all"], sp["row_all"]]
-        + [sp["row_all"], *map(_whole, leaves)],
-        [sp["key_out"], sp["key_out"], *partial_specs],
+        + [sp["row_all"]]
+        + ([sp["row_all"], sp["key_row_tile"]] if c_args else [])
+        + list(map(_whole, leaves)),
+        [sp["key_out"], sp["key_out"]] + ([sp["key_row_tile"]] if c_args else []) + partial_specs,
         [jax.ShapeDtypeStruct((B, N, Sp, Hp), f32)] * 2
+        + c_key
         + [jax.ShapeDtypeStruct((B, N, plan.nk, 1, x.size), f32) for x in float_kernel_leaves],
         args,
         "posattn_flash_dkdv",
     )
-    dq = _call(
+    dc_k, d_partials = (rest[0], rest[1:]) if c_args else (None, rest)
+    dq, *dc_q = _call(
         plan,
         _dq_kernel,
         (B, N, plan.nq),
         [scalar, scalar, sp["q_tile"], sp["kv_all"], sp["kv_all"], sp["q_tile"], sp["row_tile"]]
-        + [sp["row_tile"], *map(_whole, leaves)],
-        sp["q_tile"],
-        jax.ShapeDtypeStruct((B, N, Tp, Hp), f32),
+        + [sp["row_tile"]]
+        + ([sp["row_tile"], sp["key_row_all"]] if c_args else [])
+        + list(map(_whole, leaves)),
+        [sp["q_tile"]] + ([sp["row_tile"]] if c_args else []),
+        [jax.ShapeDtypeStruct((B, N, Tp, Hp), f32)] + c_row,
         args,
         "posattn_flash_dq",
     )
@@ -933,6 +1113,7 @@ def _flash_bwd(plan, res, d_out):
         [None] * len(ints),
         None,
         None,
+        None if forget is None else (dc_q[0], dc_k),
     )
 
 
