@@ -65,9 +65,19 @@ def test_chunked_rows_per_chunk(bias_kind, case, monkeypatch):
 def test_chunked_causal_tiles(q_offset, monkeypatch):
     """A static causal offset splits the queries into tiles that skip the keys above the diagonal
     (at -20 the first tile sees no key at all); output and gradients stay the reference's."""
-    assert chunked._query_tiles(256, 256, 0, 128) == ((0, 128, 128), (128, 256, 256))
-    assert chunked._query_tiles(256, 256, None, 128) == ((0, 256, 256),)
-    assert chunked._query_tiles(37, 45, -20, 16) == ((0, 16, 1), (16, 32, 12), (32, 37, 17))
+    assert chunked._query_tiles(256, 256, 0, 128) == ((0, 128, 0, 128), (128, 256, 0, 256))
+    assert chunked._query_tiles(256, 256, None, 128) == ((0, 256, 0, 256),)
+    assert chunked._query_tiles(37, 45, -20, 16) == (
+        (0, 16, 0, 1),
+        (16, 32, 0, 12),
+        (32, 37, 0, 17),
+    )
+    # a causal window of 8 also skips the keys below each tile's window
+    assert chunked._query_tiles(40, 40, 0, 16, 8) == (
+        (0, 16, 0, 16),
+        (16, 32, 9, 32),
+        (32, 40, 25, 40),
+    )
     monkeypatch.setattr(chunked, "TILE_Q", 16)
     key = jax.random.key(12)
     q, k, v, d_out = _inputs(2, key)

@@ -5,7 +5,10 @@ Shape legend: B batch, T query length, S key length, N query heads, K key/value 
 
 Conventions (docs/attention.md): query positions are `q_offset + arange(T)` (q_offset a scalar or
 one per batch row, e.g. a KV-cache decode step), key positions `arange(S)`; logits are
-`scale * q.k + bias(i, j)`; `causal` hides keys j > i and `kv_lengths` hides keys j >= length.
+`scale * q.k + bias(i, j)`; `causal` hides keys j > i and `kv_lengths` hides keys j >= length;
+a sliding `window` w hides keys with i - j >= w (and j - i >= w when not causal: Hugging Face's
+`sliding_window`). Forgetting attention (`log_forget`, FoX) adds `c[i] - c[j]` to the logits, c
+the float32 cumulative sum of log_forget over the key positions (docs/attention.md).
 Softmax runs in float32 whatever the input dtype; the output keeps q's dtype; a query row that
 sees no key returns zeros, never NaN.
 
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import logging
 import math
 from collections.abc import Callable
@@ -94,6 +98,8 @@ def attention(
     q_offset: int | jax.Array = 0,
     kv_lengths: jax.Array | None = None,
     scale: float | None = None,
+    window: int | None = None,
+    log_forget: jax.Array | None = None,
     implementation: str = "auto",
 ) -> jax.Array:
     """Multi-head (grouped-query) dot-product attention with an optional additive bias.
@@ -110,12 +116,23 @@ def attention(
       q_offset: int or int[B], the position of the first query.
       kv_lengths: int[B] or None; keys j >= kv_lengths[b] are padding.
       scale: logit scale, default 1/sqrt(H) (T5 passes 1.0).
+      window: None, or a static int w >= 1: query i sees key j only if i - j < w (and, when not
+        causal, j - i < w), Hugging Face's `sliding_window` (Mistral, Gemma 2/3). A decode step
+        (q_offset = the cache position) sees the same window as the full sequence.
+      log_forget: None, or float[B, S, N] log forget gates (FoX, Lin et al. 2025), per key
+        position and query head, e.g. log(sigmoid(.)) <= 0: the logit of (i, j) gains
+        sum_{l=j+1..i} log_forget[b, l, h] = c[b, i, h] - c[b, j, h] with c its float32 cumulative
+        sum over positions; query i reads c at its own position, so query positions must lie in
+        [0, S) (self-attention, a KV cache). Needs causal=True.
       implementation: one of IMPLEMENTATIONS.
 
     Returns:
       float[B, T, N, H] in q's dtype.
     """
     _check_inputs(q, k, v, bias, q_offset, kv_lengths)
+    _check_window_and_forget(q, k, window, log_forget, causal, q_offset)
+    if window is not None:
+        window = int(window)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"attention: unknown implementation {implementation!r}; "
@@ -130,37 +147,76 @@ def attention(
     if kv_lengths is not None:
         kv_lengths = jnp.asarray(kv_lengths, jnp.int32)
     run = functools.partial(
-        _dispatch, implementation=implementation, causal=causal, static_offset=static_offset
+        _dispatch,
+        implementation=implementation,
+        causal=causal,
+        static_offset=static_offset,
+        window=window,
     )
     return partition.over_batch(
-        run, q, k, v, bias=bias, q_offset=q_offset, kv_lengths=kv_lengths, scale=scale
+        run,
+        q,
+        k,
+        v,
+        bias=bias,
+        q_offset=q_offset,
+        kv_lengths=kv_lengths,
+        scale=scale,
+        log_forget=log_forget,
     )
 
 
-def _dispatch(q, k, v, bias, q_offset, kv_lengths, scale, *, implementation, causal, static_offset):
+def _dispatch(
+    q,
+    k,
+    v,
+    bias,
+    q_offset,
+    kv_lengths,
+    scale,
+    log_forget,
+    *,
+    implementation,
+    causal,
+    static_offset,
+    window,
+):
     """One implementation on (the local rows of) q, k, v."""
     if implementation == "auto":
         per_row = jnp.ndim(q_offset) == 1 or kv_lengths is not None
         implementation = choose_implementation(
-            q, k, bias, per_row=per_row, causal=causal, static_offset=static_offset
+            q,
+            k,
+            bias,
+            per_row=per_row,
+            causal=causal,
+            static_offset=static_offset,
+            window=window,
+            log_forget=log_forget,
         )
     kwargs = dict(bias=bias, causal=causal, q_offset=q_offset, kv_lengths=kv_lengths, scale=scale)
+    # Only the implementations of this package take the two keywords unconditionally; the fused
+    # kernel gets them only when set (see `_pallas_kwargs`).
+    extra = dict(window=window, log_forget=log_forget)
     match implementation:
         case "reference":
-            return reference_attention(q, k, v, **kwargs)
+            return reference_attention(q, k, v, **kwargs, **extra)
         case "xla":
-            return xla_attention(q, k, v, **kwargs)
+            return xla_attention(q, k, v, **kwargs, **extra)
         case "chunked":
-            return chunked.attention_from_bias(q, k, v, static_offset=static_offset, **kwargs)
+            return chunked.attention_from_bias(
+                q, k, v, static_offset=static_offset, **kwargs, **extra
+            )
         case "blockwise":
-            return blockwise.blockwise_attention(q, k, v, **kwargs)
+            return blockwise.blockwise_attention(q, k, v, **kwargs, **extra)
         case "cudnn":
-            return cudnn.cudnn_attention(q, k, v, static_offset=static_offset, **kwargs)
+            return cudnn.cudnn_attention(q, k, v, static_offset=static_offset, **kwargs, **extra)
         case "pallas":
             pallas = _pallas_module()
             if static_offset is not None:
                 kwargs["q_offset"] = static_offset
-            return pallas.pallas_attention(q, k, v, **kwargs)
+            set_extra = _pallas_kwargs(pallas.pallas_attention, window, log_forget)
+            return pallas.pallas_attention(q, k, v, **kwargs, **set_extra)
 
 
 def _backend() -> str:
@@ -173,11 +229,42 @@ def _pallas_module():
     return importlib.import_module("posattn.attention.pallas")
 
 
-def _pallas_supports(q, k, bias, *, causal, per_row) -> bool:
+def _pallas_kwargs(fn, window, log_forget) -> dict:
+    """{window, log_forget} for a function of pallas.py, holding only those that are set, so that a
+    kernel without these keywords keeps running the calls that do not use them; a set one that
+    `fn` does not take is a clear ValueError."""
+    extra = {
+        name: value
+        for name, value in (("window", window), ("log_forget", log_forget))
+        if value is not None
+    }
+    missing = [name for name in extra if not _takes_keyword(fn, name)]
+    if missing:
+        raise ValueError(
+            f"attention: implementation='pallas' does not take {', '.join(missing)} in this "
+            "version of posattn.attention.pallas; use 'blockwise' or 'auto' instead"
+        )
+    return extra
+
+
+def _takes_keyword(fn, name) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _pallas_supports(q, k, bias, *, causal, per_row, window=None, log_forget=None) -> bool:
     """Whether the fused Pallas kernel takes these inputs on this backend
-    (`pallas.unsupported_reason` says None)."""
+    (`pallas.unsupported_reason` says None; a version of it without the window / forget keywords
+    does not take a call that sets them)."""
     reason = _pallas_module().unsupported_reason
-    return reason(q, k, bias=bias, causal=causal, per_row=per_row) is None
+    try:
+        extra = _pallas_kwargs(reason, window, log_forget)
+    except ValueError:
+        return False
+    return reason(q, k, bias=bias, causal=causal, per_row=per_row, **extra) is None
 
 
 def choose_implementation(
@@ -189,6 +276,8 @@ def choose_implementation(
     causal: bool = False,
     static_offset: int | None = 0,
     backend: str | None = None,
+    window: int | None = None,
+    log_forget: Any = None,
 ) -> str:
     """The rule behind implementation="auto", per backend; logs its choice once per input kind.
 
@@ -203,40 +292,68 @@ def choose_implementation(
     and dtypes (`posattn.attention.cudnn.unsupported_reason`) and its materialised bias stays at
     most AUTO_CUDNN_MAX_BIAS elements; otherwise "blockwise".
 
-    q, k: arrays or shape/dtype structs (the rows one device sees). Pass `implementation=` to
-    `attention` to override.
+    Windows and forgetting attention: `log_forget` makes the logit bias per batch row (c_i - c_j
+    differs per row), so it counts as `per_row` for the materialising kernels ("chunked" on CPU,
+    "cudnn"'s bias size). A window leaves the CPU rule as it is: "chunked" still materialises the
+    [T, S] bias and mask of every head (its causal tiles skip the keys outside the window, so it
+    stays the faster one at short lengths) and past AUTO_CHUNKED_MAX_HEAD_LOGITS "blockwise",
+    whose tiles outside the band are skipped, is the one with memory linear in T. On a GPU the
+    window and the forget gates go to `pallas.unsupported_reason` and
+    `cudnn.unsupported_reason`; cuDNN refuses a window except with its own causal mask at offset
+    0, so such calls fall to "blockwise".
+
+    q, k: arrays or shape/dtype structs (the rows one device sees); log_forget an array, a
+    shape/dtype struct or None. Pass `implementation=` to `attention` to override.
     """
     backend = _backend() if backend is None else backend
     B, T, N, H = q.shape
     S = k.shape[1]
+    # A materialised bias has one slice per batch row with per-row positions or lengths, or with
+    # forget gates.
+    per_row_bias = per_row or log_forget is not None
     if backend == "cpu":
         small = T * S < AUTO_CHUNKED_MAX_HEAD_LOGITS and (
-            not per_row or B * N * T * S < AUTO_BLOCKWISE_MIN_LOGITS
+            not per_row_bias or B * N * T * S < AUTO_BLOCKWISE_MIN_LOGITS
         )
         choice = "chunked" if small else "blockwise"
-    elif _pallas_supports(q, k, bias, causal=causal, per_row=per_row):
+    elif _pallas_supports(
+        q, k, bias, causal=causal, per_row=per_row, window=window, log_forget=log_forget
+    ):
         choice = "pallas"
     else:
-        bias_rows = B if per_row and bias is not None else 1
-        bias_size = 0 if bias is None else bias_rows * N * T * S
+        has_bias = bias is not None or log_forget is not None
+        bias_rows = B if per_row_bias and has_bias else 1
+        bias_size = 0 if not has_bias else bias_rows * N * T * S
         cudnn_ok = (
             cudnn.unsupported_reason(
-                q, k, k, bias=bias, causal=causal, static_offset=static_offset, backend=backend
+                q,
+                k,
+                k,
+                bias=bias,
+                causal=causal,
+                static_offset=static_offset,
+                backend=backend,
+                window=window,
+                log_forget=log_forget,
             )
             is None
         )
         choice = "cudnn" if cudnn_ok and bias_size <= AUTO_CUDNN_MAX_BIAS else "blockwise"
+    forget = log_forget is not None
     key = (backend, q.shape, k.shape, str(q.dtype), _bias_kind(bias), per_row, causal)
+    key += (window, forget)
     if key not in _logged_choices:
         _logged_choices.add(key)
         _log.info(
-            "attention(implementation='auto') on %s: q %s, k %s, %s, bias %s%s -> %r",
+            "attention(implementation='auto') on %s: q %s, k %s, %s, bias %s%s%s%s -> %r",
             backend,
             q.shape,
             k.shape,
             q.dtype,
             _bias_kind(bias),
             ", per-row positions/lengths" if per_row else "",
+            "" if window is None else f", window {window}",
+            ", forget gates" if forget else "",
             choice,
         )
     return choice
@@ -250,6 +367,41 @@ def _bias_kind(bias: Bias) -> str:
     if bias is None:
         return "none"
     return "fn" if isinstance(bias, tuple) else "array"
+
+
+def _check_window_and_forget(q, k, window, log_forget, causal, q_offset) -> None:
+    def fail(msg):
+        raise ValueError(f"attention: {msg}")
+
+    if window is not None:
+        is_int = isinstance(window, (int, np.integer)) and not isinstance(window, (bool, np.bool_))
+        if not is_int or window < 1:
+            fail(
+                f"window must be None (no window) or a static Python int >= 1 (query i sees key j "
+                f"only if i - j < window), got {window!r}"
+            )
+    if log_forget is None:
+        return
+    B, T, N, _ = q.shape
+    S = k.shape[1]
+    shape = getattr(log_forget, "shape", None)
+    if shape != (B, S, N):
+        fail(
+            f"log_forget must have shape [B, S, N] = {(B, S, N)} (per key position and query "
+            f"head), got {shape}"
+        )
+    if not jnp.issubdtype(log_forget.dtype, jnp.floating):
+        fail(f"log_forget must be floating point, got dtype {log_forget.dtype}")
+    if not causal:
+        fail(
+            "log_forget needs causal=True: the forget term sum_{l=j+1..i} log_forget[l] is "
+            "defined for keys j <= i, got causal=False"
+        )
+    if isinstance(q_offset, (int, np.integer)) and not 0 <= int(q_offset) <= S - T:
+        fail(
+            f"log_forget needs query positions q_offset + arange(T) in [0, S) (query i reads the "
+            f"cumulative sum at its own position), got q_offset={int(q_offset)}, T={T}, S={S}"
+        )
 
 
 def _check_inputs(q, k, v, bias, q_offset, kv_lengths) -> None:

@@ -12,9 +12,10 @@ Backward (Alg. 2, one pass): an outer loop over key tiles accumulates dK, dV for
 inner loop over query tiles recomputes the probabilities from the saved log-sum-exp and adds into
 a dQ buffer of size [T] (linear in T). So training memory is linear in T too.
 
-Causal skipping: the key-tile loop of query tile i runs only up to the last key tile that any of
-its queries can see (and the query-tile loop of key tile j starts at the first query tile that can
-see it), so tiles above the diagonal are never computed. Likewise key tiles wholly past
+Causal and window skipping: the key-tile loop of query tile i runs only over the key tiles that
+some of its queries can see (and the query-tile loop of key tile j over the query tiles that can
+see it), so tiles above the diagonal, and with a sliding window w the tiles outside the band
+|i - j| < w, are never computed: the work grows as T x w, not T^2. Likewise key tiles wholly past
 max(kv_lengths) are skipped. The bounds are traced values (fori_loop over a while loop), so the
 compiled program does not grow with T.
 
@@ -26,6 +27,13 @@ The bias is evaluated per tile: a `(BiasFn, params)` pair is called on the tile'
 per batch row when q_offset is per-row) and differentiated with `jax.vjp` per tile, its parameter
 cotangents summed over tiles; a materialised [N, T, S] bias is sliced per tile and its gradient
 written tile by tile.
+
+Forgetting attention (FoX): the tiles take the float32 cumulative sums c = cumsum(log_forget) at
+their query positions, c_q [tq], and key positions, c_k [tk], and add c_q[:, None] - c_k[None, :]
+to the logits; no [T, S] term is ever formed. The backward returns d c_q = rowsum(dS) and
+d c_k = -colsum(dS) per tile (dS the logit gradient), and JAX's autodiff of the gather and the
+cumulative sum outside the kernel turns them into d log_forget (a reverse cumulative sum). The
+query-side rowsum is zero in exact arithmetic (c_i shifts a whole row, which softmax ignores).
 """
 
 from __future__ import annotations
@@ -64,6 +72,8 @@ class _Plan:
     bias_kind: str  # "none" | "fn" | "array"
     bias_fn: Callable | None  # BiasFn(params, q_pos, k_pos) -> float[N, tq, tk]
     kv_mask: bool  # keys past kv_len exist (explicit lengths or S padded to Sp)
+    window: int | None = None  # sliding window: query i sees key j only if i - j < window
+    forget: bool = False  # the forget term c_q - c_k is added to the logits
 
 
 def blockwise_attention(
@@ -76,13 +86,16 @@ def blockwise_attention(
     q_offset: int | jax.Array = 0,
     kv_lengths: jax.Array | None = None,
     scale: float | None = None,
+    window: int | None = None,
+    log_forget: jax.Array | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
 ) -> jax.Array:
     """Same contract as `posattn.attention.attention` (which validates the inputs), tiled.
 
     Args:
-      q, k, v, bias, causal, q_offset, kv_lengths, scale: as in `posattn.attention.attention`.
+      q, k, v, bias, causal, q_offset, kv_lengths, scale, window, log_forget: as in
+        `posattn.attention.attention`.
       block_q: query tile size (clipped to T).
       block_k: key tile size (clipped to S).
 
@@ -130,13 +143,21 @@ def blockwise_attention(
         bias_kind=bias_kind,
         bias_fn=bias_fn,
         kv_mask=kv_len is not None,
+        window=None if window is None else int(window),
+        forget=log_forget is not None,
     )
 
     qt = tiles.group_heads(jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, 0))), K)
     qt = qt.reshape(B, nq, tq, K, G, H).transpose(1, 0, 3, 4, 2, 5)  # (nq, B, K, G, tq, H)
     kt = _tile_keys(k, nk, tk)  # (nk, B, K, tk, H)
     vt = _tile_keys(v, nk, tk)  # (nk, B, K, tk, H)
-    out = _flash(plan, qt, kt, vt, params, offsets, kv_len)  # (nq, B, K, G, tq, H)
+    cq = ck = None
+    if log_forget is not None:
+        c = masks.forget_cumsum(log_forget)  # (B, S, N) float32
+        c_q = masks.forget_at_queries(c, masks.query_positions(offsets, T))  # (B, T, N)
+        cq = _tile_forget(c_q, nq, tq, K)  # (nq, B, K, G, tq)
+        ck = _tile_forget(c, nk, tk, K)  # (nk, B, K, G, tk)
+    out = _flash(plan, qt, kt, vt, params, offsets, kv_len, cq, ck)  # (nq, B, K, G, tq, H)
     out = out.transpose(1, 0, 4, 2, 3, 5).reshape(B, Tp, N, H)  # (B, Tp, N, H)
     return out[:, :T]
 
@@ -145,6 +166,13 @@ def _tile_keys(x, nk, tk):
     B, S, K, H = x.shape
     x = jnp.pad(x, ((0, 0), (0, nk * tk - S), (0, 0), (0, 0)))
     return x.reshape(B, nk, tk, K, H).transpose(1, 0, 3, 2, 4)  # (nk, B, K, tk, H)
+
+
+def _tile_forget(c, n, t, K):
+    """float32[B, L, N] cumulative sums -> (n, B, K, G, t) tiles (zero-padded to n * t)."""
+    B, L, N = c.shape
+    c = jnp.pad(c, ((0, 0), (0, n * t - L), (0, 0)))
+    return c.reshape(B, n, t, K, N // K).transpose(1, 0, 3, 4, 2)  # (n, B, K, G, t)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -170,11 +198,23 @@ def _tile_bias(plan, params, offsets, i, j):
     return b.astype(f32).reshape(b.shape[0], plan.K, plan.G, plan.tq, plan.tk)
 
 
+def _tile_logit_bias(plan, bias_t, cq, ck, i, j):
+    """The position bias tile (B|1, K, G, tq, tk) plus the forget term c_q - c_k (B, ...)."""
+    if not plan.forget:
+        return bias_t
+    f = cq[i][..., :, None] - ck[j][..., None, :]  # (B, K, G, tq, tk)
+    return f if bias_t is None else bias_t + f
+
+
 def _tile_mask(plan, offsets, kv_len, i, j):
     """bool[B or 1, 1, 1, tq, tk] (True = visible) or None when nothing is hidden."""
     q_pos, k_pos = _tile_positions(plan, offsets, i, j)
     return tiles.tile_mask(
-        q_pos, k_pos, causal=plan.causal, kv_lengths=kv_len if plan.kv_mask else None
+        q_pos,
+        k_pos,
+        causal=plan.causal,
+        kv_lengths=kv_len if plan.kv_mask else None,
+        window=plan.window,
     )
 
 
@@ -198,15 +238,21 @@ def _scores(plan, q_i, k_j, bias_t, mask, *, keys_transposed=False):
 def _with_tile_mask(plan, offsets, kv_len, i, j, step, carry):
     """step(carry, mask) for tile (i, j); mask is None when every pair in the tile is visible.
 
-    Only tiles crossing the causal diagonal or a kv length need the select; `lax.cond` runs the
-    mask-free branch for the others.
+    Only tiles crossing the causal diagonal, a window edge or a kv length need the select;
+    `lax.cond` runs the mask-free branch for the others.
     """
-    if not (plan.causal or plan.kv_mask):
+    if not (plan.causal or plan.kv_mask or plan.window is not None):
         return step(carry, None)
-    last_k = j * plan.tk + plan.tk - 1
+    first_k, last_k = j * plan.tk, j * plan.tk + plan.tk - 1
+    first_q = jnp.min(offsets) + i * plan.tq  # the tile's earliest and latest query positions
+    last_q = jnp.max(offsets) + i * plan.tq + plan.tq - 1
     all_visible = jnp.bool_(True)
     if plan.causal:  # the earliest query of the tile sees the tile's last key
-        all_visible &= jnp.min(offsets) + i * plan.tq >= last_k
+        all_visible &= first_q >= last_k
+    if plan.window is not None:  # the latest query still sees the tile's first key
+        all_visible &= last_q - first_k < plan.window
+        if not plan.causal:  # and the earliest query the tile's last key
+            all_visible &= last_k - first_q < plan.window
     if plan.kv_mask:
         all_visible &= last_k < jnp.min(kv_len)
     return jax.lax.cond(
@@ -217,11 +263,22 @@ def _with_tile_mask(plan, offsets, kv_len, i, j, step, carry):
     )
 
 
+def _key_tile_start(plan, offsets, i):
+    """The first key tile that query tile i can see (traced int): 0 without a window."""
+    if plan.window is None:
+        return jnp.int32(0)
+    first_key = tiles.window_key_start(jnp.min(offsets) + i * plan.tq, plan.window)
+    return jnp.clip(first_key // plan.tk, 0, plan.nk)
+
+
 def _key_tile_end(plan, offsets, kv_len, i):
     """One past the last key tile that query tile i can see (traced int)."""
     end = jnp.int32(plan.nk)
     if plan.causal:
         key_end = tiles.causal_key_end(jnp.max(offsets), (i + 1) * plan.tq)
+        end = jnp.clip(-(-key_end // plan.tk), 0, plan.nk)
+    elif plan.window is not None:
+        key_end = tiles.window_key_end(jnp.max(offsets) + (i + 1) * plan.tq - 1, plan.window)
         end = jnp.clip(-(-key_end // plan.tk), 0, plan.nk)
     if plan.kv_mask:
         end = jnp.minimum(end, -(-jnp.max(kv_len) // plan.tk))
@@ -230,10 +287,21 @@ def _key_tile_end(plan, offsets, kv_len, i):
 
 def _query_tile_start(plan, offsets, j):
     """The first query tile that can see key tile j (traced int)."""
-    if not plan.causal:
+    if not plan.causal and plan.window is None:
         return jnp.int32(0)
-    first_q = tiles.causal_query_start(jnp.max(offsets), j * plan.tk)
+    if plan.causal:
+        first_q = tiles.causal_query_start(jnp.max(offsets), j * plan.tk)
+    else:
+        first_q = tiles.window_query_start(jnp.max(offsets), j * plan.tk, plan.window)
     return jnp.clip(first_q // plan.tq, 0, plan.nq)
+
+
+def _query_tile_end(plan, offsets, j):
+    """One past the last query tile that can see key tile j (traced int): nq without a window."""
+    if plan.window is None:
+        return jnp.int32(plan.nq)
+    last_q = tiles.window_query_end(jnp.min(offsets), j * plan.tk + plan.tk - 1, plan.window) - 1
+    return jnp.clip(last_q // plan.tq + 1, 0, plan.nq)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -241,11 +309,11 @@ def _query_tile_start(plan, offsets, j):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(plan, qt, kt, vt, params, offsets, kv_len):
-    return _forward(plan, qt, kt, vt, params, offsets, kv_len)[0]
+def _flash(plan, qt, kt, vt, params, offsets, kv_len, cq, ck):
+    return _forward(plan, qt, kt, vt, params, offsets, kv_len, cq, ck)[0]
 
 
-def _forward(plan, qt, kt, vt, params, offsets, kv_len):
+def _forward(plan, qt, kt, vt, params, offsets, kv_len, cq, ck):
     """Returns out (nq, B, K, G, tq, H) in q's dtype and lse float32 (nq, B, K, G, tq)."""
     _, B, K, G, tq, H = qt.shape
 
@@ -255,33 +323,32 @@ def _forward(plan, qt, kt, vt, params, offsets, kv_len):
         q_i = qt[i]  # (B, K, G, tq, H)
 
         def step(carry, mask, j):
-            s = _scores(
-                plan,
-                q_i,
-                kt_t[j],
-                _tile_bias(plan, params, offsets, i, j),
-                mask,
-                keys_transposed=True,
-            )  # (B, K, G, tq, tk)
+            bias_t = _tile_logit_bias(plan, _tile_bias(plan, params, offsets, i, j), cq, ck, i, j)
+            s = _scores(plan, q_i, kt_t[j], bias_t, mask, keys_transposed=True)  # (B,K,G,tq,tk)
             return tiles.online_softmax_step(carry, s, vt[j])
 
         def key_tile(j, carry):
             return _with_tile_mask(plan, offsets, kv_len, i, j, partial(step, j=j), carry)
 
         init = tiles.softmax_init((B, K, G, tq), H)
-        state = jax.lax.fori_loop(0, _key_tile_end(plan, offsets, kv_len, i), key_tile, init)
+        state = jax.lax.fori_loop(
+            _key_tile_start(plan, offsets, i),
+            _key_tile_end(plan, offsets, kv_len, i),
+            key_tile,
+            init,
+        )
         return tiles.softmax_finish(state, qt.dtype)[0], tiles.log_sum_exp(state)
 
     return jax.lax.map(query_tile, jnp.arange(plan.nq, dtype=jnp.int32))
 
 
-def _flash_fwd(plan, qt, kt, vt, params, offsets, kv_len):
-    out, lse = _forward(plan, qt, kt, vt, params, offsets, kv_len)
-    return out, (qt, kt, vt, params, offsets, kv_len, out, lse)
+def _flash_fwd(plan, qt, kt, vt, params, offsets, kv_len, cq, ck):
+    out, lse = _forward(plan, qt, kt, vt, params, offsets, kv_len, cq, ck)
+    return out, (qt, kt, vt, params, offsets, kv_len, cq, ck, out, lse)
 
 
 def _flash_bwd(plan, res, d_out):
-    qt, kt, vt, params, offsets, kv_len, out, lse = res
+    qt, kt, vt, params, offsets, kv_len, cq, ck, out, lse = res
     d_out = d_out.astype(qt.dtype)
     delta = tiles.softmax_delta(d_out, out)  # (nq, B, K, G, tq)
     if plan.bias_kind == "fn":  # differentiate the floating-point leaves only
@@ -295,11 +362,12 @@ def _flash_bwd(plan, res, d_out):
             d_params = ()
 
     def key_tile(j, carry):
-        dq, dk, dv, d_params = carry
+        dq, dk, dv, d_params, dcq, dck = carry
         k_j, v_j = kt[j], vt[j]  # (B, K, tk, H)
 
         def tile_grads(i, mask):
-            """Tile (i, j)'s contributions: dq_i, dk_j, dv_j and the bias cotangent."""
+            """Tile (i, j)'s contributions: dq_i, dk_j, dv_j, the bias cotangent and the forget
+            cotangents d c_q (B, K, G, tq) and d c_k (B, K, G, tk)."""
             q_i, do_i = qt[i], d_out[i]  # (B, K, G, tq, H)
             pull = None
             match plan.bias_kind:
@@ -309,7 +377,7 @@ def _flash_bwd(plan, res, d_out):
                     )
                 case _:
                     bias_t = _tile_bias(plan, params, offsets, i, j)
-            s = _scores(plan, q_i, k_j, bias_t, mask)
+            s = _scores(plan, q_i, k_j, _tile_logit_bias(plan, bias_t, cq, ck, i, j), mask)
             p = tiles.probabilities_from_lse("query_major", s, lse[i])  # hidden, empty rows: 0
             dq, dk, dv, ds = tiles.tile_grads(
                 "query_major",
@@ -321,6 +389,7 @@ def _flash_bwd(plan, res, d_out):
                 delta=delta[i],
                 scale=plan.scale,
             )  # ds: (B, K, G, tq, tk)
+            d_forget = tiles.forget_grads(ds) if plan.forget else ((), ())
             d_bias = ()
             if bias_t is not None:
                 ds = tiles.sum_to(ds, bias_t.shape)  # a bias shared by the batch
@@ -329,34 +398,62 @@ def _flash_bwd(plan, res, d_out):
                         d_bias = pull(ds)[0]
                     case "array":
                         d_bias = ds[0].reshape(params.shape[2:])  # (N, tq, tk)
-            return dq, dk, dv, d_bias
+            return dq, dk, dv, d_bias, d_forget
 
         def query_tile(i, carry):
-            dq, dk_j, dv_j, d_params = carry
+            dq, dk_j, dv_j, d_params, dcq, dck_j = carry
             # Only tile-sized values cross the cond, so the [T]-sized buffers update in place.
-            dq_i, dk, dv, d_bias = _with_tile_mask(
+            dq_i, dk, dv, d_bias, (dcq_i, dck) = _with_tile_mask(
                 plan, offsets, kv_len, i, j, lambda _, mask: tile_grads(i, mask), None
             )
+            if plan.forget:
+                dcq, dck_j = dcq.at[i].add(dcq_i), dck_j + dck
             match plan.bias_kind:
                 case "fn":
                     d_params = [a + b for a, b in zip(d_params, d_bias, strict=True)]
                 case "array":
                     d_params = d_params.at[i, j].set(d_bias)
-            return dq.at[i].add(dq_i), dk_j + dk, dv_j + dv, d_params
+            return dq.at[i].add(dq_i), dk_j + dk, dv_j + dv, d_params, dcq, dck_j
 
         zeros = jnp.zeros(k_j.shape, f32)
-        dq, dk_j, dv_j, d_params = jax.lax.fori_loop(
-            _query_tile_start(plan, offsets, j), plan.nq, query_tile, (dq, zeros, zeros, d_params)
+        dck_j = jnp.zeros(ck.shape[1:], f32) if plan.forget else ()
+        dq, dk_j, dv_j, d_params, dcq, dck_j = jax.lax.fori_loop(
+            _query_tile_start(plan, offsets, j),
+            _query_tile_end(plan, offsets, j),
+            query_tile,
+            (dq, zeros, zeros, d_params, dcq, dck_j),
         )
-        return dq, dk.at[j].set(dk_j), dv.at[j].set(dv_j), d_params
+        if plan.forget:
+            dck = dck.at[j].set(dck_j)
+        return dq, dk.at[j].set(dk_j), dv.at[j].set(dv_j), d_params, dcq, dck
 
-    # The last query tile sees the most keys: no key tile past what it sees is needed.
+    # The first query tile sees the earliest keys, the last query tile the latest: no key tile
+    # outside that range is needed.
+    first_key_tile = _key_tile_start(plan, offsets, 0)
     n_key_tiles = _key_tile_end(plan, offsets, kv_len, plan.nq - 1)
-    init = (jnp.zeros(qt.shape, f32), jnp.zeros(kt.shape, f32), jnp.zeros(vt.shape, f32), d_params)
-    dq, dk, dv, d_params = jax.lax.fori_loop(0, n_key_tiles, key_tile, init)
+    d_forget = (jnp.zeros(cq.shape, f32), jnp.zeros(ck.shape, f32)) if plan.forget else ((), ())
+    init = (
+        jnp.zeros(qt.shape, f32),
+        jnp.zeros(kt.shape, f32),
+        jnp.zeros(vt.shape, f32),
+        d_params,
+        *d_forget,
+    )
+    dq, dk, dv, d_params, dcq, dck = jax.lax.fori_loop(first_key_tile, n_key_tiles, key_tile, init)
     if plan.bias_kind == "fn":
         d_params = cotangent(d_params)
-    return (dq.astype(qt.dtype), dk.astype(kt.dtype), dv.astype(vt.dtype), d_params, None, None)
+    if not plan.forget:
+        dcq = dck = None
+    return (
+        dq.astype(qt.dtype),
+        dk.astype(kt.dtype),
+        dv.astype(vt.dtype),
+        d_params,
+        None,
+        None,
+        dcq,
+        dck,
+    )
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

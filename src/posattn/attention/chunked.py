@@ -5,7 +5,9 @@ query heads per key/value head, H head dim, R batch rows per chunk.
 
 The fast path at training lengths (T, S up to ~1k) on XLA:CPU. `posattn.attention` builds the
 additive logit bias (the position bias with -inf at hidden keys, `attention_from_bias`) and
-`chunked_attention` only sees arrays.
+`chunked_attention` only sees arrays. A sliding window is part of those -inf (with a static causal
+offset the query tiles also skip the keys below their window), and the forgetting-attention term
+c_i - c_j is part of the bias, one slice per batch row.
 
 Forward: a `lax.scan` over chunks of R batch rows. Per chunk, in head-major layout,
 `s = scale q k^T + bias` ([R, K, G, T, S]), its row max and sum, `out = softmax(s) v`; the row max
@@ -61,22 +63,40 @@ class _Plan:
     rows: int  # batch rows per chunk (R), a divisor of B
     per_row_bias: bool  # the bias has one slice per batch row (per-row offsets or lengths)
     bias_grad: bool  # compute the bias gradient (False: the bias is a constant mask)
-    tiles: tuple[tuple[int, int, int], ...]  # (first query, end query, end key) of each query tile
+    # (first query, end query, first key, end key) of each query tile
+    tiles: tuple[tuple[int, int, int, int], ...]
 
 
 def attention_from_bias(
-    q, k, v, *, bias, causal, q_offset, kv_lengths, scale, static_offset=None
+    q,
+    k,
+    v,
+    *,
+    bias,
+    causal,
+    q_offset,
+    kv_lengths,
+    scale,
+    static_offset=None,
+    window=None,
+    log_forget=None,
 ) -> jax.Array:
     """`chunked_attention` on the bias materialised [B or 1, N, T, S] with -inf at hidden keys:
     the contract of `posattn.attention.attention`.
 
     `static_offset`: q_offset as a Python int when it is one (the causal tiles are then static).
+    The window joins the mask; the forget term c_i - c_j (c = cumsum(log_forget) in float32) joins
+    the materialised bias, one slice per batch row, and JAX differentiates the cumulative sum and
+    the gather outside the kernel from the bias gradient.
     """
     T, S = q.shape[1], k.shape[1]
     q_pos = masks.query_positions(q_offset, T)  # (B or 1, T)
-    logit_bias = None if bias is None else masks.materialize_bias(bias, q_pos, S)  # (B|1,N,T,S)
-    if causal or kv_lengths is not None:
-        visible = masks.visibility_mask(q_pos, S, causal=causal, kv_lengths=kv_lengths)
+    c = None if log_forget is None else masks.forget_cumsum(log_forget)  # (B, S, N)
+    logit_bias = masks.materialize_logit_bias(bias, c, q_pos, S)  # (B|1, N, T, S) or None
+    if causal or kv_lengths is not None or window is not None:
+        visible = masks.visibility_mask(
+            q_pos, S, causal=causal, kv_lengths=kv_lengths, window=window
+        )
         logit_bias = jnp.where(
             visible[:, None], 0.0 if logit_bias is None else logit_bias, -jnp.inf
         )  # (B|1, N|1, T, S)
@@ -86,8 +106,9 @@ def attention_from_bias(
         v,
         logit_bias,
         scale=scale,
-        bias_grad=bias is not None,
+        bias_grad=bias is not None or c is not None,
         causal_offset=static_offset if causal else None,
+        window=window if causal else None,
     )
 
 
@@ -102,6 +123,7 @@ def chunked_attention(
     causal_offset: int | None = None,
     chunk_logits: int | None = None,
     tile_q: int | None = None,
+    window: int | None = None,
 ) -> jax.Array:
     """softmax(scale q k^T + logit_bias) v, chunked over the batch.
 
@@ -121,6 +143,8 @@ def chunked_attention(
       chunk_logits: logits per chunk, default CHUNK_LOGITS; R, the rows per chunk, is the largest
         divisor of B with R * N * T * S <= chunk_logits (at least 1, at most MAX_CHUNK_ROWS).
       tile_q: query tile of the causal skipping, default TILE_Q.
+      window: with `causal_offset`, a causal sliding window w that `logit_bias` already applies
+        (keys j <= i - w hidden): query tiles then also skip the keys below their window.
 
     Returns:
       float[B, T, N, H] in q's dtype.
@@ -143,23 +167,26 @@ def chunked_attention(
         rows=rows,
         per_row_bias=bias is not None and bias.shape[0] != 1,
         bias_grad=bool(bias_grad) and bias is not None,
-        tiles=_query_tiles(T, S, causal_offset, TILE_Q if tile_q is None else tile_q),
+        tiles=_query_tiles(T, S, causal_offset, TILE_Q if tile_q is None else tile_q, window),
     )
     out = _attend(plan, tiles.group_heads(q, K), k, v, bias)  # (B, T, K, G, H)
     return tiles.ungroup_heads(out)
 
 
-def _query_tiles(T, S, causal_offset, tile_q):
-    """(first query, end query, end key) per query tile: with a static causal offset, tile
-    [a, b) needs keys [0, offset + b) only; otherwise one tile sees every key."""
-    if causal_offset is None or T <= tile_q:
-        return ((0, T, S),)
+def _query_tiles(T, S, causal_offset, tile_q, window=None):
+    """(first query, end query, first key, end key) per query tile: with a static causal offset,
+    tile [a, b) needs keys [0, offset + b) only, and with a causal window w keys from
+    offset + a - w + 1 on; otherwise one tile sees every key."""
+    if causal_offset is None or (T <= tile_q and window is None):
+        return ((0, T, 0, S),)
     result = []
     for a in range(0, T, tile_q):
         b = min(a + tile_q, T)
         end = min(S, max(tiles.causal_key_end(causal_offset, b), 0))
         # no query of the tile sees a key: one key keeps the shapes non-empty (masked)
-        result.append((a, b, end if end > 0 else 1))
+        end = end if end > 0 else 1
+        start = 0 if window is None else causal_offset + a - window + 1
+        result.append((a, b, min(max(start, 0), end - 1), end))
     return tuple(result)
 
 
@@ -203,11 +230,11 @@ def _forward(plan, q, k, v, bias):
         outs = [
             tile(
                 q_c[:, :, :, a:e],
-                k_c[:, :, :end],
-                v_c[:, :, :end],
-                None if b is None else b[..., a:e, :end],
+                k_c[:, :, st:end],
+                v_c[:, :, st:end],
+                None if b is None else b[..., a:e, st:end],
             )
-            for a, e, end in plan.tiles
+            for a, e, st, end in plan.tiles
         ]
         o, m, inv_l = (jnp.concatenate(x, axis=3) for x in zip(*outs, strict=True))  # along T
         return None, (o.transpose(0, 3, 1, 2, 4), m, inv_l)
@@ -251,23 +278,23 @@ def _attend_bwd(plan, res, d_out):
         dq, ds_rows = [], None
         if plan.bias_grad and plan.per_row_bias:
             ds_rows = jnp.zeros(bias_c.shape, f32)
-        for a, e, end in plan.tiles:
+        for a, e, st, end in plan.tiles:
             dq_t, dk_i, dv_i, ds_t = tile(
                 q_c[:, :, :, a:e],
-                k_c[:, :, :end],
-                v_c[:, :, :end],
+                k_c[:, :, st:end],
+                v_c[:, :, st:end],
                 do_c[:, :, :, a:e],
                 m_c[..., a:e],
                 inv_l_c[..., a:e],
-                None if b is None else b[:, :, :end, :, a:e],
+                None if b is None else b[:, :, st:end, :, a:e],
             )
             dq.append(dq_t)
-            dk, dv = dk.at[:, :, :end].add(dk_i), dv.at[:, :, :end].add(dv_i)
+            dk, dv = dk.at[:, :, st:end].add(dk_i), dv.at[:, :, st:end].add(dv_i)
             if ds_rows is not None:
-                ds_rows = ds_rows.at[:, :, :end, :, a:e].set(tiles.sum_to(ds_t, bias_c.shape))
+                ds_rows = ds_rows.at[:, :, st:end, :, a:e].set(tiles.sum_to(ds_t, bias_c.shape))
             elif plan.bias_grad:
                 for r in range(plan.rows):  # unrolled: see the module docstring
-                    d_bias = d_bias.at[:, :end, :, a:e].add(tiles.sum_to(ds_t[r], d_bias.shape))
+                    d_bias = d_bias.at[:, st:end, :, a:e].add(tiles.sum_to(ds_t[r], d_bias.shape))
         dq = jnp.concatenate(dq, axis=-1).transpose(0, 4, 1, 3, 2)  # (R, T, K, G, H)
         dk, dv = dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3)  # (R, S, K, H)
         return d_bias, (dq, dk, dv, ds_rows)

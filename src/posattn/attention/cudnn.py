@@ -5,6 +5,11 @@ cuDNN takes the position bias materialised ([B or 1, N, T, S] in the input dtype
 aligned at the top-left corner (query t sees keys j <= t, i.e. q_offset = 0) and per-row key
 lengths. Any other causal offset is folded into the bias as a boolean mask. Rows that see no key
 are zeroed (cuDNN masks with a large finite number, which would average the values instead).
+
+A sliding window w goes to cuDNN's own sliding-window mask (`local_window_size=(w - 1, 0)`, which
+jax hands cuDNN as a left window of w keys), which cuDNN applies only with its top-left causal
+mask: other windowed calls are refused (`unsupported_reason`), so "auto" picks another kernel.
+The forgetting-attention term c_i - c_j joins the materialised bias, one slice per batch row.
 """
 
 from __future__ import annotations
@@ -13,7 +18,12 @@ import jax
 import jax.numpy as jnp
 
 from posattn.attention import tiles
-from posattn.attention.masks import materialize_bias, query_positions, visibility_mask
+from posattn.attention.masks import (
+    forget_cumsum,
+    materialize_logit_bias,
+    query_positions,
+    visibility_mask,
+)
 
 DTYPES = (jnp.float16, jnp.bfloat16)
 
@@ -28,11 +38,14 @@ def head_dim_limit() -> int:
     return 256 if capability >= 9.0 else 128
 
 
-def unsupported_reason(q, k, v, *, bias, causal, static_offset, backend) -> str | None:
+def unsupported_reason(
+    q, k, v, *, bias, causal, static_offset, backend, window=None, log_forget=None
+) -> str | None:
     """Why cuDNN cannot run these inputs (a sentence), or None when it can.
 
     q, k, v: arrays or shape/dtype structs; `static_offset` the query offset when it is a Python
-    int (None when traced or per row); `backend` as `jax.default_backend()` names it.
+    int (None when traced or per row); `backend` as `jax.default_backend()` names it; `window`
+    and `log_forget` as `posattn.attention.attention` takes them.
     """
     if backend != "gpu":
         return f"needs a CUDA GPU, but the default backend is {backend!r}"
@@ -45,17 +58,44 @@ def unsupported_reason(q, k, v, *, bias, causal, static_offset, backend) -> str 
     H = q.shape[-1]
     if H % 8 or H > head_dim_limit():
         return f"takes a head dim that is a multiple of 8 and at most {head_dim_limit()}, got {H}"
+    if window is not None and not (causal and static_offset == 0):
+        return (
+            f"takes a sliding window (window={window}) only with its causal mask from query "
+            f"position 0, got causal={causal} and q_offset "
+            f"{'traced or per row' if static_offset is None else static_offset}"
+        )
     T, S = q.shape[1], k.shape[1]
-    has_bias = bias is not None or (causal and static_offset != 0)
+    has_bias = bias is not None or log_forget is not None or (causal and static_offset != 0)
     if has_bias and (T % 2 or S % 2):
         return f"takes even query and key lengths with a bias or an offset mask, got T={T}, S={S}"
     return None
 
 
-def cudnn_attention(q, k, v, *, bias, causal, q_offset, kv_lengths, scale, static_offset=None):
+def cudnn_attention(
+    q,
+    k,
+    v,
+    *,
+    bias,
+    causal,
+    q_offset,
+    kv_lengths,
+    scale,
+    static_offset=None,
+    window=None,
+    log_forget=None,
+):
     """Same contract as `posattn.attention.attention`; raises ValueError where cuDNN cannot run."""
     reason = unsupported_reason(
-        q, k, v, bias=bias, causal=causal, static_offset=static_offset, backend=_backend()
+        q,
+        k,
+        v,
+        bias=bias,
+        causal=causal,
+        static_offset=static_offset,
+        backend=_backend(),
+        window=window,
+        log_forget=log_forget,
     )
     if reason is not None:
         raise ValueError(
@@ -64,7 +104,9 @@ def cudnn_attention(q, k, v, *, bias, causal, q_offset, kv_lengths, scale, stati
     T, S = q.shape[1], k.shape[1]
     q, scale = tiles.fold_scale(q, scale)
     q_pos = query_positions(q_offset, T)  # (B or 1, T)
-    bias4 = None if bias is None else materialize_bias(bias, q_pos, S).astype(q.dtype)
+    c = None if log_forget is None else forget_cumsum(log_forget)  # (B, S, N) float32
+    bias4 = materialize_logit_bias(bias, c, q_pos, S)  # (B|1, N, T, S) float32 or None
+    bias4 = None if bias4 is None else bias4.astype(q.dtype)
     is_causal = causal and static_offset == 0
     mask = None
     if causal and not is_causal:
@@ -78,15 +120,19 @@ def cudnn_attention(q, k, v, *, bias, causal, q_offset, kv_lengths, scale, stati
         scale=scale,
         is_causal=is_causal,
         key_value_seq_lengths=kv_lengths,
+        local_window_size=None if window is None else (window - 1, 0),
         implementation="cudnn",
     )
-    # A row sees some key iff key 0 is visible to it: q_pos >= 0 (causal) and length > 0.
+    # A causal row sees some key iff its latest candidate key, min(i, length - 1), is >= 0 and
+    # (with a window) within the window; a non-causal row iff its length is > 0.
     row_visible = None
     if causal:
-        row_visible = q_pos >= 0  # (B|1, T)
-    if kv_lengths is not None:
-        has_keys = (kv_lengths > 0)[:, None]  # (B, 1)
-        row_visible = has_keys if row_visible is None else row_visible & has_keys
+        latest = q_pos if kv_lengths is None else jnp.minimum(q_pos, kv_lengths[:, None] - 1)
+        row_visible = latest >= 0  # (B|1, T)
+        if window is not None:
+            row_visible &= q_pos - latest < window
+    elif kv_lengths is not None:
+        row_visible = (kv_lengths > 0)[:, None]  # (B, 1)
     if row_visible is not None:
         out = jnp.where(row_visible[:, :, None, None], out, jnp.zeros((), out.dtype))
     return out

@@ -1,7 +1,14 @@
 """Positions, visibility masks and materialised biases: the conventions every implementation shares.
 
 Query positions are `q_offset + arange(T)` (q_offset a scalar or one per batch row), key positions
-`arange(S)` (docs/attention.md). `causal` hides keys j > i, `kv_lengths` hides keys j >= length.
+`arange(S)` (docs/attention.md). `causal` hides keys j > i, `kv_lengths` hides keys j >= length,
+and a sliding `window` w hides keys with i - j >= w (and, without `causal`, j - i >= w): the
+`sliding_window` of Hugging Face's Mistral and Gemma 2/3 masks, where query i sees key j iff
+i - j < w. `visible` is the one definition of which keys a query sees.
+
+The forgetting-attention term (FoX, Lin et al. 2025, "Forgetting Transformer: Softmax Attention
+with a Forget Gate"): with `c = cumsum(log_forget, axis=1)` in float32, the logit of (i, j) gains
+`c[i] - c[j] = sum_{l=j+1..i} log_forget[l]` per query head; query i reads c at its own position.
 """
 
 from __future__ import annotations
@@ -9,38 +16,47 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+f32 = jnp.float32
+
 
 def query_positions(q_offset: jax.Array, T: int) -> jax.Array:
     """int32[B or 1, T]: q_offset + arange(T), one row per batch element if q_offset is per-row."""
     return jnp.atleast_1d(q_offset)[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
 
 
-def visible(q_pos, k_pos, *, causal: bool, kv_lengths) -> jax.Array | None:
+def visible(q_pos, k_pos, *, causal: bool, kv_lengths, window: int | None = None):
     """bool[B or 1, t, s] (True = query row may attend to key column), or None if nothing is hidden.
 
     q_pos: int[B or 1, t] query positions; k_pos: int[s] key positions; kv_lengths: int[B or 1] or
-    None.
+    None; window: None or a static int w >= 1 (query i sees key j only if i - j < w, and also
+    j - i < w when not causal).
     """
     mask = None
     if causal:
         mask = k_pos[None, None, :] <= q_pos[:, :, None]  # (B|1, t, s)
+    if window is not None:
+        distance = q_pos[:, :, None] - k_pos[None, None, :]  # (B|1, t, s): i - j
+        near = distance < window
+        if not causal:
+            near = near & (-distance < window)
+        mask = near if mask is None else mask & near
     if kv_lengths is not None:
         valid = k_pos[None, None, :] < kv_lengths[:, None, None]  # (B|1, 1, s)
         mask = valid if mask is None else mask & valid
     return mask
 
 
-def visibility_mask(q_pos, S, *, causal, kv_lengths):
+def visibility_mask(q_pos, S, *, causal, kv_lengths, window=None):
     """bool[B or 1, T, S]: True where query (row) may attend to key (column)."""
     k_pos = jnp.arange(S, dtype=jnp.int32)
-    mask = visible(q_pos, k_pos, causal=causal, kv_lengths=kv_lengths)
+    mask = visible(q_pos, k_pos, causal=causal, kv_lengths=kv_lengths, window=window)
     full = jnp.ones(q_pos.shape + (S,), bool)  # (B|1, T, S)
     return full if mask is None else full & mask
 
 
 def evaluate_bias(fn, params, q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
     """float32[B or 1, N, t, s]: a BiasFn evaluated on each row of q_pos (int[B or 1, t])."""
-    return jax.vmap(fn, in_axes=(None, 0, None))(params, q_pos, k_pos).astype(jnp.float32)
+    return jax.vmap(fn, in_axes=(None, 0, None))(params, q_pos, k_pos).astype(f32)
 
 
 def materialize_bias(bias, q_pos: jax.Array, S: int) -> jax.Array:
@@ -48,4 +64,45 @@ def materialize_bias(bias, q_pos: jax.Array, S: int) -> jax.Array:
     if isinstance(bias, tuple):
         fn, params = bias
         return evaluate_bias(fn, params, q_pos, jnp.arange(S, dtype=jnp.int32))  # (B|1, N, T, S)
-    return jnp.asarray(bias, jnp.float32)[None]  # (1, N, T, S)
+    return jnp.asarray(bias, f32)[None]  # (1, N, T, S)
+
+
+# ----------------------------------------------------------------------------------------------
+# Forgetting attention.
+
+
+def forget_cumsum(log_forget: jax.Array) -> jax.Array:
+    """float32[B, S, N]: c = cumsum(log_forget) over the key axis, in float32 whatever the input
+    dtype."""
+    return jnp.cumsum(log_forget.astype(f32), axis=1)
+
+
+def forget_at_queries(c: jax.Array, q_pos: jax.Array) -> jax.Array:
+    """float32[B, t, N]: c[b, i, h] at each query position i of q_pos (int[B or 1, t]).
+
+    Positions outside [0, S) are clipped: a query at i < 0 sees no key under the causal mask that
+    forgetting attention requires, and i >= S is outside the contract (i < S, as in
+    self-attention and a KV cache).
+    """
+    B, S, _ = c.shape
+    idx = jnp.broadcast_to(jnp.clip(q_pos, 0, S - 1), (B, q_pos.shape[1]))  # (B, t)
+    return jnp.take_along_axis(c, idx[:, :, None], axis=1)  # (B, t, N)
+
+
+def materialize_forget(c: jax.Array, q_pos: jax.Array) -> jax.Array:
+    """float32[B, N, T, S]: the forget term c_i - c_j for every query and key."""
+    c_q = forget_at_queries(c, q_pos)  # (B, T, N)
+    return jnp.transpose(c_q, (0, 2, 1))[:, :, :, None] - jnp.transpose(c, (0, 2, 1))[:, :, None]
+
+
+def materialize_logit_bias(bias, c, q_pos: jax.Array, S: int) -> jax.Array | None:
+    """float32[B or 1, N, T, S]: the position bias plus the forget term (c the forget cumsum or
+    None), or None when there is neither."""
+    terms = []
+    if bias is not None:
+        terms.append(materialize_bias(bias, q_pos, S))
+    if c is not None:
+        terms.append(materialize_forget(c, q_pos))
+    if not terms:
+        return None
+    return terms[0] if len(terms) == 1 else terms[0] + terms[1]

@@ -8,8 +8,14 @@ the forward, and in the backward only the gradients of the replicated bias param
 traced scale) are summed over the batch axes (the transpose of shard_map sums the cotangent of an
 operand replicated over an axis over that axis).
 
-The mesh is the ambient one (`jax.set_mesh`), or the mesh of q's sharding when its axes are
-Explicit. The batch axes are the mesh axes that shard q's batch dimension when that is known
+The mesh is the ambient one (`jax.set_mesh`), or else the mesh of q's sharding: an input committed
+to a mesh (`jax.device_put(x, NamedSharding(mesh, ...))`) carries it under `jax.jit` even with no
+mesh in context or inside the legacy `with mesh:` block, and that mesh is then passed to
+`jax.shard_map` itself (which would otherwise ask for `jax.set_mesh`). With no mesh in context and
+uncommitted inputs (only `jit(in_shardings=...)` knows the mesh) no mesh is visible while tracing:
+the implementation runs as is and XLA's partitioner splits it.
+
+The batch axes are the mesh axes that shard q's batch dimension when that is known
 (Explicit axes), otherwise the mesh axes named in BATCH_AXES; axes of size 1 and axes that are
 already Manual (inside another shard_map) are left out, and trailing axes are dropped until their
 product divides the batch. Outside a mesh, or when no axis remains, the implementation runs as is.
@@ -59,25 +65,26 @@ def batch_axes(q) -> tuple[object, tuple[str, ...]] | None:
     return (mesh, tuple(axes)) if axes else None
 
 
-def over_batch(fn: Callable, q, k, v, *, bias, q_offset, kv_lengths, scale):
-    """fn(q, k, v, bias, q_offset, kv_lengths, scale) -> out, run per device over the batch axes of
-    the ambient mesh (see the module docstring), or directly outside a mesh.
+def over_batch(fn: Callable, q, k, v, *, bias, q_offset, kv_lengths, scale, log_forget=None):
+    """fn(q, k, v, bias, q_offset, kv_lengths, scale, log_forget) -> out, run per device over the
+    batch axes of the ambient mesh (see the module docstring), or directly outside a mesh.
 
-    q, k, v, kv_lengths and a per-row q_offset are split over the batch; the bias (an array or the
-    parameters of a BiasFn), a scalar q_offset and a traced scale are replicated.
+    q, k, v, kv_lengths, log_forget and a per-row q_offset are split over the batch; the bias (an
+    array or the parameters of a BiasFn), a scalar q_offset and a traced scale are replicated.
     """
     found = batch_axes(q)
     if found is None:
-        return fn(q, k, v, bias, q_offset, kv_lengths, scale)
-    _, axes = found
+        return fn(q, k, v, bias, q_offset, kv_lengths, scale, log_forget)
+    mesh, axes = found
     rows = P(axes)
     bias_fn, bias_operand = bias if isinstance(bias, tuple) else (None, bias)
     static_scale = isinstance(scale, (int, float, np.number))
     static_scale_value = scale if static_scale else None
 
-    def body(q, k, v, bias_operand, q_offset, kv_lengths, scale):
+    def body(q, k, v, bias_operand, q_offset, kv_lengths, scale, log_forget):
         b = bias_operand if bias_fn is None else (bias_fn, bias_operand)
-        return fn(q, k, v, b, q_offset, kv_lengths, static_scale_value if static_scale else scale)
+        scale = static_scale_value if static_scale else scale
+        return fn(q, k, v, b, q_offset, kv_lengths, scale, log_forget)
 
     in_specs = (
         rows,
@@ -87,11 +94,14 @@ def over_batch(fn: Callable, q, k, v, *, bias, q_offset, kv_lengths, scale):
         rows if q_offset.ndim == 1 else P(),
         P() if kv_lengths is None else rows,
         P(),
+        P() if log_forget is None else rows,
     )
     # check_vma=False: the kernels' loops start from replicated zeros that become per-device
     # values; the transpose then sums the cotangents of the replicated operands (the bias
     # parameters, a traced scale) over the batch axes.
     sharded = jax.shard_map(
-        body, in_specs=in_specs, out_specs=rows, axis_names=set(axes), check_vma=False
+        body, mesh=mesh, in_specs=in_specs, out_specs=rows, axis_names=set(axes), check_vma=False
     )
-    return sharded(q, k, v, bias_operand, q_offset, kv_lengths, None if static_scale else scale)
+    return sharded(
+        q, k, v, bias_operand, q_offset, kv_lengths, None if static_scale else scale, log_forget
+    )

@@ -8,10 +8,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from posattn.attention.masks import materialize_bias, query_positions, visibility_mask
+from posattn.attention.masks import (
+    forget_cumsum,
+    materialize_logit_bias,
+    query_positions,
+    visibility_mask,
+)
 
 
-def reference_attention(q, k, v, *, bias, causal, q_offset, kv_lengths, scale):
+def reference_attention(
+    q, k, v, *, bias, causal, q_offset, kv_lengths, scale, window=None, log_forget=None
+):
     """The oracle: every step written out in float32 on the full [B, N, T, S] logits."""
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
@@ -25,9 +32,13 @@ def reference_attention(q, k, v, *, bias, causal, q_offset, kv_lengths, scale):
         * scale
     )  # (B, N, T, S)
     q_pos = query_positions(q_offset, T)  # (B or 1, T)
-    if bias is not None:
-        logits = logits + materialize_bias(bias, q_pos, S)  # (B or 1, N, T, S) broadcasts
-    visible = visibility_mask(q_pos, S, causal=causal, kv_lengths=kv_lengths)  # (B|1, T, S)
+    c = None if log_forget is None else forget_cumsum(log_forget)  # (B, S, N)
+    extra = materialize_logit_bias(bias, c, q_pos, S)  # (B or 1, N, T, S) or None
+    if extra is not None:
+        logits = logits + extra
+    visible = visibility_mask(
+        q_pos, S, causal=causal, kv_lengths=kv_lengths, window=window
+    )  # (B|1, T, S)
     logits = jnp.where(visible[:, None], logits, -jnp.inf)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
     row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
@@ -38,19 +49,27 @@ def reference_attention(q, k, v, *, bias, causal, q_offset, kv_lengths, scale):
     return out.astype(q.dtype)
 
 
-def xla_attention(q, k, v, *, bias, causal, q_offset, kv_lengths, scale):
+def xla_attention(
+    q, k, v, *, bias, causal, q_offset, kv_lengths, scale, window=None, log_forget=None
+):
     """`jax.nn.dot_product_attention` with a materialised bias and an explicit boolean mask.
 
     jax masks with a large finite negative number, so a query row with no visible key would
-    average all values; those rows are zeroed here.
+    average all values; those rows are zeroed here. The window goes into the boolean mask rather
+    than `local_window_size`: jax builds that window on the indices 0..T-1 and 0..S-1, blind to
+    q_offset (a decode step or a per-row offset), and XLA runs it as the same materialised mask.
+    The forget term joins the materialised bias (per batch row: [B, N, T, S]).
     """
     T, S = q.shape[1], k.shape[1]
     q_pos = query_positions(q_offset, T)  # (B or 1, T)
-    bias4 = None if bias is None else materialize_bias(bias, q_pos, S)  # (B|1, N, T, S)
+    c = None if log_forget is None else forget_cumsum(log_forget)  # (B, S, N)
+    bias4 = materialize_logit_bias(bias, c, q_pos, S)  # (B|1, N, T, S) or None
     mask = None
     row_visible = None
-    if causal or kv_lengths is not None:
-        visible = visibility_mask(q_pos, S, causal=causal, kv_lengths=kv_lengths)  # (B|1, T, S)
+    if causal or kv_lengths is not None or window is not None:
+        visible = visibility_mask(
+            q_pos, S, causal=causal, kv_lengths=kv_lengths, window=window
+        )  # (B|1, T, S)
         mask = visible[:, None]  # (B|1, 1, T, S)
         row_visible = jnp.any(visible, axis=-1)  # (B|1, T)
     dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)

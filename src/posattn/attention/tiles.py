@@ -18,6 +18,8 @@ Each equation is written once here, for both layouts:
              to rounding and the gradients of bias parameters that shift a whole row (FIRE's MLP
              bias) keep the reference's float32 noise level; a kernel that sees a row in several
              key tiles (`blockwise`) must use rowsum(dO * O), known before the first tile.
+  forget     the forget term c_q[:, None] - c_k[None, :] (FoX) of a tile has the cotangents
+             d c_q = rowsum(dS) and d c_k = -colsum(dS) (`forget_grads`).
   empty rows a query row that sees no key keeps m = -inf and l = 0: its max is taken as 0 so that
              exp(-inf - 0) = 0, its output is 0 and its probabilities are 0, never NaN.
 
@@ -99,9 +101,9 @@ def ungroup_heads(x: jax.Array) -> jax.Array:
 # Masks and causal tile ranges.
 
 
-def tile_mask(q_pos, k_pos, *, causal, kv_lengths):
+def tile_mask(q_pos, k_pos, *, causal, kv_lengths, window=None):
     """bool[B or 1, 1, 1, t, s] (True = visible) for query-major logits, or None if none hidden."""
-    mask = masks.visible(q_pos, k_pos, causal=causal, kv_lengths=kv_lengths)
+    mask = masks.visible(q_pos, k_pos, causal=causal, kv_lengths=kv_lengths, window=window)
     return None if mask is None else mask[:, None, None]
 
 
@@ -114,6 +116,26 @@ def causal_key_end(offset, query_end):
 def causal_query_start(offset, key_start):
     """The first query (index) that sees key `key_start` under a causal mask with `offset`."""
     return key_start - offset
+
+
+def window_key_start(query_pos, window):
+    """The first key that the query at `query_pos` sees under a sliding window (i - j < w)."""
+    return query_pos - window + 1
+
+
+def window_key_end(query_pos, window):
+    """One past the last key the query at `query_pos` sees under a two-sided window (|i-j| < w)."""
+    return query_pos + window
+
+
+def window_query_start(offset, key, window):
+    """The first query (index) that sees `key` under a two-sided window, first query at `offset`."""
+    return key - window + 1 - offset
+
+
+def window_query_end(offset, key, window):
+    """One past the last query (index) that sees `key` under a window, first query at `offset`."""
+    return key + window - offset
 
 
 def sum_to(x: jax.Array, shape) -> jax.Array:
@@ -204,6 +226,12 @@ def probabilities_from_lse(layout, s, lse):
 def logit_grad(layout, p, dp, delta):
     """dS = P * (dP - D): d loss / d logits."""
     return p * (dp - _per_row(layout, delta))
+
+
+def forget_grads(ds: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(d c_q, d c_k) of the forget term c_q[:, None] - c_k[None, :] from one query-major tile's
+    logit gradient dS [B, K, G, t, s]: rowsum(dS) [B, K, G, t] and -colsum(dS) [B, K, G, s]."""
+    return jnp.sum(ds, axis=-1), -jnp.sum(ds, axis=-2)
 
 
 def tile_grads(layout, *, p, q, k, v, d_out, delta, scale):
