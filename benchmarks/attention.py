@@ -11,7 +11,7 @@ Run (from the repository root):
     python benchmarks/attention.py --crossover      # the rule before "chunked" (docs/attention.md)
     python benchmarks/attention.py --lengths 4096 --repeats 5 --tiles 256x256 512x512  # tile sweep
     python benchmarks/attention.py --window 512 --lengths 8192   # sliding window vs full causal
-    python benchmarks/attention.py --window 128 --lengths 1024 --smoke   # the same, quick
+    python benchmarks/attention.py --window 128 --lengths 1024 --smoke  # a run check only
 
 Window section (--window W): blockwise forward + backward at T = the first --lengths value, ALiBi,
 causal, with a sliding window of W vs without (full causal), in the same process, and the ratio;
