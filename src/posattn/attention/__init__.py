@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import inspect
 import logging
 import math
 from collections.abc import Callable
@@ -194,29 +193,31 @@ def _dispatch(
             window=window,
             log_forget=log_forget,
         )
-    kwargs = dict(bias=bias, causal=causal, q_offset=q_offset, kv_lengths=kv_lengths, scale=scale)
-    # Only the implementations of this package take the two keywords unconditionally; the fused
-    # kernel gets them only when set (see `_pallas_kwargs`).
-    extra = dict(window=window, log_forget=log_forget)
+    kwargs = dict(
+        bias=bias,
+        causal=causal,
+        q_offset=q_offset,
+        kv_lengths=kv_lengths,
+        scale=scale,
+        window=window,
+        log_forget=log_forget,
+    )
     match implementation:
         case "reference":
-            return reference_attention(q, k, v, **kwargs, **extra)
+            return reference_attention(q, k, v, **kwargs)
         case "xla":
-            return xla_attention(q, k, v, **kwargs, **extra)
+            return xla_attention(q, k, v, **kwargs)
         case "chunked":
-            return chunked.attention_from_bias(
-                q, k, v, static_offset=static_offset, **kwargs, **extra
-            )
+            return chunked.attention_from_bias(q, k, v, static_offset=static_offset, **kwargs)
         case "blockwise":
-            return blockwise.blockwise_attention(q, k, v, **kwargs, **extra)
+            return blockwise.blockwise_attention(q, k, v, **kwargs)
         case "cudnn":
-            return cudnn.cudnn_attention(q, k, v, static_offset=static_offset, **kwargs, **extra)
+            return cudnn.cudnn_attention(q, k, v, static_offset=static_offset, **kwargs)
         case "pallas":
             pallas = _pallas_module()
             if static_offset is not None:
                 kwargs["q_offset"] = static_offset
-            set_extra = _pallas_kwargs(pallas.pallas_attention, window, log_forget)
-            return pallas.pallas_attention(q, k, v, **kwargs, **set_extra)
+            return pallas.pallas_attention(q, k, v, **kwargs)
 
 
 def _backend() -> str:
@@ -229,42 +230,20 @@ def _pallas_module():
     return importlib.import_module("posattn.attention.pallas")
 
 
-def _pallas_kwargs(fn, window, log_forget) -> dict:
-    """{window, log_forget} for a function of pallas.py, holding only those that are set, so that a
-    kernel without these keywords keeps running the calls that do not use them; a set one that
-    `fn` does not take is a clear ValueError."""
-    extra = {
-        name: value
-        for name, value in (("window", window), ("log_forget", log_forget))
-        if value is not None
-    }
-    missing = [name for name in extra if not _takes_keyword(fn, name)]
-    if missing:
-        raise ValueError(
-            f"attention: implementation='pallas' does not take {', '.join(missing)} in this "
-            "version of posattn.attention.pallas; use 'blockwise' or 'auto' instead"
-        )
-    return extra
-
-
-def _takes_keyword(fn, name) -> bool:
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-
-
-def _pallas_supports(q, k, bias, *, causal, per_row, window=None, log_forget=None) -> bool:
-    """Whether the fused Pallas kernel takes these inputs on this backend
-    (`pallas.unsupported_reason` says None; a version of it without the window / forget keywords
-    does not take a call that sets them)."""
-    reason = _pallas_module().unsupported_reason
-    try:
-        extra = _pallas_kwargs(reason, window, log_forget)
-    except ValueError:
-        return False
-    return reason(q, k, bias=bias, causal=causal, per_row=per_row, **extra) is None
+def _pallas_supports(q, k, bias, *, causal, per_row, backend, window, log_forget) -> bool:
+    """Whether the fused Pallas kernel takes these inputs on `backend`
+    (`pallas.unsupported_reason` says None)."""
+    reason = _pallas_module().unsupported_reason(
+        q,
+        k,
+        bias=bias,
+        causal=causal,
+        per_row=per_row,
+        backend=backend,
+        window=window,
+        log_forget=log_forget,
+    )
+    return reason is None
 
 
 def choose_implementation(
@@ -317,7 +296,14 @@ def choose_implementation(
         )
         choice = "chunked" if small else "blockwise"
     elif _pallas_supports(
-        q, k, bias, causal=causal, per_row=per_row, window=window, log_forget=log_forget
+        q,
+        k,
+        bias,
+        causal=causal,
+        per_row=per_row,
+        backend=backend,
+        window=window,
+        log_forget=log_forget,
     ):
         choice = "pallas"
     else:
