@@ -269,7 +269,11 @@ def test_a_pattern_trains_through_train_and_evaluate(tmp_path):
 
     pattern = "('rope:rope_base=1e4,window=8', 'nope:attn_scale=0.1,floor_scale=8', 'fox')"
     config = small_config(
-        model__num_layers=3, model__layer_pattern=pattern, train__steps=3, train__log_every=1
+        model__num_layers=3,
+        model__layer_pattern=pattern,
+        model__remat="full",
+        train__steps=3,
+        train__log_every=1,
     )
     train_and_evaluate(config, tmp_path)
     got = losses(tmp_path)
@@ -335,3 +339,29 @@ def test_layer_pattern_is_a_discrete_sweep_key():
     with pytest.raises(ConfigError, match="layer_pattern"):
         config.sweep = {"continuous": {"model": {"layer_pattern": (("nope",), ("rope",))}}}
         plan.plan(config)
+
+
+def test_families_shared_across_layers_stay_shared_inside_a_pattern():
+    """T5's table (and Kerple's (r1, r2) unless per layer) is one for all the layers of one entry
+    setting, as the reference shares it across the stack; another setting is another table."""
+
+    def paths(pattern, **kw):
+        cfg = ModelConfig.from_keys(num_layers=6, layer_pattern=pattern, **kw).validate()
+        model = nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(0)))
+        return [
+            "/".join(map(str, p))
+            for p, _ in nnx.to_flat_state(nnx.state(model))
+            if "bias" in p or "rotary" in p
+        ]
+
+    assert paths(("t5", "rope", "t5:t5_max_distance=64")) == [
+        "blocks/0/attn/bias/values/table",
+        "blocks/1/attn/rotary/inv_freq",
+        "blocks/2/attn/bias/values/table",
+    ]
+    assert paths(("kerple_log", "nope")) == [
+        "blocks/0/attn/bias/values/r1",
+        "blocks/0/attn/bias/values/r2",
+    ]
+    per_layer = paths(("kerple_log:kerple_per_layer=True", "nope"))
+    assert [p.split("/")[1] for p in per_layer] == ["0", "0", "2", "2", "4", "4"]
