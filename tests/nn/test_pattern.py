@@ -365,3 +365,27 @@ def test_families_shared_across_layers_stay_shared_inside_a_pattern():
     ]
     per_layer = paths(("kerple_log:kerple_per_layer=True", "nope"))
     assert [p.split("/")[1] for p in per_layer] == ["0", "0", "2", "2", "4", "4"]
+
+
+def test_llama4_temperature_equals_hugging_faces_captured_queries():
+    """tests/nn/data/llama4_attn_scales.json: the queries Hugging Face's Llama4TextAttention
+    hands its attention function (identity projection, inputs of ones), captured by
+    make_llama4_golden.py, in float32 and bfloat16, and after 8190 cached tokens."""
+    from posattn.nn.temperature import QueryTemperature
+
+    golden = json.loads((DATA / "llama4_attn_scales.json").read_text())
+
+    def scaled(dtype, positions, floor_scale):
+        t = QueryTemperature(
+            1, attn_scale=0.1, floor_scale=floor_scale, ssmax=False, window=None, causal=True
+        )
+        q = jnp.ones((1, positions.shape[0], 1, 4), dtype)
+        out = t(q, positions, kv_len=int(positions[-1]) + 1)
+        assert out.dtype == dtype
+        return np.asarray(out[0, :, 0, 0].astype(jnp.float32))
+
+    T = len(golden["float32"])
+    np.testing.assert_array_equal(scaled(jnp.float32, jnp.arange(T), 4.0), golden["float32"])
+    np.testing.assert_array_equal(scaled(jnp.bfloat16, jnp.arange(T), 4.0), golden["bfloat16"])
+    after = scaled(jnp.float32, 8190 + jnp.arange(20000), 8192.0)[::997]
+    np.testing.assert_allclose(after, golden["llama4_defaults_after_8190"], rtol=1e-6)
