@@ -10,6 +10,14 @@ Run (from the repository root):
     python benchmarks/attention.py --lengths 1024                    # one length, quick
     python benchmarks/attention.py --crossover      # the rule before "chunked" (docs/attention.md)
     python benchmarks/attention.py --lengths 4096 --repeats 5 --tiles 256x256 512x512  # tile sweep
+    python benchmarks/attention.py --window 512 --lengths 8192   # sliding window vs full causal
+    python benchmarks/attention.py --window 128 --lengths 1024 --smoke  # a run check only
+
+Window section (--window W): blockwise forward + backward at T = the first --lengths value, ALiBi,
+causal, with a sliding window of W vs without (full causal), in the same process, and the ratio;
+the windowed tiles outside the band are skipped, so the ideal ratio is the ratio of the tiles
+visited (printed). Then the windowed program's compiled memory (`memory_analysis()`) at T/4,
+T/2, T and 2T (compiled, not run): it should grow linearly in T.
 
 Setup: batch 1, 8 heads, head dim 64, float32, causal self-attention (T = S), ALiBi and T5
 biases from `posattn.positions` evaluated from positions. Implementations, all in one process:
@@ -81,7 +89,7 @@ def make_bias(name):
 # The programs being compared.
 
 
-def make_fn(impl, bias_name, grad, tiles=(DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K)):
+def make_fn(impl, bias_name, grad, tiles=(DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K), window=None):
     fn, params, scale = make_bias(bias_name)
 
     def forward(q, k, v, params):
@@ -89,7 +97,15 @@ def make_fn(impl, bias_name, grad, tiles=(DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K)):
         match impl:
             case "blockwise":
                 return blockwise_attention(
-                    q, k, v, bias=bias, causal=True, scale=scale, block_q=tiles[0], block_k=tiles[1]
+                    q,
+                    k,
+                    v,
+                    bias=bias,
+                    causal=True,
+                    scale=scale,
+                    window=window,
+                    block_q=tiles[0],
+                    block_k=tiles[1],
                 )
             case "xla":  # posattn's own "xla" path (explicit mask, fully-masked rows zeroed)
                 return attention(q, k, v, bias=bias, causal=True, scale=scale, implementation="xla")
@@ -386,6 +402,37 @@ def run_tiles(args):
         print(f"| {tile} | {times[0] * 1e3:.0f} | {times[1] * 1e3:.0f} |", flush=True)
 
 
+def run_window(args):
+    """Windowed vs full causal blockwise, forward + backward, same process; memory vs T."""
+    T, w = args.lengths[0], args.window
+    q, k, v = inputs(T)
+    times = {}
+    for name, window in (("full causal", None), (f"window {w}", w)):
+        f, params = make_fn("blockwise", "alibi", True, window=window)
+        compiled = f.lower(q, k, v, params).compile()
+        times[name] = best_time(functools.partial(compiled, q, k, v, params), args.repeats)
+    full, windowed = times["full causal"], times[f"window {w}"]
+    print(f"| blockwise fwd+bwd, T={T}, ALiBi | ms |\n|---|---|")
+    for name, t in times.items():
+        print(f"| {name} | {t * 1e3:.0f} |")
+    # Tiles visited: query tile i sees key tiles [max(0, i*tq - w + 1) // tk, (i+1)*tq / tk).
+    tq = tk = min(DEFAULT_BLOCK_Q, T)
+    spans = [((i + 1) * tq + tk - 1) // tk - max(0, i * tq - w + 1) // tk for i in range(T // tq)]
+    causal_tiles = sum(((i + 1) * tq + tk - 1) // tk for i in range(T // tq))
+    print(
+        f"\nwindow / full causal = {windowed / full:.3f} (goal <= 0.25; tiles visited "
+        f"{sum(spans)} / {causal_tiles} = {sum(spans) / causal_tiles:.3f})\n"
+    )
+    print("| T | windowed fwd+bwd compiled bytes (args + out + temp) | temp | temp / T |")
+    print("|---|---|---|---|")
+    for t in (T // 4, T // 2, T, 2 * T):
+        spec = jax.ShapeDtypeStruct((B, t, N, H), jnp.float32)
+        f, params = make_fn("blockwise", "alibi", True, window=w)
+        compiled = f.lower(spec, spec, spec, params).compile()
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        print(f"| {t} | {xla_bytes(compiled)} | {temp} | {temp / t:.0f} |", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
@@ -401,6 +448,8 @@ def main():
     parser.add_argument("--rss", action="store_true", help="also peak RSS of a subprocess")
     parser.add_argument("--crossover", action="store_true")
     parser.add_argument("--tiles", nargs="+", help="sweep blockwise tile sizes, e.g. 512x256")
+    parser.add_argument("--window", type=int, help="sliding-window section with this window")
+    parser.add_argument("--smoke", action="store_true", help="one repeat (a quick check)")
     parser.add_argument("--_child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._child:
@@ -418,6 +467,10 @@ def main():
         f"# posattn attention benchmark\n{cpu}, {os.cpu_count()} cores; jax {jax.__version__}, "
         f"{jax.devices()[0].platform}; load average {os.getloadavg()[0]:.1f}\n"
     )
+    if args.smoke:
+        args.repeats = 1
+    if args.window:
+        return run_window(args)
     if args.crossover:
         return run_crossover(args)
     if args.tiles:

@@ -1,7 +1,9 @@
-"""Shared inputs of the kernel tests (test_blockwise.py, test_chunked.py): small local bias
-functions standing in for the families (ALiBi-like, T5-like table, FIRE-like MLP), so that these
-tests do not depend on `posattn.positions`, a grid of masking cases with ragged lengths, and the
-comparison against the reference (forward and every gradient: q, k, v, bias params).
+"""Shared inputs of the kernel tests (test_blockwise.py, test_chunked.py, test_window_forget.py):
+small local bias functions standing in for the families (ALiBi-like, T5-like table, FIRE-like MLP),
+so that these tests do not depend on `posattn.positions`, a grid of masking cases with ragged
+lengths, the comparison against the reference (forward and every gradient: q, k, v, bias params,
+log_forget), and an oracle for sliding windows and forgetting attention written from their
+definitions (`oracle_attention`), independent of `posattn.attention.masks`.
 """
 
 import functools
@@ -83,21 +85,31 @@ def _inputs(K, key, dtype=jnp.float32, T=T, S=S):
 
 
 def _value_and_grads(impl, q, k, v, d_out, bias, **kw):
-    """Output and d<out, d_out>/d(q, k, v, bias) for one implementation, jitted."""
-    fn, params = bias if isinstance(bias, tuple) else (None, bias)
+    """Output and d<out, d_out>/d(q, k, v, bias[, log_forget]) for one implementation, jitted.
 
-    def run(q, k, v, params):
+    impl: an implementation name, "blockwise" with the small TILES, or "oracle"
+    (`oracle_attention`). A `log_forget` keyword is differentiated too (a fifth gradient).
+    """
+    fn, params = bias if isinstance(bias, tuple) else (None, bias)
+    log_forget = kw.pop("log_forget", None)
+
+    def run(q, k, v, params, log_forget):
         b = params if fn is None else (fn, params)
+        if log_forget is not None:
+            kw["log_forget"] = log_forget
         if impl == "blockwise":
             return blockwise_attention(q, k, v, bias=b, **TILES, **kw)
+        if impl == "oracle":
+            return oracle_attention(q, k, v, bias=b, **kw)
         return attention(q, k, v, bias=b, implementation=impl, **kw)
 
-    def loss(q, k, v, params):
-        out = run(q, k, v, params)
+    def loss(q, k, v, params, log_forget):
+        out = run(q, k, v, params, log_forget)
         return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32)), out
 
-    grads, out = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True, allow_int=True))(
-        q, k, v, params
+    argnums = (0, 1, 2, 3) if log_forget is None else (0, 1, 2, 3, 4)
+    grads, out = jax.jit(jax.grad(loss, argnums=argnums, has_aux=True, allow_int=True))(
+        q, k, v, params, log_forget
     )
     return out, grads
 
@@ -196,3 +208,149 @@ def check_decode_step(impl):
         for name in (impl, "reference")
     ]
     _assert_close(d_scale[0], d_scale[1], rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sliding windows and forgetting attention: the oracle and its grid.
+
+
+def oracle_attention(
+    q,
+    k,
+    v,
+    *,
+    bias=None,
+    causal=False,
+    q_offset=0,
+    kv_lengths=None,
+    scale=None,
+    window=None,
+    log_forget=None,
+):
+    """The definitions written out densely in float32 (differentiable), with no code shared with
+    `posattn.attention`: logits scale q.k + bias, plus the forget term
+    sum_{l=j+1..i} log_forget[b, l, h] as an explicit masked sum (not a cumulative sum); key j is
+    visible to query i iff (j <= i if causal), (i - j < window, and j - i < window if not causal),
+    j < kv_lengths[b]; softmax over the visible keys, a row with none gives zeros."""
+    Bq, Tq, Nq, Hq = q.shape
+    Sk, Kk = k.shape[1], k.shape[2]
+    G = Nq // Kk
+    scale = 1.0 / np.sqrt(Hq) if scale is None else scale
+    f32 = jnp.float32
+    kr = jnp.repeat(k.astype(f32), G, axis=2)  # (B, S, N, H)
+    vr = jnp.repeat(v.astype(f32), G, axis=2)
+    hi = jax.lax.Precision.HIGHEST
+    logits = scale * jnp.einsum("btnh,bsnh->bnts", q.astype(f32), kr, precision=hi)
+    i = jnp.broadcast_to(jnp.asarray(q_offset), (Bq,))[:, None] + jnp.arange(Tq)  # (B, T)
+    j = jnp.arange(Sk)
+    if bias is not None:
+        if isinstance(bias, tuple):
+            logits = logits + jnp.stack([bias[0](bias[1], i[b], j) for b in range(Bq)])
+        else:
+            logits = logits + bias[None]
+    if log_forget is not None:
+        l_pos = jnp.arange(Sk)
+        between = (j[None, None, :, None] < l_pos) & (l_pos <= i[:, :, None, None])  # (B,T,S,L)
+        logits = logits + jnp.einsum(
+            "btsl,blh->bhts", between.astype(f32), log_forget.astype(f32), precision=hi
+        )
+    d = i[:, :, None] - j[None, None, :]  # (B, T, S): i - j
+    seen = jnp.ones(d.shape, bool)
+    if causal:
+        seen &= d >= 0
+    if window is not None:
+        seen &= d < window
+        if not causal:
+            seen &= -d < window
+    if kv_lengths is not None:
+        seen &= j[None, None, :] < jnp.asarray(kv_lengths)[:, None, None]
+    seen = seen[:, None]  # (B, 1, T, S)
+    m = jax.lax.stop_gradient(jnp.max(jnp.where(seen, logits, -1e30), axis=-1, keepdims=True))
+    e = jnp.where(seen, jnp.exp(jnp.where(seen, logits - m, 0.0)), 0.0)
+    denom = jnp.sum(e, axis=-1, keepdims=True)
+    p = e / jnp.where(denom > 0, denom, 1.0)
+    return jnp.einsum("bnts,bsnh->btnh", p, vr, precision=hi).astype(q.dtype)
+
+
+def log_forget_gates(key, B=B, S=S, N=N, dtype=jnp.float32):
+    """log(sigmoid(x)) forget gates, float[B, S, N], mostly near 0 (as a trained FoX's are) with
+    some strongly forgetting ones."""
+    return jax.nn.log_sigmoid(2.0 + 2.0 * jax.random.normal(key, (B, S, N))).astype(dtype)
+
+
+WINDOW_CASES = {
+    # name: (K, T, attention keywords); "forget" adds log_forget gates
+    "window_causal_gqa_ragged_per_row_offset": (
+        2,
+        T,
+        dict(
+            causal=True,
+            window=9,
+            q_offset=np.array([0, 8], np.int32),
+            kv_lengths=np.array([45, 19], np.int32),
+        ),
+    ),
+    "window_bidirectional_mqa": (1, T, dict(window=5)),
+    "forget_gqa": (2, T, dict(causal=True, forget=True)),
+    # a window past S hides nothing more than the causal mask
+    "forget_window_past_S_scalar_offset_mha": (
+        4,
+        T,
+        dict(causal=True, window=64, q_offset=8, forget=True),
+    ),
+    "forget_window_decode_block_mqa": (
+        1,
+        5,
+        dict(
+            causal=True,
+            window=6,
+            q_offset=np.array([40, 12], np.int32),
+            kv_lengths=np.array([45, 17], np.int32),
+            forget=True,
+        ),
+    ),
+    # a window of 1 (each query its own key), and rows that see no key at all
+    "forget_window_one_empty_rows": (
+        2,
+        T,
+        dict(
+            causal=True,
+            window=1,
+            q_offset=np.array([-20, 3], np.int32),
+            kv_lengths=np.array([30, 0], np.int32),
+            forget=True,
+        ),
+    ),
+}
+
+# Every case with the ALiBi-like BiasFn (parameter gradients) but one with a materialised bias;
+# no bias once.
+WINDOW_GRID = [
+    ("alibi", "window_causal_gqa_ragged_per_row_offset"),
+    ("alibi", "window_bidirectional_mqa"),
+    ("none", "forget_gqa"),
+    ("array", "forget_window_past_S_scalar_offset_mha"),
+    ("alibi", "forget_window_decode_block_mqa"),
+    ("alibi", "forget_window_one_empty_rows"),
+]
+
+
+def window_case(bias_kind, case, dtype=jnp.float32):
+    """(q, k, v, d_out), bias, keywords (log_forget included) of one WINDOW_GRID point."""
+    K, t, kw = WINDOW_CASES[case]
+    kw = dict(kw)
+    key = jax.random.key(100 + list(WINDOW_CASES).index(case))
+    inputs = _inputs(K, key, dtype, T=t)
+    bias = _bias(bias_kind, jax.random.fold_in(key, 1))
+    if bias_kind == "array":
+        bias = bias[:, :t]
+    if kw.pop("forget", False):
+        kw["log_forget"] = log_forget_gates(jax.random.fold_in(key, 2), dtype=dtype)
+    return inputs, bias, kw
+
+
+@functools.cache
+def _oracle_case(bias_kind, case):
+    """The oracle's output and gradients at one WINDOW_GRID point (float32)."""
+    inputs, bias, kw = window_case(bias_kind, case)
+    return _value_and_grads("oracle", *inputs, bias, **kw)

@@ -308,10 +308,12 @@ def choose_implementation(
     backend = _backend() if backend is None else backend
     B, T, N, H = q.shape
     S = k.shape[1]
-    per_row = per_row or log_forget is not None
+    # A materialised bias has one slice per batch row with per-row positions or lengths, or with
+    # forget gates.
+    per_row_bias = per_row or log_forget is not None
     if backend == "cpu":
         small = T * S < AUTO_CHUNKED_MAX_HEAD_LOGITS and (
-            not per_row or B * N * T * S < AUTO_BLOCKWISE_MIN_LOGITS
+            not per_row_bias or B * N * T * S < AUTO_BLOCKWISE_MIN_LOGITS
         )
         choice = "chunked" if small else "blockwise"
     elif _pallas_supports(
@@ -320,7 +322,7 @@ def choose_implementation(
         choice = "pallas"
     else:
         has_bias = bias is not None or log_forget is not None
-        bias_rows = B if per_row and has_bias else 1
+        bias_rows = B if per_row_bias and has_bias else 1
         bias_size = 0 if not has_bias else bias_rows * N * T * S
         cudnn_ok = (
             cudnn.unsupported_reason(

@@ -5,7 +5,9 @@ query heads per key/value head, H head dim, R batch rows per chunk.
 
 The fast path at training lengths (T, S up to ~1k) on XLA:CPU. `posattn.attention` builds the
 additive logit bias (the position bias with -inf at hidden keys, `attention_from_bias`) and
-`chunked_attention` only sees arrays.
+`chunked_attention` only sees arrays. A sliding window is part of those -inf (with a static causal
+offset the query tiles also skip the keys below their window), and the forgetting-attention term
+c_i - c_j is part of the bias, one slice per batch row.
 
 Forward: a `lax.scan` over chunks of R batch rows. Per chunk, in head-major layout,
 `s = scale q k^T + bias` ([R, K, G, T, S]), its row max and sum, `out = softmax(s) v`; the row max
