@@ -16,6 +16,12 @@ bytes, and both relative to multi-head attention at the same context, measured i
 `dynamic_ntk` modes: "exact" recomputes the prefix each step, "rerotate" rotates every cached key
 each step, "hf" keeps the cache as written. Variants of one context are timed round-robin.
 
+`--window W` adds sliding-window layers (`model.layer_pattern`): RoPE with window W on every
+layer (Mistral), three windowed layers per global NoPE layer (Command A), and FoX on every layer
+(its cache also keeps float32 log f per key and head). A windowed layer's cache is a ring of W
+rows, so its bytes stop growing with the context. `--quick` is a smoke run at tiny sizes (a few
+seconds of compute; its timings mean nothing, its bytes are exact).
+
 `--staleness WORKDIR` instead measures what the dynamic-NTK modes cost in accuracy, on a RoPE
 model trained by `posattn.train` (at data.seq_len = m_l) and held-out text of `--text_len` tokens:
 each mode's cached logits against the full-forward oracle of every prefix (max |logit error|) and
@@ -220,6 +226,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--dynamic", action="store_true", help="also time dynamic NTK's three modes")
     p.add_argument("--json", default=None, help="write the rows to this file")
+    p.add_argument("--window", type=int, default=0, help="also time sliding-window layers and FoX")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, one round: a smoke run")
     p.add_argument(
         "--staleness",
         default=None,
@@ -229,6 +237,10 @@ def main(argv=None) -> int:
     p.add_argument("--text_len", type=int, default=256)
     p.add_argument("--factor", type=float, default=2.0)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.quick:
+        args.d_model, args.num_layers, args.num_heads, args.batch = 32, 4, 4, 2
+        args.contexts, args.steps, args.repeats = "64,256", 4, 1
+        args.window = args.window or 32
     if args.staleness:
         rows = staleness(
             args.staleness, text_len=args.text_len, batch=args.batch, factor=args.factor
@@ -267,6 +279,17 @@ def main(argv=None) -> int:
     rows = []
     for context in (int(c) for c in args.contexts.split(",")):
         todo = list(variants)
+        if args.window:
+            w = args.window
+            todo += [
+                (f"window {w}, every layer", dict(layer_pattern=(f"rope:window={w}",)), "exact"),
+                (
+                    f"window {w}, 3 per global",
+                    dict(layer_pattern=(f"rope:window={w}",) * 3 + ("nope",)),
+                    "exact",
+                ),
+                ("FoX, every layer", dict(position="fox"), "exact"),
+            ]
         if args.dynamic and base.family.rotary:
             scaling = (
                 ("factor", 2.0),

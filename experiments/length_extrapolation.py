@@ -68,6 +68,7 @@ from posattn.attention import IMPLEMENTATIONS
 from posattn.data import probes
 from posattn.eval import attention_stats, heldout, intervals, retrieval, scoring, summary
 from posattn.eval import lengths as evaluate
+from posattn.nn import pattern
 from posattn.nn.model import TransformerLM
 from posattn.train import (
     NonFiniteLossError,
@@ -269,19 +270,16 @@ def family_entry(
     Such an entry is a row of its own, trained in its own directory (`entry_dir`): a settings
     sweep is an experiment whose families are one family under several settings.
     """
-    name, _, rest = str(entry).partition(":")
-    if name not in families.names():
-        raise fail(
-            f"config.families has {entry!r}: unknown family {name!r}; known: "
-            f"{', '.join(families.names())} (settings as 'fire:fire_init_c=3.2,fire_init_L=64')"
-        )
+    try:  # the package's one parser of "family:key=value,..." (model.layer_pattern's too)
+        name, values = pattern.parse_entry(str(entry), where="config.families")
+    except ValueError as err:
+        raise fail(f"{err}") from None
     overrides = {}
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
+    for key, value in values.items():
         known = config is None or key in config.model
-        if not eq or not known or key in ("position",):
+        if not known or key in ("position",):
             raise fail(
-                f"config.families entry {entry!r}: {item!r} is not key=value with a key of the "
+                f"config.families entry {entry!r}: {key!r} is not a key of the "
                 "model section (e.g. fire_init_c=3.2; the family is the part before ':')"
             )
         if key in families.keys() and name not in families.owners(key):
@@ -289,7 +287,7 @@ def family_entry(
                 f"config.families entry {entry!r}: model.{key} is a setting of "
                 f"{', '.join(families.owners(key))}, not of {name}"
             )
-        overrides[key] = config_lib.parse_value(value)
+        overrides[key] = value
     return name, overrides
 
 

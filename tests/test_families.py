@@ -31,6 +31,7 @@ def test_registry_lists_every_family():
         "kerple_log",
         "sandwich",
         "fire",
+        "fox",
     }
 
 

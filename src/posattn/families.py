@@ -34,6 +34,7 @@ __all__ = [
     "Context",
     "Family",
     "FireSettings",
+    "ForgetSpec",
     "LearnedSettings",
     "RopeSettings",
     "SandwichSettings",
@@ -432,6 +433,9 @@ class BiasSpec:
         initialisation, as the reference code clamps its parameters' data in place.
       shared_across_layers: one bias for the whole stack (T5) or one per layer; a callable
         `(settings) -> bool` when a setting decides (Kerple). Ask `shared(settings)`.
+      relative: the bias depends on `i - j` only (adding one shift to every query and key
+        position leaves it unchanged), so a sliding window's ring-buffer cache may renumber
+        positions (posattn.nn.window); False for FIRE, whose normaliser reads `i` itself.
     """
 
     init: Callable[[Array, Context, Settings], dict[str, Array]]
@@ -439,6 +443,7 @@ class BiasSpec:
     trainable: bool = True
     bounds: Mapping[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
     shared_across_layers: bool | Callable[[Settings], bool] = False
+    relative: bool = True
 
     def shared(self, settings: Settings) -> bool:
         """Whether one bias module serves every layer, for these settings."""
@@ -449,6 +454,20 @@ class BiasSpec:
     def bind(self, ctx: Context, settings: Settings) -> BiasFn:
         """The `BiasFn` for these static settings, as the attention core takes it."""
         return BoundBias(self.fn, ctx, settings)
+
+
+@dataclasses.dataclass(frozen=True)
+class ForgetSpec:
+    """How a data-dependent forget family gates attention (FoX, Lin et al. 2025).
+
+    `log f_t = log_sigmoid(w_h . x_t + b_h)` per query head from the layer's normalised input,
+    the logit of (i, j) gaining `c_i - c_j`, `c = cumsum(log f)` (docs/conventions.md#fox).
+
+    Attributes:
+      bias_init: the initial gate bias b_h (0: the reference's "full" gate, f = 1/2 at x = 0).
+    """
+
+    bias_init: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -479,6 +498,9 @@ class Family:
       rotary: whether queries and keys are rotated (RoPE); its settings then extend RopeSettings.
       bias: the relative-bias spec, or None.
       scale_free: logits without the `1/sqrt(H)` factor (T5: its query initialiser carries it).
+      forget: a data-dependent family: per-head forget gates computed from each layer's input
+        (FoX), whose `log f` the attention core accumulates (`attention(..., log_forget=)`);
+        the gate module is `posattn.nn.forget.ForgetGate`. Causal models only.
     """
 
     name: str
@@ -488,6 +510,7 @@ class Family:
     bias: BiasSpec | None = None
     scale_free: bool = False
     description: str = ""
+    forget: ForgetSpec | None = None
 
 
 _REGISTRY: dict[str, Family] = {}
@@ -505,6 +528,11 @@ def register(family: Family) -> Family:
         raise ValueError(f"family {family.name!r}: settings must be a Settings subclass")
     if family.rotary and not issubclass(family.settings, RopeSettings):
         raise ValueError(f"family {family.name!r} is rotary: its settings must extend RopeSettings")
+    if family.forget is not None and (family.bias is not None or family.embedding != "none"):
+        raise ValueError(
+            f"family {family.name!r}: a forget family carries no other position signal (FoX "
+            "has none); register its bias or embedding as a family of its own"
+        )
     if family.embedding == "learned" and not issubclass(family.settings, LearnedSettings):
         raise ValueError(
             f"family {family.name!r} learns an embedding table: its settings must extend "
@@ -759,7 +787,14 @@ register(
     Family(
         "fire",
         settings=FireSettings,
-        bias=BiasSpec(_fire_init, _fire_fn, bounds={"c": (1e-6, math.inf)}),
+        bias=BiasSpec(_fire_init, _fire_fn, bounds={"c": (1e-6, math.inf)}, relative=False),
         description="FIRE: MLP of a progressively interpolated log distance",
+    )
+)
+register(
+    Family(
+        "fox",
+        forget=ForgetSpec(),
+        description="FoX forgetting attention: data-dependent forget gates, no other signal",
     )
 )

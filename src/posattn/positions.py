@@ -34,6 +34,9 @@ __all__ = [
     "sandwich_bias",
     "fire_normalized_distance",
     "FIRE_EPS",
+    "llama4_attention_scale",
+    "visible_keys",
+    "ssmax_scale",
 ]
 
 # Added to FIRE's log-normaliser, as `eps=1e-6` in the FIRE paper's reference listing (Li et al.
@@ -388,3 +391,68 @@ def fire_normalized_distance(q_pos, k_pos, *, c, L) -> jax.Array:
     rel = psi(q[..., :, None] - k[..., None, :])  # [T, S]
     norm = psi(jnp.maximum(q, threshold)) + FIRE_EPS  # [T]
     return rel / norm[..., :, None]
+
+
+# ----------------------------------------------------------------------------------------------
+# Length temperatures: factors the queries are multiplied by, functions of the query's position.
+
+
+def llama4_attention_scale(positions, *, floor_scale: float, attn_scale: float) -> jax.Array:
+    """Llama 4's query temperature `1 + attn_scale * log(floor((i + 1) / floor_scale) + 1)`.
+
+    Hugging Face `modeling_llama4.py` (`Llama4TextAttention.forward`, `attn_temperature_tuning`,
+    applied to the queries of its NoPE layers after RoPE and the QK norm): computed in float32
+    from the absolute position `i` (`cache_position`, so a decode step passes its own), the
+    queries multiplied by it and cast back to their dtype. 1 for `i + 1 < floor_scale`.
+
+    Args:
+      positions: int[...] absolute query positions.
+      floor_scale: positions per step of the temperature (Llama 4: 8192).
+      attn_scale: its slope (Llama 4: 0.1).
+
+    Returns:
+      float32[...].
+    """
+    i = jnp.asarray(positions, jnp.float32)
+    return 1.0 + attn_scale * jnp.log(jnp.floor((i + 1.0) / floor_scale) + 1.0)
+
+
+def visible_keys(positions, *, kv_len, window: int | None = None, causal: bool = True):
+    """n_i, the number of keys query `i` sees: the keys `j < kv_len` inside its window and, when
+    causal, not after it (causal: `min(i + 1, window, kv_len)` for `i < kv_len`).
+
+    Args:
+      positions: int[T] or int[B, T] query positions.
+      kv_len: int or int[B] valid keys (positions 0..kv_len-1).
+      window: None or the sliding window (query i sees j iff |i - j| < window).
+      causal: hide keys j > i.
+
+    Returns:
+      int32 of the broadcast shape of positions and kv_len ([T], [B, T]).
+    """
+    i = jnp.asarray(positions, jnp.int32)
+    kv = jnp.asarray(kv_len, jnp.int32)
+    if kv.ndim == 1:
+        kv = kv[:, None]  # (B, 1)
+    hi = kv - 1 if not causal else jnp.minimum(i, kv - 1)
+    lo = jnp.zeros_like(i)
+    if window is not None:
+        lo = jnp.maximum(lo, i - window + 1)
+        if not causal:
+            hi = jnp.minimum(hi, i + window - 1)
+    return jnp.maximum(hi - lo + 1, 0)
+
+
+def ssmax_scale(num_keys, s) -> jax.Array:
+    """Scalable softmax (Nakanishi 2025, arXiv 2501.19399): the factor `s_h * log n_i` its
+    logits are multiplied by (`softmax(s log(n) z)` is `n^(s z_j) / sum_k n^(s z_k)`).
+
+    Args:
+      num_keys: int[...] n_i (`visible_keys`); a row that sees no key counts as 1 (factor 0).
+      s: float[N] per-head scale.
+
+    Returns:
+      float32[..., N].
+    """
+    n = jnp.maximum(jnp.asarray(num_keys, jnp.float32), 1.0)
+    return jnp.log(n)[..., None] * jnp.asarray(s, jnp.float32)

@@ -38,9 +38,11 @@ from posattn.nn import layers
 __all__ = ["attention_probabilities", "attention_stats"]
 
 
-def _probabilities(attn: layers.Attention, q: jax.Array, k: jax.Array, start: int = 0) -> jax.Array:
+def _probabilities(
+    attn: layers.Attention, q: jax.Array, k: jax.Array, start: int = 0, log_forget=None
+) -> jax.Array:
     """Reference softmax probabilities float32[B, N, T - start, S] of one layer for the queries
-    q[:, start:] (q at positions 0..T-1)."""
+    q[:, start:] (q at positions 0..T-1; its window and FoX's log f [B, S, N] as the layer's)."""
     q = q[:, start:]
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
@@ -53,7 +55,14 @@ def _probabilities(attn: layers.Attention, q: jax.Array, k: jax.Array, start: in
     q_pos = jnp.arange(start, start + T, dtype=jnp.int32)[None]  # (1, T)
     if attn.bias is not None:
         logits = logits + attention_lib.materialize_bias(attn.bias(), q_pos, S)
-    visible = attention_lib.visibility_mask(q_pos, S, causal=attn.causal, kv_lengths=None)
+    if log_forget is not None:
+        c = jnp.cumsum(log_forget.astype(f32), axis=1)  # (B, S, N)
+        logits = logits + (c[:, start : start + T, None, :] - c[:, None, :, :]).transpose(
+            0, 3, 1, 2
+        )
+    visible = attention_lib.visibility_mask(
+        q_pos, S, causal=attn.causal, kv_lengths=None, window=attn.window
+    )
     logits = jnp.where(visible[:, None], logits, -jnp.inf)
     return jax.nn.softmax(logits, axis=-1)  # (B, N, T, S); masked keys exactly 0
 
@@ -76,8 +85,9 @@ def _per_layer(graphdef, params, constants, tokens, *, start: int, reduce) -> li
         attn = block.attn
         h = block.attn_norm(x)
         own = attn.project_kv(h, positions, seq_len=T) if attn.owns_kv else kv
-        q = attn.project_q(h, positions, seq_len=T)
-        out.append(reduce(_probabilities(attn, q, own[0], start)))
+        q = attn._temper(attn.project_q(h, positions, seq_len=T), positions, T)
+        log_forget = None if attn.forget is None else attn.forget(h)  # (B, T, N)
+        out.append(reduce(_probabilities(attn, q, own[0], start, log_forget)))
         x, kv = block(x, kv=kv)
     return out
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from posattn import families
 from posattn.attention import IMPLEMENTATIONS
+from posattn.nn import pattern as pattern_lib
 
 __all__ = ["ConfigError", "ModelConfig", "config_keys", "continuous_keys", "defaults", "describe"]
 
@@ -65,10 +66,19 @@ class ModelConfig:
         "none", "recompute each block in the backward: 'none', 'full', 'dots' (keep matmul outputs)"
     )
     scan_layers: bool = _key(False, "stack the blocks' parameters and run them by one lax.scan")
+    layer_pattern: tuple = _key(
+        (),
+        "family entries cycled over the layers, e.g. ('rope:window=128', 'nope') "
+        "(docs/training.md); empty: every layer model.position",
+    )
     # The family's settings, filled with its defaults when not given (not a config key itself).
     settings: families.Settings | None = dataclasses.field(default=None, metadata={"key": False})
 
     def __post_init__(self):
+        try:
+            object.__setattr__(self, "layer_pattern", pattern_lib.as_pattern(self.layer_pattern))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(str(e)) from None
         family = families.get(self.position)
         if self.settings is None:
             object.__setattr__(self, "settings", family.settings())
@@ -94,6 +104,27 @@ class ModelConfig:
     @property
     def family(self) -> families.Family:
         return families.get(self.position)
+
+    @property
+    def layers(self) -> tuple[pattern_lib.LayerSpec, ...]:
+        """Each layer's position settings: `model.layer_pattern` cycled, or `position`'s."""
+        try:
+            return pattern_lib.layer_specs(
+                self.layer_pattern,
+                num_layers=self.num_layers,
+                position=self.position,
+                settings=self.settings,
+            )
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def not_continuous(self) -> dict[str, str]:
+        """Continuous keys these settings make static (of the family and of every layer)."""
+        out = dict(self.settings.not_continuous())
+        if self.layer_pattern:
+            for spec in self.layers:
+                out.update(spec.settings.not_continuous())
+        return out
 
     @property
     def context(self) -> families.Context:
@@ -233,6 +264,10 @@ class ModelConfig:
             _fail("init_scale", value, "must be a positive finite number")
         try:
             self.settings.validate(self.context)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        try:
+            pattern_lib.validate(self)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         return self

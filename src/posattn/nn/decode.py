@@ -23,6 +23,12 @@ the unwritten rows) give every family its true positions with nothing family-spe
   * Absolute embeddings: added at the token's true position; a learned table never serves a
     position past its size (`init_cache` refuses such a capacity).
   * Cross-layer KV sharing: only the `L` owning layers have cache entries.
+  * Sliding-window layers (`model.layer_pattern` entries with `window=`): a ring buffer of the
+    last `window` keys (posattn.nn.window), memory O(window) per layer, when the capacity
+    exceeds the window and the layer's position signal depends on `i - j` only; otherwise
+    (FIRE, dynamic NTK, kv_share > 1) a full cache with the window applied by the mask.
+  * FoX layers: the cache also keeps each key's `log f` [B, S, N] (float32), from which the
+    attention core forms the cumulative sums `c_j`; the query reads `c` at its own row.
 
 Rows may hold prompts of different lengths (`lengths`); each row then decodes at its own position.
 """
@@ -60,8 +66,8 @@ DYNAMIC_NTK_MODES = ("exact", "rerotate", "hf")
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=("k", "v", "lengths", "tokens"),
-    meta_fields=("keys_rotated", "recompute_past"),
+    data_fields=("k", "v", "lengths", "tokens", "log_forget"),
+    meta_fields=("keys_rotated", "recompute_past", "size"),
 )
 @dataclasses.dataclass(frozen=True)
 class KVCache:
@@ -77,6 +83,10 @@ class KVCache:
         projected and rotated at every use with the current frequencies (dynamic NTK "rerotate").
       recompute_past: static. A step whose length exceeds it recomputes the whole prefix from
         `tokens` (m_l for dynamic NTK "exact"); None never.
+      log_forget: per layer, FoX's log f of the cached keys float32[B, rows, N], or None (a
+        layer without forget gates); None for a model without FoX layers.
+      size: static, the capacity S (a sliding-window layer's ring holds fewer rows); None: the
+        rows of the first layer.
     """
 
     k: tuple[jax.Array, ...]
@@ -85,15 +95,26 @@ class KVCache:
     tokens: jax.Array | None = None
     keys_rotated: bool = True
     recompute_past: int | None = None
+    log_forget: tuple[jax.Array | None, ...] | None = None
+    size: int | None = None
 
     @property
     def capacity(self) -> int:
-        return self.k[0].shape[1]
+        return self.k[0].shape[1] if self.size is None else self.size
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the keys and values (what grows with batch, context and K)."""
-        return sum(x.size * x.dtype.itemsize for x in self.k + self.v)
+        """Bytes of the keys and values (and FoX's log f: what grows with batch and context)."""
+        arrays = self.k + self.v + tuple(f for f in self.log_forget or () if f is not None)
+        return sum(x.size * x.dtype.itemsize for x in arrays)
+
+    def entries(self) -> tuple[tuple[jax.Array, ...], ...]:
+        """Per owning layer, what `TransformerLM.extend` takes: (k, v) or (k, v, log f)."""
+        forget = self.log_forget or (None,) * len(self.k)
+        return tuple(
+            (k, v) if f is None else (k, v, f)
+            for k, v, f in zip(self.k, self.v, forget, strict=True)
+        )
 
 
 def _dtype(cfg: ModelConfig):
@@ -109,11 +130,27 @@ def _dynamic_layout(cfg: ModelConfig, dynamic_ntk: str) -> tuple[bool, int | Non
             "('exact' recomputes the prefix past m_l, 'rerotate' rotates cached keys with the "
             "current frequencies, 'hf' keeps them as written)"
         )
-    scaling = (cfg.settings.scaling_dict if cfg.family.rotary else None) or {}
-    if scaling.get("rope_type", scaling.get("type")) != "dynamic":
+    dynamic = [_dynamic_scaling(spec) for spec in cfg.layers]
+    dynamic = [scaling for scaling in dynamic if scaling is not None]
+    if not dynamic:
         return True, None  # frequencies independent of the length: caching is exact
-    m_l = int(scaling["original_max_position_embeddings"])
+    m_l = min(int(scaling["original_max_position_embeddings"]) for scaling in dynamic)
     return dynamic_ntk != "rerotate", (m_l if dynamic_ntk == "exact" else None)
+
+
+def _dynamic_scaling(spec) -> dict | None:
+    """The layer's rope_scaling dict when it is dynamic NTK, else None."""
+    scaling = (spec.settings.scaling_dict if spec.family.rotary else None) or {}
+    return scaling if scaling.get("rope_type", scaling.get("type")) == "dynamic" else None
+
+
+def _cache_rows(cfg: ModelConfig, spec, capacity: int) -> int:
+    """Rows of one owning layer's cache: its window (a ring buffer) or the capacity."""
+    w = spec.window
+    relative = spec.family.bias is None or spec.family.bias.relative
+    if w is None or w >= capacity or cfg.kv_share != 1 or not relative:
+        return capacity
+    return capacity if _dynamic_scaling(spec) is not None else w
 
 
 def check_generation(cfg: ModelConfig, capacity: int) -> None:
@@ -152,9 +189,15 @@ def init_cache(
       ValueError: an encoder, or a learned-embedding model asked for more positions than its table.
     """
     check_generation(cfg, capacity)
-    shape = (batch_size, capacity, cfg.num_kv_heads, cfg.head_dim)
-    owners = cfg.num_layers // cfg.kv_share
-    zeros = tuple(jnp.zeros(shape, _dtype(cfg)) for _ in range(owners))
+    owners = [cfg.layers[i] for i in range(0, cfg.num_layers, cfg.kv_share)]
+    rows = [_cache_rows(cfg, spec, capacity) for spec in owners]
+    zeros = tuple(
+        jnp.zeros((batch_size, r, cfg.num_kv_heads, cfg.head_dim), _dtype(cfg)) for r in rows
+    )
+    forget = tuple(
+        jnp.zeros((batch_size, r, cfg.num_heads), jnp.float32) if s.family.forget else None
+        for s, r in zip(owners, rows, strict=True)
+    )
     keys_rotated, recompute_past = _dynamic_layout(cfg, dynamic_ntk)
     tokens = None if recompute_past is None else jnp.zeros((batch_size, capacity), jnp.int32)
     return KVCache(
@@ -164,21 +207,22 @@ def init_cache(
         tokens=tokens,
         keys_rotated=keys_rotated,
         recompute_past=recompute_past,
+        log_forget=forget if any(f is not None for f in forget) else None,
+        size=capacity,
     )
 
 
 def cache_bytes(cfg: ModelConfig, *, batch_size: int, capacity: int) -> int:
-    """Bytes of the keys and values of a cache: 2 L B S K H itemsize (no allocation)."""
+    """Bytes of a cache (no allocation): 2 B S_l K H itemsize per owning layer, S_l its rows
+    (the capacity, or a sliding window's ring), plus 4 B S_l N for a FoX layer's log f."""
     itemsize = jnp.dtype(_dtype(cfg)).itemsize
-    return (
-        2
-        * (cfg.num_layers // cfg.kv_share)
-        * batch_size
-        * capacity
-        * cfg.num_kv_heads
-        * cfg.head_dim
-        * itemsize
-    )
+    total = 0
+    for spec in (cfg.layers[i] for i in range(0, cfg.num_layers, cfg.kv_share)):
+        rows = _cache_rows(cfg, spec, capacity)
+        total += 2 * batch_size * rows * cfg.num_kv_heads * cfg.head_dim * itemsize
+        if spec.family.forget is not None:
+            total += batch_size * rows * cfg.num_heads * 4
+    return total
 
 
 def _concrete(x) -> np.ndarray | None:
@@ -220,7 +264,7 @@ def prefill(
     model = nnx.merge(graphdef, params, constants)
     h, kvs = model.extend(
         tokens,
-        tuple(zip(cache.k, cache.v, strict=True)),
+        cache.entries(),
         q_offset=0,
         kv_lengths=lengths,
         seq_len=lengths,
@@ -286,7 +330,7 @@ def _cached_step(
     model = nnx.merge(graphdef, params, constants)
     h, kvs = model.extend(
         tokens[:, None],
-        tuple(zip(cache.k, cache.v, strict=True)),
+        cache.entries(),
         q_offset=position,
         kv_lengths=new_len,
         seq_len=new_len,
@@ -297,8 +341,12 @@ def _cached_step(
 
 
 def _replace(cache: KVCache, kvs, lengths, tokens) -> KVCache:
-    k, v = zip(*kvs, strict=True)
-    return dataclasses.replace(cache, k=tuple(k), v=tuple(v), lengths=lengths, tokens=tokens)
+    k = tuple(entry[0] for entry in kvs)
+    v = tuple(entry[1] for entry in kvs)
+    forget = None
+    if cache.log_forget is not None:
+        forget = tuple(entry[2] if len(entry) > 2 else None for entry in kvs)
+    return dataclasses.replace(cache, k=k, v=v, lengths=lengths, tokens=tokens, log_forget=forget)
 
 
 def sample(

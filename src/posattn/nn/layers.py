@@ -21,6 +21,7 @@ from flax import nnx
 
 from posattn import attention as attention_lib
 from posattn import families, rotary
+from posattn.nn import window as window_lib
 
 __all__ = [
     "Attention",
@@ -202,6 +203,9 @@ class Attention(nnx.Module):
         rotary_module: Rotary | None,
         bias_module: PositionBias | None,
         rngs: nnx.Rngs,
+        window: int | None = None,
+        temperature: nnx.Module | None = None,
+        forget: nnx.Module | None = None,
     ):
         D, N, K, H = d_model, num_heads, num_kv_heads, d_model // num_heads
         std = init_scale / math.sqrt(D)
@@ -223,6 +227,9 @@ class Attention(nnx.Module):
         self.scale = 1.0 if scale_free else 1.0 / math.sqrt(H)
         self.implementation = implementation
         self.dtype = dtype
+        # Per-layer position settings (posattn.nn.pattern): a sliding window, a query temperature
+        # (posattn.nn.temperature), FoX's forget gate (posattn.nn.forget). None: absent.
+        self.window, self.temperature, self.forget = window, temperature, forget
 
     def _rotary(self, shared) -> Rotary | None:
         return self.rotary if self.rotary is not None or shared is None else shared[0]
@@ -248,12 +255,27 @@ class Attention(nnx.Module):
             q = rotary_module(q, positions, seq_len=seq_len)
         return q
 
+    def _temper(self, q, positions, kv_len):
+        return q if self.temperature is None else self.temperature(q, positions, kv_len=kv_len)
+
     def attend(
-        self, q: jax.Array, k: jax.Array, v: jax.Array, *, q_offset, kv_lengths, shared=None
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        *,
+        q_offset,
+        kv_lengths,
+        shared=None,
+        log_forget=None,
     ) -> jax.Array:
-        """Attention of q[B, T, N, H] over k, v[B, S, K, H], projected back to [B, T, D]."""
+        """Attention of q[B, T, N, H] over k, v[B, S, K, H], projected back to [B, T, D]
+        (log_forget: FoX's float32[B, S, N] of the keys)."""
         bias_module = self._bias(shared)
         bias = bias_module() if bias_module is not None else None
+        extra = {} if self.window is None else {"window": self.window}
+        if log_forget is not None:
+            extra["log_forget"] = log_forget
         out = attention_lib.attention(
             q,
             k,
@@ -264,6 +286,7 @@ class Attention(nnx.Module):
             kv_lengths=kv_lengths,
             scale=self.scale,
             implementation=self.implementation,
+            **extra,
         )  # (B, T, N, H)
         B, T, N, H = out.shape
         return dense(
@@ -288,7 +311,12 @@ class Attention(nnx.Module):
         if self.owns_kv:
             kv = self.project_kv(x, positions, seq_len=seq_len, shared=shared)
         q = self.project_q(x, positions, seq_len=seq_len, shared=shared)
-        return self.attend(q, *kv, q_offset=0, kv_lengths=kv_lengths, shared=shared), kv
+        q = self._temper(q, positions, x.shape[1] if kv_lengths is None else kv_lengths)
+        log_forget = None if self.forget is None else self.forget(x)  # (B, T, N)
+        out = self.attend(
+            q, *kv, q_offset=0, kv_lengths=kv_lengths, shared=shared, log_forget=log_forget
+        )
+        return out, kv
 
     def extend(
         self,
@@ -325,17 +353,59 @@ class Attention(nnx.Module):
           (output[B, T, D], the updated (k, v)).
         """
         positions = token_positions(q_offset, x.shape[1])  # (T,) or (B, T)
+        if self.owns_kv and self.window is not None and kv[0].shape[1] == self.window:
+            return self._extend_ring(x, kv, positions, q_offset, kv_lengths, seq_len, shared)
         if self.owns_kv:
             k_new, v_new = self.project_kv(
                 x, positions, seq_len=seq_len, rotate=keys_rotated, shared=shared
             )
-            kv = (write_rows(kv[0], k_new, q_offset), write_rows(kv[1], v_new, q_offset))
-        k, v = kv if attend_len is None else (kv[0][:, :attend_len], kv[1][:, :attend_len])
+            new = (k_new, v_new) if self.forget is None else (k_new, v_new, self.forget(x))
+            kv = tuple(write_rows(c, n, q_offset) for c, n in zip(kv, new, strict=True))
+        kv_read = kv if attend_len is None else tuple(c[:, :attend_len] for c in kv)
+        k, v = kv_read[:2]
         rotary_module = self._rotary(shared)
         if rotary_module is not None and not keys_rotated:
             k = rotary_module(k, token_positions(0, k.shape[1]), seq_len=seq_len)
         q = self.project_q(x, positions, seq_len=seq_len, shared=shared)
-        return self.attend(q, k, v, q_offset=q_offset, kv_lengths=kv_lengths, shared=shared), kv
+        q = self._temper(q, positions, kv_lengths)
+        log_forget = kv_read[2] if self.forget is not None else None
+        out = self.attend(
+            q,
+            k,
+            v,
+            q_offset=q_offset,
+            kv_lengths=kv_lengths,
+            shared=shared,
+            log_forget=log_forget,
+        )
+        return out, kv
+
+    def _extend_ring(self, x, kv, positions, q_offset, kv_lengths, seq_len, shared):
+        """`extend` over a sliding window's ring buffer (posattn.nn.window): [B, W, ...] rows."""
+        new = self.project_kv(x, positions, seq_len=seq_len, shared=shared)
+        if self.forget is not None:
+            new = (*new, self.forget(x))  # (k, v, log f)
+        if isinstance(q_offset, int) and q_offset == 0:  # a prefill: no earlier key
+            live, offset, lengths = new, 0, kv_lengths
+        else:
+            parts = [window_lib.assemble(c, n, q_offset) for c, n in zip(kv, new, strict=True)]
+            live, shift = tuple(p[0] for p in parts), parts[0][1]  # row r: position shift + r
+            offset, lengths = jnp.asarray(q_offset, jnp.int32) - shift, kv_lengths - shift
+        q = self.project_q(x, positions, seq_len=seq_len, shared=shared)
+        q = self._temper(q, positions, kv_lengths)
+        out = self.attend(
+            q,
+            live[0],
+            live[1],
+            q_offset=offset,
+            kv_lengths=lengths,
+            shared=shared,
+            log_forget=live[2] if self.forget is not None else None,
+        )
+        kv = tuple(
+            window_lib.write_ring(c, n, q_offset, kv_lengths) for c, n in zip(kv, new, strict=True)
+        )
+        return out, kv
 
 
 def write_rows(cache: jax.Array, chunk: jax.Array, start) -> jax.Array:
@@ -404,6 +474,7 @@ class Block(nnx.Module):
         rotary_module: Rotary | None,
         bias_module: PositionBias | None,
         rngs: nnx.Rngs,
+        **position_layer,
     ):
         self.attn_norm = RMSNorm(d_model, dtype=dtype, param_dtype=param_dtype)
         self.attn = Attention(
@@ -421,6 +492,7 @@ class Block(nnx.Module):
             rotary_module=rotary_module,
             bias_module=bias_module,
             rngs=rngs,
+            **position_layer,
         )
         self.mlp_norm = RMSNorm(d_model, dtype=dtype, param_dtype=param_dtype)
         self.mlp = Mlp(

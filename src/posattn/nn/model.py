@@ -32,7 +32,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from posattn import positions
+from posattn.nn import forget as forget_lib
 from posattn.nn import layers
+from posattn.nn import temperature as temperature_lib
 from posattn.nn.config import ModelConfig
 
 __all__ = ["TransformerLM", "convert_layout", "cross_entropy", "mask_token_id"]
@@ -123,21 +125,33 @@ class TransformerLM(nnx.Module):
                     * jax.random.normal(rngs.params(), (cfg.settings.max_len, D))
                 ).astype(pdt)
             )
-        # The family's modules get the family's own settings; the blocks get plain sizes.
-        rotary_module = layers.Rotary(cfg.head_dim, cfg.settings) if family.rotary else None
-        shared_bias = None
-        if family.bias is not None and family.bias.shared(cfg.settings):
-            shared_bias = layers.PositionBias(family.bias, cfg.context, cfg.settings, rngs=rngs)
+        # The family's modules get the family's own settings; the blocks get plain sizes. Each
+        # layer's family comes from `cfg.layers` (model.layer_pattern, or model.position for
+        # all): layers of equal settings share one Rotary, and one bias where the family's spec
+        # shares it across layers (T5, Kerple by default), as with a single family.
+        specs = cfg.layers
+        rotaries, shared_biases = {}, {}
+        for spec in dict.fromkeys(specs):
+            fam = spec.family
+            if fam.rotary:
+                rotaries.setdefault(spec.settings, layers.Rotary(cfg.head_dim, spec.settings))
+            key = (spec.position, spec.settings)
+            if fam.bias is not None and fam.bias.shared(spec.settings) and key not in shared_biases:
+                shared_biases[key] = layers.PositionBias(
+                    fam.bias, cfg.context, spec.settings, rngs=rngs
+                )
 
-        def bias_for_layer():
-            if family.bias is None:
+        def bias_for_layer(spec):
+            fam = spec.family
+            if fam.bias is None:
                 return None
-            return shared_bias or layers.PositionBias(
-                family.bias, cfg.context, cfg.settings, rngs=rngs
+            return shared_biases.get((spec.position, spec.settings)) or layers.PositionBias(
+                fam.bias, cfg.context, spec.settings, rngs=rngs
             )
 
-        if cfg.scan_layers:
-            self.rotary, self.shared_bias = rotary_module, shared_bias
+        if cfg.scan_layers:  # identical layers (validated): the first spec is every layer's
+            self.rotary = rotaries.get(specs[0].settings)
+            self.shared_bias = shared_biases.get((specs[0].position, specs[0].settings))
             self.blocks = _stacked_blocks(cfg, rngs)
             self.final_norm = layers.RMSNorm(D, param_dtype=pdt)
             return
@@ -145,12 +159,13 @@ class TransformerLM(nnx.Module):
             [
                 _block(
                     cfg,
+                    spec,
                     owns_kv=i % cfg.kv_share == 0,
-                    rotary_module=rotary_module,
-                    bias_module=bias_for_layer(),
+                    rotary_module=rotaries.get(spec.settings) if spec.family.rotary else None,
+                    bias_module=bias_for_layer(spec),
                     rngs=rngs,
                 )
-                for i in range(cfg.num_layers)
+                for i, spec in enumerate(specs)
             ]
         )
         self.final_norm = layers.RMSNorm(D, param_dtype=pdt)
@@ -215,7 +230,9 @@ class TransformerLM(nnx.Module):
         Args:
           tokens: int[B, T], the chunk (a prompt, or one new token per row).
           kvs: one (k, v) pair, [B, S, K, H] each, per layer that owns its keys/values
-            (`num_layers // kv_share` of them: the layers of a sharing group read their owner's).
+            (`num_layers // kv_share` of them: the layers of a sharing group read their owner's);
+            a FoX layer's is (k, v, log f [B, S, N]); a sliding-window layer's may be a ring
+            buffer of `window` rows (posattn.nn.window).
           q_offset, kv_lengths, seq_len, keys_rotated, attend_len: as `layers.Attention.extend`.
 
         Returns:
@@ -239,8 +256,8 @@ class TransformerLM(nnx.Module):
 
             # Stacked for the scan and unstacked after it: a copy of the cache per call.
             kv_stack = tuple(jnp.stack(parts) for parts in zip(*kvs, strict=True))  # [L,B,S,K,H]
-            x, (k, v) = jax.lax.scan(layer, x, (stacked, kv_stack))
-            kvs = tuple((k[i], v[i]) for i in range(self.cfg.num_layers))
+            x, out = jax.lax.scan(layer, x, (stacked, kv_stack))  # (k, v[, log f]) stacked
+            kvs = tuple(tuple(part[i] for part in out) for i in range(self.cfg.num_layers))
             return self.final_norm(x).astype(jnp.float32), kvs
         kvs = list(kvs)
         for i, block in enumerate(self.blocks):
@@ -339,8 +356,13 @@ def cross_entropy(
     return jnp.sum(nll * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
-def _block(cfg: ModelConfig, *, owns_kv, rotary_module, bias_module, rngs) -> layers.Block:
-    """One transformer block of `cfg`, from plain sizes (the layers never read a ModelConfig)."""
+def _block(
+    cfg: ModelConfig, spec=None, *, owns_kv, rotary_module, bias_module, rngs
+) -> layers.Block:
+    """One transformer block of `cfg` with the position settings `spec` (a
+    `pattern.LayerSpec`; None: the first layer's), from plain sizes (the layers never read a
+    ModelConfig)."""
+    spec = cfg.layers[0] if spec is None else spec
     return layers.Block(
         cfg.d_model,
         cfg.num_heads,
@@ -348,7 +370,7 @@ def _block(cfg: ModelConfig, *, owns_kv, rotary_module, bias_module, rngs) -> la
         cfg.ff_dim,
         num_layers=cfg.num_layers,
         causal=cfg.causal,
-        scale_free=cfg.family.scale_free,
+        scale_free=spec.family.scale_free,
         init_scale=cfg.init_scale,
         implementation=cfg.attention_impl,
         dtype=layers.compute_dtype(cfg.dtype),
@@ -357,23 +379,51 @@ def _block(cfg: ModelConfig, *, owns_kv, rotary_module, bias_module, rngs) -> la
         rotary_module=rotary_module,
         bias_module=bias_module,
         rngs=rngs,
+        **_position_layer(cfg, spec, rngs),
     )
+
+
+def _position_layer(cfg: ModelConfig, spec, rngs) -> dict:
+    """The per-layer position modules of `spec` (none by default: the default tree is today's)."""
+    out = {}
+    if spec.window is not None:
+        out["window"] = spec.window
+    if spec.temperature:
+        out["temperature"] = temperature_lib.QueryTemperature(
+            cfg.num_heads,
+            attn_scale=spec.attn_scale,
+            floor_scale=spec.floor_scale,
+            ssmax=spec.ssmax,
+            window=spec.window,
+            causal=cfg.causal,
+        )
+    if spec.family.forget is not None:
+        out["forget"] = forget_lib.ForgetGate(
+            cfg.d_model,
+            cfg.num_heads,
+            init_scale=cfg.init_scale,
+            bias_init=spec.family.forget.bias_init,
+            param_dtype=layers.compute_dtype(cfg.param_dtype),
+            rngs=rngs,
+        )
+    return out
 
 
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> layers.Block:
     """`cfg.num_layers` blocks as one Block whose variables have a leading layer axis."""
-    spec = cfg.family.bias
-    per_layer_bias = spec is not None and not spec.shared(cfg.settings)
+    layer = cfg.layers[0]  # a scanned stack has identical layers (validated)
+    spec = layer.family.bias
+    per_layer_bias = spec is not None and not spec.shared(layer.settings)
 
     @nnx.split_rngs(splits=cfg.num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make(rngs):
         bias = (
-            layers.PositionBias(spec, cfg.context, cfg.settings, rngs=rngs)
+            layers.PositionBias(spec, cfg.context, layer.settings, rngs=rngs)
             if per_layer_bias
             else None
         )
-        return _block(cfg, owns_kv=True, rotary_module=None, bias_module=bias, rngs=rngs)
+        return _block(cfg, layer, owns_kv=True, rotary_module=None, bias_module=bias, rngs=rngs)
 
     return make(rngs)
 
@@ -397,8 +447,14 @@ def convert_layout(tree, cfg: ModelConfig, *, scan_layers: bool):
             f"model.kv_share={cfg.kv_share} has no scanned layout "
             "(model.scan_layers needs kv_share=1)"
         )
-    spec = cfg.family.bias
-    shared_bias = spec is not None and spec.shared(cfg.settings)
+    if scan_layers and len(set(cfg.layers)) > 1:
+        raise ValueError(
+            f"model.layer_pattern={cfg.layer_pattern!r} gives different layers, which have no "
+            "scanned layout (model.scan_layers needs identical layers)"
+        )
+    layer = cfg.layers[0]  # a scanned layout exists only for identical layers
+    spec = layer.family.bias
+    shared_bias = spec is not None and spec.shared(layer.settings)
     L = cfg.num_layers
 
     def value(v):

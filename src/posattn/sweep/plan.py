@@ -198,7 +198,7 @@ def _check_continuous(
         cfg = config_lib.model_config(config_lib.apply_overrides(config, strings))
     except config_lib.ConfigError:
         return  # the members' own validation names the problem
-    static = [(k, why) for k, why in cfg.settings.not_continuous().items() if k in model_keys]
+    static = [(k, why) for k, why in cfg.not_continuous().items() if k in model_keys]
     if static:
         key, why = static[0]
         raise config_lib.ConfigError(

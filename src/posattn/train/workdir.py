@@ -217,8 +217,9 @@ def write_or_check_config(workdir: pathlib.Path, config: ml_collections.ConfigDi
         before = json.loads(path.read_text())
         old, new = _flatten(before), _flatten(current)
         # A model key added since the run started had its default then.
-        defaults = {
-            f"model.{f.name}": f.default for f in dataclasses.fields(config_lib.ModelConfig)
+        defaults = {  # as config.json writes them (a tuple default reads back as a list)
+            f"model.{f.name}": json.loads(json.dumps(f.default, default=str))
+            for f in dataclasses.fields(config_lib.ModelConfig)
         }
         old.update({k: defaults[k] for k in new if k in defaults and k not in old})
         changed = sorted(
