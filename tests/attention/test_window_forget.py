@@ -286,56 +286,29 @@ def test_auto_and_cudnn_with_windows_and_forget(monkeypatch):
     assert per_row == "blockwise"  # B N T S = 8 Mi: the per-row bias limit
 
 
-def test_pallas_gets_the_keywords_only_when_set(monkeypatch):
-    """The fused kernel is called without window / log_forget when they are None; a kernel
-    without those keywords is never chosen for, and refuses, a call that sets them."""
-    calls = []
+def test_auto_asks_the_fused_kernel_for_the_backend_window_and_gates_it_decides_for(monkeypatch):
+    """ "auto" off CPU passes the backend, the window and the forget gates to
+    `pallas.unsupported_reason`, and `implementation="pallas"` runs the kernel with them."""
+    from posattn.attention import pallas
 
-    def old_kernel(q, k, v, *, bias, causal, q_offset, kv_lengths, scale):
-        calls.append(sorted(locals()))
-        return jnp.zeros_like(q)
-
-    def old_reason(q, k, *, bias, causal=False, per_row=False, backend=None):
-        return None
-
-    old = type(
-        "M",
-        (),
-        {
-            "pallas_attention": staticmethod(old_kernel),
-            "unsupported_reason": staticmethod(old_reason),
-        },
-    )
-    monkeypatch.setattr(attn_lib, "_pallas_module", lambda: old)
-    q, k, v, _ = _inputs(2, jax.random.key(0))
-    attention(q, k, v, causal=True, implementation="pallas")
-    assert "window" not in calls[-1]
-    with pytest.raises(ValueError, match="does not take window"):
-        attention(q, k, v, causal=True, window=4, implementation="pallas")
-    spec = jax.ShapeDtypeStruct(q.shape, q.dtype)
-    assert attn_lib.choose_implementation(spec, spec, None, backend="gpu") == "pallas"
-    assert attn_lib.choose_implementation(spec, spec, None, backend="gpu", window=4) != "pallas"
     got = {}
 
-    def new_reason(
-        q, k, *, bias, causal=False, per_row=False, backend=None, window=None, log_forget=None
-    ):
-        got.update(window=window, log_forget=log_forget)
-        return None
+    def reason(q, k, *, bias, causal=False, per_row=False, backend=None, **extra):
+        got.update(backend=backend, **extra)
+        return "refused" if extra.get("window") == 3 else None
 
-    new = type("M", (), {"unsupported_reason": staticmethod(new_reason)})
-    monkeypatch.setattr(attn_lib, "_pallas_module", lambda: new)
-    assert attn_lib.choose_implementation(spec, spec, None, backend="gpu", window=4) == "pallas"
-    assert got["window"] == 4
-
-
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN needs a CUDA GPU")
-def test_cudnn_window_matches_reference():
-    (q, k, v, _), bias, _ = window_case("alibi", "forget_gqa", jnp.bfloat16)
-    q, k, v = (x[:, :36] for x in (q, k, v))  # even lengths
-    got = attention(q, k, v, causal=True, window=7, implementation="cudnn")
-    want = attention(q, k, v, causal=True, window=7, implementation="reference")
-    np.testing.assert_allclose(got.astype(jnp.float32), want.astype(jnp.float32), atol=2e-2)
+    monkeypatch.setattr(pallas, "unsupported_reason", reason)
+    q, k, v, _ = _inputs(2, jax.random.key(0))
+    spec = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    assert attn_lib.choose_implementation(spec, spec, None, backend="tpu", window=4) == "pallas"
+    assert got["backend"] == "tpu" and got["window"] == 4 and got["log_forget"] is None
+    assert attn_lib.choose_implementation(spec, spec, None, backend="gpu", window=3) != "pallas"
+    monkeypatch.undo()
+    lf = -0.1 * jax.random.uniform(jax.random.key(1), (q.shape[0], k.shape[1], q.shape[2]))
+    run = functools.partial(attention, q, k, v, causal=True, window=5, log_forget=lf)
+    np.testing.assert_allclose(
+        run(implementation="pallas"), run(implementation="reference"), atol=2e-6, rtol=1e-5
+    )
 
 
 def test_forget_helpers_are_float32_and_the_cases_are_meaningful():
