@@ -1,0 +1,262 @@
+"""Hugging Face checkpoints: load them exactly into a `TransformerLM`, save them back.
+
+    model = posattn.hf.from_pretrained("path/to/dir")      # config.json + *.safetensors
+    logits = model(tokens)                                   # float32[B, T, V], as transformers
+    posattn.hf.save_pretrained(model, "out/")                # transformers reads it back
+
+No torch at run time: tensors stream from the safetensors files (memory-mapped, `safe_open`)
+into the parameter tree one at a time, each placed straight to its sharding under a mesh.
+Architectures, the tensor mapping of each, and the tolerances: docs/checkpoints.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from posattn.hf import mapping
+from posattn.hf.config import ARCHITECTURES, HfConfigError, hf_config, model_config
+from posattn.nn.config import ModelConfig
+from posattn.nn.model import TransformerLM
+
+__all__ = [
+    "ARCHITECTURES",
+    "HfConfigError",
+    "from_pretrained",
+    "load_config",
+    "model_type_of",
+    "save_pretrained",
+]
+
+_FLOATS = ("F32", "F16", "BF16", "F64")
+
+
+def load_config(path, *, dtype: str | None = None) -> tuple[ModelConfig, str]:
+    """(ModelConfig, model_type) of the checkpoint directory `path`'s config.json."""
+    path = pathlib.Path(path)
+    file = path / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{path} has no config.json (a Hugging Face checkpoint directory)")
+    hf = json.loads(file.read_text())
+    return model_config(hf, dtype=dtype), hf.get("model_type")
+
+
+def _weight_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
+    """tensor name -> the safetensors file holding it (one file, or the index's shards)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: path / file for name, file in weight_map.items()}
+    single = path / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(
+            f"{path} has neither model.safetensors nor model.safetensors.index.json "
+            "(only safetensors checkpoints load; convert a .bin file with transformers first)"
+        )
+    from safetensors import safe_open
+
+    with safe_open(single, framework="numpy") as f:
+        return {name: single for name in f.keys()}
+
+
+class _Reader:
+    """Opens each safetensors file once (memory-mapped) and hands out single tensors."""
+
+    def __init__(self, files: dict[str, pathlib.Path]):
+        self.files, self.open = files, {}
+
+    def dtype(self, name: str) -> str:
+        return self._handle(name).get_slice(name).get_dtype()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def get(self, name: str) -> np.ndarray:
+        return self._handle(name).get_tensor(name)
+
+    def _handle(self, name: str):
+        from safetensors import safe_open
+
+        file = self.files[name]
+        if file not in self.open:
+            self.open[file] = safe_open(file, framework="numpy").__enter__()
+        return self.open[file]
+
+    def close(self):
+        for handle in self.open.values():
+            handle.__exit__(None, None, None)
+        self.open.clear()
+
+
+def _resolve_names(names, model_type: str, rules) -> dict[str, str]:
+    """Rule name -> the file's name for it (files of a bare base model lack its prefix)."""
+    prefix = mapping.base_prefix(model_type)
+    out = {}
+    for rule in rules:
+        for name in rule.hf:
+            if name in names:
+                out[name] = name
+            elif name.startswith(prefix) and name[len(prefix) :] in names:
+                out[name] = name[len(prefix) :]
+    return out
+
+
+def from_pretrained(path, *, dtype: str | None = None, mesh=None) -> TransformerLM:
+    """A `TransformerLM` holding a Hugging Face checkpoint's weights exactly.
+
+    Args:
+      path: a directory with config.json and model.safetensors (or sharded files and
+        model.safetensors.index.json), as `transformers` writes them.
+      dtype: None (float32 parameters and compute) or "bfloat16" / "float32": `model.dtype` and
+        `model.param_dtype` of the result.
+      mesh: optional `jax.sharding.Mesh` with an `fsdp` axis: each tensor goes straight to its
+        `posattn.train.sharding.state_shardings` placement.
+
+    Raises:
+      HfConfigError: an architecture or config option posattn cannot compute exactly (named).
+      ValueError: a tensor the file has that the mapping does not use, a parameter no tensor
+        fills, or a shape/dtype mismatch, each naming the tensors.
+    """
+    path = pathlib.Path(path)
+    cfg, model_type = load_config(path, dtype=dtype)
+    graphdef, abstract, constants = _skeleton(cfg)
+    flat_abstract = dict(nnx.to_flat_state(abstract))
+    rules = mapping.rules(cfg, model_type)
+    reader = _Reader(_weight_files(path))
+    try:
+        file_names = set(reader.files)
+        resolved = _resolve_names(file_names, model_type, rules)
+        missing = [n for r in rules for n in r.hf if n not in resolved]
+        used = set(resolved.values())
+        unused = sorted(n for n in file_names - used if not n.endswith(mapping.ignored(model_type)))
+        filled = {p for r in rules for p in r.ours}
+        unfilled = sorted("/".join(map(str, p)) for p in set(flat_abstract) - filled)
+        problems = []
+        if missing:
+            problems.append(f"tensors the {model_type} mapping needs are absent: {_few(missing)}")
+        if unused:
+            problems.append(f"tensors in the file that the mapping does not use: {_few(unused)}")
+        if unfilled:
+            problems.append(f"parameters no tensor fills: {_few(unfilled)}")
+        if problems:
+            raise ValueError(f"{path}: " + "; ".join(problems))
+        shardings = _shardings(mesh, flat_abstract)
+        values = {}
+        for rule in rules:
+            arrays = []
+            for name in rule.hf:
+                file_name = resolved[name]
+                kind = reader.dtype(file_name)
+                if kind not in _FLOATS:
+                    raise ValueError(
+                        f"tensor {file_name} has dtype {kind}; floating-point tensors expected "
+                        f"({', '.join(_FLOATS)})"
+                    )
+                arrays.append(reader.get(file_name))
+            try:
+                outs = rule.load(*arrays)
+            except ValueError as e:
+                shapes = ", ".join(f"{n} {a.shape}" for n, a in zip(rule.hf, arrays, strict=True))
+                raise ValueError(f"tensor {shapes} does not fit the model: {e}") from None
+            for p, x in zip(rule.ours, outs, strict=True):
+                want = flat_abstract[p]
+                if tuple(x.shape) != tuple(want.shape):
+                    raise ValueError(
+                        f"tensor {', '.join(rule.hf)} gives parameter {'/'.join(map(str, p))} "
+                        f"the shape {tuple(x.shape)}; the config says {tuple(want.shape)}"
+                    )
+                host = np.ascontiguousarray(x.astype(want.dtype, copy=False))
+                array = jax.device_put(host, shardings[p]) if shardings else jnp.asarray(host)
+                values[p] = want.replace(array)
+                del host, array
+            del arrays, outs
+    finally:
+        reader.close()
+    params = nnx.from_flat_state([(p, values[p]) for p in flat_abstract])
+    return nnx.merge(graphdef, params, constants)
+
+
+def _few(names, n: int = 8) -> str:
+    names = list(names)
+    more = f" (and {len(names) - n} more)" if len(names) > n else ""
+    return ", ".join(names[:n]) + more
+
+
+def _skeleton(cfg: ModelConfig):
+    """(graphdef, abstract params, real constants) without allocating the parameters."""
+    abstract_model = nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(0)))
+    graphdef, abstract, _ = nnx.split(abstract_model, nnx.Param, ...)
+
+    # The constants (RoPE frequencies, ALiBi slopes) are computed from the config; the random
+    # parameters of this program are dead code that XLA drops.
+    @jax.jit
+    def constants():
+        return nnx.split(TransformerLM(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)[2]
+
+    return graphdef, abstract, constants()
+
+
+def _shardings(mesh, flat_abstract) -> dict | None:
+    if mesh is None:
+        return None
+    from posattn.train import sharding
+
+    return {
+        p: sharding.state_shardings(mesh, jax.ShapeDtypeStruct(v.shape, v.dtype))
+        for p, v in flat_abstract.items()
+    }
+
+
+def model_type_of(cfg: ModelConfig) -> str:
+    """The Hugging Face `model_type` that computes what `cfg` computes, or ValueError."""
+    arch = (cfg.norm, cfg.norm_bias, cfg.mlp, cfg.embed_scale, cfg.parallel_residual)
+    if cfg.position == "rope" and arch == ("rms", False, "gated", "one", False):
+        if cfg.settings.layout == "half" and not cfg.norm_unit_offset and not cfg.embed_norm:
+            return {"none": "llama", "all": "llama", "qkv": "qwen2"}[cfg.bias]
+    if cfg.position == "learned" and arch == ("layer", True, "plain", "one", False):
+        if cfg.bias == "all" and not cfg.embed_norm and cfg.tie_embeddings:
+            return "gpt2"
+    if cfg.position == "alibi" and arch == ("layer", True, "plain", "one", False):
+        if cfg.bias == "all" and cfg.embed_norm and cfg.activation == "gelu_tanh":
+            return "bloom"
+    raise ValueError(
+        "this model has no Hugging Face architecture that computes the same function; "
+        "save_pretrained writes Llama/Qwen2 (rope, half layout, RMSNorm, gated MLP, unscaled "
+        "embeddings), GPT-2 (learned positions, LayerNorm, biases) and BLOOM (ALiBi) models"
+    )
+
+
+def save_pretrained(model: TransformerLM, path) -> None:
+    """Writes `path`/config.json and `path`/model.safetensors that `transformers` loads to the
+    same logits (and `from_pretrained` back to the same parameters)."""
+    from safetensors.numpy import save_file
+
+    cfg = model.cfg
+    if cfg.scan_layers:
+        raise ValueError("save_pretrained takes the per-layer layout (model.scan_layers=False)")
+    model_type = model_type_of(cfg)
+    hf = hf_config(cfg, model_type)
+    if cfg.activation not in ("silu", "gelu", "gelu_tanh", "relu"):
+        raise ValueError(f"model.activation={cfg.activation!r} has no Hugging Face name")
+    params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    tensors: dict[str, np.ndarray] = {}
+    for rule in mapping.rules(cfg, model_type):
+        ours = [np.asarray(jax.device_get(params[p][...])) for p in rule.ours]
+        for name, x in zip(rule.hf, rule.save(*ours), strict=True):
+            tensors[name] = np.ascontiguousarray(x)
+    written = {p for r in mapping.rules(cfg, model_type) for p in r.ours}
+    extra = sorted("/".join(map(str, p)) for p in set(params) - written)
+    if extra:
+        raise ValueError(f"parameters the {model_type} mapping does not write: {_few(extra)}")
+    dtypes = {str(x.dtype) for x in tensors.values()}
+    hf["dtype"] = "bfloat16" if dtypes == {"bfloat16"} else "float32"
+    path = pathlib.Path(path)
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
