@@ -150,11 +150,13 @@ class Settings:
 
 @dataclasses.dataclass(frozen=True)
 class RopeSettings(Settings):
-    """RoPE (Su et al. 2021): the frequency base, a Hugging Face `rope_scaling`, the pair layout.
+    """RoPE (Su et al. 2021): the frequency base, a Hugging Face `rope_scaling`, the pair layout,
+    and partial or proportional rotation (docs/rope.md).
 
-    `scaling` is kept as a sorted tuple of (key, value) items (hashable); `scaling_dict` is the
-    dictionary. Every rotary family's settings are (or extend) these: the attention layer's
-    `Rotary` reads them.
+    `scaling` is kept as a sorted tuple of (key, value) items, lists as tuples (hashable);
+    `scaling_dict` is the dictionary, and `rope_parameters` the dict `rotary.rope_frequencies`
+    takes: `scaling` with `partial_factor` / `proportion` folded in. Every rotary family's
+    settings are (or extend) these: the attention layer's `Rotary` reads them.
     """
 
     prefix: ClassVar[str] = "rope_"
@@ -173,15 +175,44 @@ class RopeSettings(Settings):
         "interleaved",
         help="pairs rotated together: 'interleaved' (x0, x1) or 'half' (x_k, x_k+H/2)",
     )
+    partial_factor: float = setting(
+        1.0,
+        help="partial rotary p (GPT-NeoX rotary_pct, HF partial_rotary_factor): RoPE turns the "
+        "first int(p H) dims of each head with frequencies over them; the rest pass through",
+        exclusive=True,
+    )
+    proportion: float = setting(
+        1.0,
+        help="proportional RoPE p (Gemma 4 p-RoPE, HF rope_type 'proportional'): frequencies "
+        "over the whole head, only the int(p H // 2) fastest pairs turn",
+        exclusive=True,
+    )
 
     def __post_init__(self):
         if self.scaling is not None and hasattr(self.scaling, "keys"):
-            items = tuple(sorted((k, self.scaling[k]) for k in self.scaling.keys()))
+            items = tuple(
+                sorted(
+                    (k, tuple(v) if isinstance(v, list) else v)  # LongRoPE's factor lists
+                    for k, v in ((k, self.scaling[k]) for k in self.scaling.keys())
+                )
+            )
             object.__setattr__(self, "scaling", items)
 
     @property
     def scaling_dict(self) -> dict[str, Any] | None:
         return None if self.scaling is None else dict(self.scaling)
+
+    @property
+    def rope_parameters(self) -> dict[str, Any] | None:
+        """`scaling` with `partial_factor` / `proportion` folded in as Hugging Face's
+        `partial_rotary_factor` (transformers 5 `rope_parameters`); None for plain RoPE."""
+        params = self.scaling_dict
+        if self.partial_factor != 1:
+            params = {**(params or {}), rotary.PARTIAL_KEY: self.partial_factor}
+        if self.proportion != 1:
+            params = {k: v for k, v in (params or {}).items() if k != "type"}
+            params.update(rope_type="proportional", **{rotary.PARTIAL_KEY: self.proportion})
+        return params
 
     def to_keys(self) -> dict[str, Any]:
         return {**super().to_keys(), self._key("scaling"): self.scaling_dict}
@@ -204,18 +235,61 @@ class RopeSettings(Settings):
                 "must be None or a Hugging Face rope_scaling dict such as "
                 "{'rope_type': 'linear', 'factor': 4.0, 'original_max_position_embeddings': 512}",
             )
-        if self.scaling is not None:
+        scaling = self.scaling_dict or {}
+        kind = scaling.get("rope_type", scaling.get("type"))
+        for name in ("partial_factor", "proportion"):
+            value = getattr(self, name)
+            if value == 1 and not isinstance(value, bool):
+                continue
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not (ok and 0 < value < 1):
+                raise _invalid(self._key(name), value, "must be a number in (0, 1]")
+            if scaling.get(rotary.PARTIAL_KEY, value) != value:
+                raise _invalid(
+                    self._key(name),
+                    value,
+                    f"model.{self._key('scaling')} says {rotary.PARTIAL_KEY}="
+                    f"{scaling[rotary.PARTIAL_KEY]!r}; set one of the two",
+                )
+        if self.partial_factor != 1 and self.proportion != 1:
+            raise _invalid(
+                self._key("partial_factor"),
+                self.partial_factor,
+                f"partial rotary (first int(p H) dims) and model.{self._key('proportion')}="
+                f"{self.proportion!r} (proportional RoPE) are two different rotations; set one",
+            )
+        if self.partial_factor != 1 and kind == "proportional":
+            raise _invalid(
+                self._key("partial_factor"),
+                self.partial_factor,
+                "with rope_scaling type 'proportional' the fraction is proportional RoPE's: use "
+                f"model.{self._key('proportion')}",
+            )
+        if self.proportion != 1 and kind not in (None, "default", "proportional"):
+            raise _invalid(
+                self._key("proportion"),
+                self.proportion,
+                f"proportional RoPE has no {kind!r} scaling (Hugging Face's takes only a linear "
+                "'factor'); use model.rope_scaling=None or "
+                "{'rope_type': 'proportional', 'factor': s}",
+            )
+        if self.rope_parameters is not None:
+            where = f"config.model.{self._key('scaling')}"
+            for name in ("partial_factor", "proportion"):
+                if getattr(self, name) != 1:
+                    where += f" with model.{self._key(name)}={getattr(self, name)!r}"
             try:
-                rotary.validate_rope_scaling(self.scaling_dict, ctx.head_dim)
+                rotary.validate_rope_scaling(self.rope_parameters, ctx.head_dim)
             except ValueError as e:
-                raise ValueError(f"config.model.{self._key('scaling')}: {e}") from None
+                raise ValueError(f"{where}: {e}") from None
 
     def not_continuous(self) -> dict[str, str]:
-        kind = (self.scaling_dict or {}).get("rope_type", (self.scaling_dict or {}).get("type"))
-        if kind == "dynamic":
+        params = self.rope_parameters or {}
+        kind = params.get("rope_type", params.get("type"))
+        if kind in ("dynamic", "longrope"):
             return {
-                self._key("base"): "with rope_scaling type 'dynamic', dynamic NTK recomputes the "
-                "frequencies from the base inside the program"
+                self._key("base"): f"with rope_scaling type {kind!r}, the frequencies are "
+                "recomputed from the base and the current length inside the program"
             }
         return {}
 

@@ -1,14 +1,21 @@
 """Rotary position embeddings (RoPE, Su et al. 2021) and the Hugging Face scalings of their
 frequencies.
 
-Shapes: B batch, T query length, N heads, H head dim (even), F = H // 2 rotation frequencies.
+Shapes: B batch, T query length, N heads, H head dim (even), F rotation frequencies (H // 2 unless
+the rotation is partial).
 
 - `rope_frequencies(H, base=, scaling=, seq_len=)` -> (theta float32[F], attention factor):
   theta_k = base^(-2k/H), optionally rescaled by a Hugging Face `rope_scaling` dict ("linear",
-  "ntk", "dynamic", "yarn", "llama3"); formulas follow `transformers.modeling_rope_utils`.
+  "ntk", "dynamic", "yarn", "llama3", "longrope", "proportional"); formulas follow
+  `transformers.modeling_rope_utils`. The dict's `partial_rotary_factor` p (transformers 5 keeps it
+  in `rope_parameters`) makes the rotation partial: frequencies over the first R = int(p H) dims
+  only, F = ceil(R / 2) of them. With "proportional" (Gemma 4, p-RoPE) the same key means
+  something else: F = H // 2 frequencies over the whole head, the int(p H // 2) fastest kept and
+  the others 0 (pairs left unrotated).
 - `apply_rope(x, positions, inv_freq)` rotates each feature pair by `position * theta_k` with
   float32 complex multiplication; "interleaved" pairs (x0, x1), (x2, x3) ... (Meta Llama, GPT-J) or
-  "half" pairs (x_k, x_{k+F}) (GPT-NeoX, Hugging Face `rotate_half`).
+  "half" pairs (x_k, x_{k+F}) (GPT-NeoX, Hugging Face `rotate_half`), within the first 2F dims;
+  dims past 2F pass through untouched (partial rotary).
 - `rope_angles(positions, inv_freq)` the angles, to ~1e-6 rad for |p| < 2^24 (a plain float32
   `p * theta` is off by up to 0.03 rad at p = 1e6); `rope_decay_bound` RoFormer §3.4.3's bound;
   `validate_rope_scaling(scaling, head_dim)` checks a scaling dict once, before any compute.
@@ -26,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROPE_TYPES = ("default", "linear", "ntk", "dynamic", "yarn", "llama3")
+ROPE_TYPES = ("default", "linear", "ntk", "dynamic", "yarn", "llama3", "longrope", "proportional")
 LAYOUTS = ("interleaved", "half")
 
 _M_L = "original_max_position_embeddings"
@@ -50,7 +57,17 @@ _KEYS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
         },
     ),
     "llama3": (("factor", _M_L, "low_freq_factor", "high_freq_factor"), {}),
+    # HF reads `factor` from the dict and, when it is None, config.max_position_embeddings / m_l;
+    # posattn has no model config, so that length is the dict's own `max_position_embeddings`.
+    "longrope": (
+        ("short_factor", "long_factor", _M_L),
+        {"factor": None, "max_position_embeddings": None, "attention_factor": None},
+    ),
+    # HF `_compute_proportional_rope_parameters` reads `factor` with `.get("factor", 1.0)` (its
+    # config validator calls the key unrecognised, but the computation divides by it).
+    "proportional": ((), {"factor": 1.0}),
 }
+PARTIAL_KEY = _PARTIAL = "partial_rotary_factor"  # HF's key, in every kind's dict
 
 
 # ----------------------------------------------------------------------------------------------
@@ -87,10 +104,16 @@ def validate_rope_scaling(scaling: Mapping | None, head_dim: int) -> dict[str, A
       scaling: None (plain RoPE) or a mapping such as `{"rope_type": "yarn", "factor": 4.0,
         "original_max_position_embeddings": 2048}`; `"type"` is accepted as an alias of
         `"rope_type"`, as Hugging Face does. Any object with `keys()` works (ml_collections).
+        Every kind takes `"partial_rotary_factor"` p in (0, 1] (default 1): partial rotary of
+        the first int(H p) dims, or for "proportional" the fraction of pairs that turn.
+        "longrope" takes `short_factor` / `long_factor` (one number per rotated pair),
+        `original_max_position_embeddings`, and `factor` or `max_position_embeddings` (HF's
+        `config.max_position_embeddings`, from which it infers the factor).
       head_dim: H, the size of one attention head.
 
     Returns:
-      A new plain dict with `"rope_type"` set and every key of that kind present.
+      A new plain dict with `"rope_type"` set and every key of that kind present (the factor
+      lists as tuples, so the dict's items are hashable).
 
     Raises:
       ValueError: unknown rope_type, missing or unknown key, or a value out of range.
@@ -118,11 +141,20 @@ def validate_rope_scaling(scaling: Mapping | None, head_dim: int) -> dict[str, A
             "pass the base as rope_frequencies(base=...) "
             "(config key model.rope_base), not inside the scaling dict",
         )
-    partial = cfg.pop("partial_rotary_factor", 1.0)
-    if partial != 1:
+    partial = cfg.pop(_PARTIAL, None)
+    partial = 1.0 if partial is None else partial  # HF: .get("partial_rotary_factor", 1.0)
+    if not (_is_number(partial) and 0 < partial <= 1):
         raise _refuse(
-            "partial_rotary_factor", partial, "only 1.0 (RoPE on the whole head) is supported"
+            _PARTIAL,
+            partial,
+            "a number in (0, 1]: the fraction of the head "
+            + (
+                "whose pairs turn (proportional RoPE)"
+                if kind == "proportional"
+                else "that RoPE rotates (1.0: the whole head)"
+            ),
         )
+    _check_rotary_dim(head_dim, kind, partial)
     required, optional = _KEYS[kind]
     for key in required:
         if cfg.get(key) is None:
@@ -150,8 +182,9 @@ def validate_rope_scaling(scaling: Mapping | None, head_dim: int) -> dict[str, A
             f"rope_type {kind!r} takes the keys {', '.join((*required, *optional)) or '(none)'}",
         )
     cfg = {"rope_type": kind, **optional, **{k: v for k, v in cfg.items() if v is not None}}
+    cfg[_PARTIAL] = float(partial)
 
-    if "factor" in cfg and not (_is_number(cfg["factor"]) and cfg["factor"] >= 1):
+    if cfg.get("factor") is not None and not (_is_number(cfg["factor"]) and cfg["factor"] >= 1):
         raise _refuse("factor", cfg["factor"], "a number >= 1 (the context-extension ratio)")
     m_l = cfg.get(_M_L)
     if m_l is not None and not (_is_number(m_l) and m_l >= 1 and float(m_l).is_integer()):
@@ -188,7 +221,91 @@ def validate_rope_scaling(scaling: Mapping | None, head_dim: int) -> dict[str, A
                 cfg["high_freq_factor"],
                 f"it must exceed low_freq_factor = {cfg['low_freq_factor']!r}",
             )
+    if kind == "longrope":
+        _check_longrope(cfg, head_dim)
     return cfg
+
+
+def _rotary_dim(head_dim: int, cfg: Mapping[str, Any]) -> int:
+    """The d of the frequency formula: R = int(H p) (HF's truncation) for a partial rotation, the
+    whole head H for "proportional" (its p chooses which pairs turn, not the span)."""
+    if cfg["rope_type"] == "proportional":
+        return head_dim
+    return int(head_dim * cfg.get(_PARTIAL, 1.0))
+
+
+def _check_rotary_dim(head_dim: int, kind: str, partial: float) -> None:
+    if kind == "proportional":
+        turning = int(partial * head_dim // 2)  # HF's expression, evaluated in float
+        if turning < 1:
+            raise _refuse(
+                _PARTIAL,
+                partial,
+                f"with head_dim {head_dim}, proportional RoPE turns int(p * H // 2) = {turning} "
+                "pairs; p must keep at least one (p >= 2 / H)",
+            )
+        return
+    dim = int(head_dim * partial)
+    minimum = 4 if kind in ("ntk", "dynamic") else 2
+    if dim < minimum:
+        raise _refuse(
+            _PARTIAL,
+            partial,
+            f"with head_dim {head_dim} it rotates R = int(H * p) = {dim} dims; rope_type "
+            f"{kind!r} needs R >= {minimum}",
+        )
+    if dim % 2 and kind == "yarn":
+        # HF's yarn ramp has R // 2 entries against ceil(R / 2) frequencies: a shape error there.
+        raise _refuse(
+            _PARTIAL,
+            partial,
+            f"with head_dim {head_dim} it rotates an odd R = int(H * p) = {dim} dims, which "
+            "rope_type 'yarn' cannot ramp (Hugging Face fails on it too); choose p with H p even",
+        )
+
+
+def _check_longrope(cfg: dict[str, Any], head_dim: int) -> None:
+    pairs = len(range(0, _rotary_dim(head_dim, cfg), 2))  # HF's arange(0, R, 2)
+    for key in ("short_factor", "long_factor"):
+        values = cfg[key]
+        if (
+            isinstance(values, (str, bytes, Mapping))
+            or not hasattr(values, "__len__")
+            or not all(_is_number(v) and v > 0 for v in values)
+        ):
+            raise _refuse(key, values, "a list of numbers > 0, one per rotated pair")
+        if len(values) != pairs:
+            raise _refuse(
+                key,
+                values,
+                f"it has {len(values)} entries; head_dim {head_dim} with partial_rotary_factor "
+                f"{cfg[_PARTIAL]!r} rotates {pairs} pairs, one factor each",
+            )
+        cfg[key] = tuple(float(v) for v in values)
+    if cfg[_M_L] < 2:
+        raise _refuse(
+            _M_L, cfg[_M_L], "an integer >= 2 (LongRoPE's attention factor divides by its log)"
+        )
+    length = cfg["max_position_embeddings"]
+    if length is not None and not (
+        _is_number(length) and length >= 1 and float(length).is_integer()
+    ):
+        raise _refuse(
+            "max_position_embeddings",
+            length,
+            "None or a positive integer (the extended context length; HF's "
+            "config.max_position_embeddings)",
+        )
+    if cfg["factor"] is None and length is None:
+        raise ValueError(
+            "rope_scaling for rope_type 'longrope' is missing 'factor' and "
+            "'max_position_embeddings'; it needs one of them: Hugging Face uses factor, else "
+            "config.max_position_embeddings / original_max_position_embeddings (put that "
+            "length in the dict as 'max_position_embeddings')."
+        )
+    attention = cfg["attention_factor"]
+    if attention is not None and not (_is_number(attention) and attention > 0):
+        raise _refuse("attention_factor", attention, "None or a number > 0")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -273,6 +390,33 @@ def _llama3(d, base, cfg, seq_len):
     return xp.where(is_mid, interpolated, xp.where(wavelength > m_l / low, theta / s, theta))
 
 
+def _longrope(d, base, cfg, seq_len):
+    # HF `_compute_longrope_parameters` (LongRoPE, Ding et al. 2024; Phi-3): theta_k / lambda_k with
+    # per-pair factors, `long_factor` when the current length exceeds m_l, else `short_factor`
+    # (also when seq_len is None, as HF at init). A traced length picks with `where`, as HF's
+    # `longrope_frequency_update` does with torch.where.
+    theta = _default(d, base, cfg, seq_len)
+    short = theta / np.asarray(cfg["short_factor"])
+    long = theta / np.asarray(cfg["long_factor"])
+    if seq_len is None:
+        return short
+    if _static(seq_len):
+        return long if float(seq_len) > cfg[_M_L] else short
+    if isinstance(theta, np.ndarray):  # host float64 rounded once, as the static path
+        short, long = short.astype(np.float32), long.astype(np.float32)
+    return jnp.where(jnp.asarray(seq_len) > cfg[_M_L], long, short)
+
+
+def _proportional(d, base, cfg, seq_len):
+    # HF `_compute_proportional_rope_parameters` (Gemma 4; p-RoPE, Barbero et al. 2025): theta_k of
+    # the whole head for k < int(p d // 2), 0 after (those pairs do not turn), all divided by
+    # `factor`.
+    xp = _xp(base)
+    turning = int(cfg[_PARTIAL] * d // 2)
+    theta = _default(d, base, cfg, seq_len)
+    return xp.where(np.arange(d // 2) < turning, theta, 0.0) / cfg["factor"]
+
+
 _INV_FREQ = {
     "default": _default,
     "linear": _linear,
@@ -280,6 +424,8 @@ _INV_FREQ = {
     "dynamic": _dynamic,
     "yarn": _yarn,
     "llama3": _llama3,
+    "longrope": _longrope,
+    "proportional": _proportional,
 }
 
 
@@ -297,6 +443,20 @@ def _yarn_attention_factor(cfg: dict[str, Any]) -> float:
     return mscale(cfg["factor"])
 
 
+def _longrope_attention_factor(cfg: dict[str, Any]) -> float:
+    # HF: an explicit attention_factor wins; else sqrt(1 + ln s / ln m_l) (LongRoPE's scaling) with
+    # s = factor, or max_position_embeddings / m_l when the dict has no factor; 1.0 for s <= 1.
+    if cfg["attention_factor"] is not None:
+        return float(cfg["attention_factor"])
+    s = cfg["factor"]
+    if s is None:
+        s = cfg["max_position_embeddings"] / cfg[_M_L]
+    return 1.0 if s <= 1 else math.sqrt(1 + math.log(s) / math.log(cfg[_M_L]))
+
+
+_ATTENTION_FACTOR = {"yarn": _yarn_attention_factor, "longrope": _longrope_attention_factor}
+
+
 def rope_frequencies(
     head_dim: int,
     *,
@@ -309,13 +469,19 @@ def rope_frequencies(
     Args:
       head_dim: H, even.
       base: b in theta_k = b^(-2k/H), > 1. May be traced (a swept base under vmap).
-      scaling: None or a Hugging Face `rope_scaling` dict, see `validate_rope_scaling`.
-      seq_len: the current length (max position + 1), read by "dynamic" only; None means the
-        original length. May be traced.
+      scaling: None or a Hugging Face `rope_scaling` dict, see `validate_rope_scaling`. Its
+        `partial_rotary_factor` p (default 1) makes the rotation partial: every formula then runs
+        with d = R = int(H p) in place of H and returns ceil(R / 2) frequencies; `apply_rope`
+        rotates the first 2 ceil(R / 2) dims and passes the rest through. For
+        `rope_type="proportional"` p is instead the fraction of the H // 2 pairs that turn.
+      seq_len: the current length (max position + 1), read by "dynamic" and "longrope" (long
+        factors when seq_len > original_max_position_embeddings); None means the original
+        length. May be traced.
 
     Returns:
-      (theta float32[H // 2], attention factor): the factor multiplies both cos and sin (YaRN's
-      temperature; attention logits then scale by its square); 1.0 for every kind but "yarn".
+      (theta float32[F], attention factor), F = H // 2, or ceil(R / 2) when partial: the factor
+      multiplies both cos and sin (YaRN's and LongRoPE's temperature; attention logits then scale
+      by its square); 1.0 for every kind but "yarn" and "longrope".
     """
     cfg = validate_rope_scaling(scaling, head_dim)
     if _static(base) and not float(base) > 1:
@@ -328,10 +494,11 @@ def rope_frequencies(
         raise ValueError(
             f"seq_len = {seq_len!r} is not allowed: it must be None or a positive integer."
         )
-    inv_freq = _INV_FREQ[cfg["rope_type"]](head_dim, base, cfg, seq_len)
+    kind = cfg["rope_type"]
+    inv_freq = _INV_FREQ[kind](_rotary_dim(head_dim, cfg), base, cfg, seq_len)
     if isinstance(inv_freq, np.ndarray):  # host float64 -> float32, rounded to nearest by numpy
         inv_freq = inv_freq.astype(np.float32)
-    factor = _yarn_attention_factor(cfg) if cfg["rope_type"] == "yarn" else 1.0
+    factor = _ATTENTION_FACTOR[kind](cfg) if kind in _ATTENTION_FACTOR else 1.0
     return jnp.asarray(inv_freq, jnp.float32), factor
 
 
@@ -421,9 +588,12 @@ def apply_rope(
       x: float[..., T, N, H] queries or keys.
       positions: int[T] or int[..., T] (e.g. per-sequence positions [B, T] with a KV cache); the
         leading axes broadcast against x's.
-      inv_freq: float[H // 2], from `rope_frequencies`.
+      inv_freq: float[F], from `rope_frequencies`, 1 <= F <= H // 2. The first 2F dims of each
+        head are rotated; with F < H // 2 (partial rotary) dims 2F .. H-1 pass through untouched,
+        neither rotated nor scaled by attention_factor (as Hugging Face concatenates them back).
       layout: "interleaved" pairs (x_2k, x_2k+1) as Meta Llama / GPT-J; "half" pairs (x_k, x_k+F)
-        as GPT-NeoX / Hugging Face `rotate_half`. A checkpoint works only with its own layout.
+        as GPT-NeoX / Hugging Face `rotate_half`, both within the first 2F dims. A checkpoint
+        works only with its own layout.
       attention_factor: multiplies cos and sin (YaRN); the logits q.k then scale by its square.
 
     Returns:
@@ -434,9 +604,11 @@ def apply_rope(
     if x.ndim < 3 or x.shape[-1] % 2:
         raise ValueError(f"x must be [..., T, N, H] with H even, got shape {x.shape}.")
     half = x.shape[-1] // 2
-    if jnp.shape(inv_freq) != (half,):
+    freqs = jnp.shape(inv_freq)[0] if jnp.ndim(inv_freq) == 1 else 0
+    if not 1 <= freqs <= half:
         raise ValueError(
-            f"inv_freq must have shape ({half},) for head dim {x.shape[-1]}, "
+            f"inv_freq must have shape (F,) with 1 <= F <= {half} for head dim {x.shape[-1]} "
+            f"(F = {half}: the whole head; fewer: partial rotary of the first 2F dims), "
             f"got {jnp.shape(inv_freq)}."
         )
     positions = jnp.asarray(positions)
@@ -457,13 +629,16 @@ def apply_rope(
     angles = rope_angles(positions, inv_freq)[..., None, :]  # (..., T, 1, F)
     rotation = jax.lax.complex(jnp.cos(angles), jnp.sin(angles)) * attention_factor
     x32 = x.astype(jnp.float32)
+    rotated = x32[..., : 2 * freqs]  # the whole head unless partial
     if layout == "interleaved":
-        pairs = x32.reshape(*x.shape[:-1], half, 2)  # (..., T, N, F, 2)
+        pairs = rotated.reshape(*x.shape[:-1], freqs, 2)  # (..., T, N, F, 2)
         z = jax.lax.complex(pairs[..., 0], pairs[..., 1]) * rotation  # (..., T, N, F)
-        out = jnp.stack([z.real, z.imag], axis=-1).reshape(x.shape)
+        out = jnp.stack([z.real, z.imag], axis=-1).reshape(rotated.shape)
     else:
-        z = jax.lax.complex(x32[..., :half], x32[..., half:]) * rotation  # (..., T, N, F)
+        z = jax.lax.complex(rotated[..., :freqs], rotated[..., freqs:]) * rotation  # (..., T, N, F)
         out = jnp.concatenate([z.real, z.imag], axis=-1)
+    if freqs < half:  # partial rotary: the other dims pass through (float32 round trip is exact)
+        out = jnp.concatenate([out, x32[..., 2 * freqs :]], axis=-1)
     return out.astype(x.dtype)
 
 

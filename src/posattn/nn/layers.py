@@ -200,7 +200,7 @@ class Rotary(nnx.Module):
     """
 
     def __init__(self, head_dim: int, settings: families.RopeSettings):
-        scaling = settings.scaling_dict
+        scaling = settings.rope_parameters  # rope_scaling with the partial / proportional factor
         inv_freq, factor = rotary.rope_frequencies(head_dim, base=settings.base, scaling=scaling)
         self.inv_freq = Constant(jnp.asarray(inv_freq, jnp.float32))
         self.attention_factor = float(factor)
@@ -208,11 +208,11 @@ class Rotary(nnx.Module):
         self.head_dim, self.base, self.scaling, self.layout = (
             head_dim,
             settings.base,
-            settings.scaling,
+            None if scaling is None else tuple(sorted(scaling.items())),
             settings.layout,
         )
         kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
-        self.dynamic = kind == "dynamic"
+        self.dynamic = kind in ("dynamic", "longrope")  # frequencies follow the current length
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, *, seq_len: jax.Array | int
@@ -232,7 +232,7 @@ class Rotary(nnx.Module):
         inv_freq = self.inv_freq[...]
         if self.dynamic:
             # Dynamic NTK recomputes the base from the current length (Hugging Face
-            # `_compute_dynamic_ntk_parameters`).
+            # `_compute_dynamic_ntk_parameters`); LongRoPE picks its long factors past m_l.
             inv_freq, _ = rotary.rope_frequencies(
                 self.head_dim, base=self.base, scaling=dict(self.scaling), seq_len=seq_len
             )
