@@ -14,7 +14,7 @@ import posattn.hf as hf
 from posattn.hf.config import HfConfigError
 
 GOLDENS = pathlib.Path(__file__).parent / "goldens"
-LOADED = sorted(p.name for p in GOLDENS.iterdir() if not p.name.startswith("neox"))
+LOADED = sorted(p.name for p in GOLDENS.iterdir())
 TOL = 5e-5  # log-softmax, float32
 
 
@@ -44,12 +44,6 @@ def test_the_goldens_cover_each_layout_and_config_form():
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
     legacy = json.loads((GOLDENS / "llama_legacy" / "config.json").read_text())
     assert "rope_parameters" not in legacy and legacy["rope_scaling"]["type"] == "linear"
-
-
-def test_gpt_neox_is_refused_naming_model_type():
-    # Partial rotary (rotary_pct / partial_rotary_factor) is not in posattn yet.
-    with pytest.raises(HfConfigError, match="model_type='gpt_neox'"):
-        hf.from_pretrained(GOLDENS / "neox_parallel")
 
 
 def _copy(tmp_path, case):
@@ -123,7 +117,7 @@ def test_tensors_are_checked_both_ways_and_by_shape(tmp_path):
         hf.from_pretrained(path)
 
 
-@pytest.mark.parametrize("case", ["qwen2", "gpt2", "bloom", "llama_mqa_tied"])
+@pytest.mark.parametrize("case", ["qwen2", "gpt2", "bloom", "llama_mqa_tied", "neox_sequential"])
 def test_save_then_load_gives_the_same_parameters(tmp_path, case):
     model = hf.from_pretrained(GOLDENS / case)
     hf.save_pretrained(model, tmp_path / "out")
@@ -147,7 +141,7 @@ def test_bfloat16_loading_keeps_bfloat16_parameters():
 # ---- Live tests: transformers in this process (skipped where it is absent, as on CI). ----
 
 
-@pytest.mark.parametrize("case", ["qwen2", "gpt2", "bloom"])
+@pytest.mark.parametrize("case", ["qwen2", "gpt2", "bloom", "neox_parallel"])
 def test_transformers_reads_save_pretrained_to_the_same_logits(tmp_path, case):
     pytest.importorskip("transformers")
     import torch

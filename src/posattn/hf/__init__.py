@@ -23,13 +23,14 @@ from flax import nnx
 from posattn.hf import mapping
 from posattn.hf.config import ARCHITECTURES, HfConfigError, hf_config, model_config
 from posattn.nn.config import ModelConfig
-from posattn.nn.model import TransformerLM
+from posattn.nn.model import TransformerLM, convert_layout
 
 __all__ = [
     "ARCHITECTURES",
     "HfConfigError",
     "from_pretrained",
     "load_config",
+    "load_params",
     "model_type_of",
     "save_pretrained",
 ]
@@ -126,6 +127,32 @@ def from_pretrained(path, *, dtype: str | None = None, mesh=None) -> Transformer
     path = pathlib.Path(path)
     cfg, model_type = load_config(path, dtype=dtype)
     graphdef, abstract, constants = _skeleton(cfg)
+    params = _load(path, cfg, model_type, abstract, _shardings(mesh, abstract))
+    return nnx.merge(graphdef, params, constants)
+
+
+def load_params(path, cfg: ModelConfig, *, shardings=None) -> nnx.State:
+    """The parameters (`nnx.Param` state) of the checkpoint at `path` for `cfg`, which must have
+    its architecture (`model.init_from`: dtype, scan_layers, rope_scaling may differ);
+    `shardings` (a pytree of NamedShardings like the state) places each tensor."""
+    path = pathlib.Path(path)
+    _, model_type = load_config(path)
+    flat_cfg = cfg.replace(scan_layers=False)
+    _, abstract, _ = _skeleton(flat_cfg, constants=False)
+    if cfg.scan_layers:
+        params = _load(path, flat_cfg, model_type, abstract, None)
+        (params,) = convert_layout((params,), flat_cfg, scan_layers=True)
+        return params if shardings is None else jax.device_put(params, shardings)
+    flat_sh = None
+    if shardings is not None:
+        flat_sh = {
+            p: s.get_value() if isinstance(s, nnx.Variable) else s
+            for p, s in nnx.to_flat_state(shardings)
+        }
+    return _load(path, flat_cfg, model_type, abstract, flat_sh)
+
+
+def _load(path, cfg, model_type, abstract, shardings) -> nnx.State:
     flat_abstract = dict(nnx.to_flat_state(abstract))
     rules = mapping.rules(cfg, model_type)
     reader = _Reader(_weight_files(path))
@@ -146,7 +173,6 @@ def from_pretrained(path, *, dtype: str | None = None, mesh=None) -> Transformer
             problems.append(f"parameters no tensor fills: {_few(unfilled)}")
         if problems:
             raise ValueError(f"{path}: " + "; ".join(problems))
-        shardings = _shardings(mesh, flat_abstract)
         values = {}
         for rule in rules:
             arrays = []
@@ -178,8 +204,7 @@ def from_pretrained(path, *, dtype: str | None = None, mesh=None) -> Transformer
             del arrays, outs
     finally:
         reader.close()
-    params = nnx.from_flat_state([(p, values[p]) for p in flat_abstract])
-    return nnx.merge(graphdef, params, constants)
+    return nnx.from_flat_state([(p, values[p]) for p in flat_abstract])
 
 
 def _few(names, n: int = 8) -> str:
@@ -188,10 +213,12 @@ def _few(names, n: int = 8) -> str:
     return ", ".join(names[:n]) + more
 
 
-def _skeleton(cfg: ModelConfig):
+def _skeleton(cfg: ModelConfig, *, constants: bool = True):
     """(graphdef, abstract params, real constants) without allocating the parameters."""
     abstract_model = nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(0)))
     graphdef, abstract, _ = nnx.split(abstract_model, nnx.Param, ...)
+    if not constants:
+        return graphdef, abstract, None
 
     # The constants (RoPE frequencies, ALiBi slopes) are computed from the config; the random
     # parameters of this program are dead code that XLA drops.
@@ -202,14 +229,15 @@ def _skeleton(cfg: ModelConfig):
     return graphdef, abstract, constants()
 
 
-def _shardings(mesh, flat_abstract) -> dict | None:
+def _shardings(mesh, abstract) -> dict | None:
+    """path -> NamedSharding of each parameter under `mesh` (as the training state's)."""
     if mesh is None:
         return None
     from posattn.train import sharding
 
     return {
         p: sharding.state_shardings(mesh, jax.ShapeDtypeStruct(v.shape, v.dtype))
-        for p, v in flat_abstract.items()
+        for p, v in nnx.to_flat_state(abstract)
     }
 
 
@@ -217,8 +245,19 @@ def model_type_of(cfg: ModelConfig) -> str:
     """The Hugging Face `model_type` that computes what `cfg` computes, or ValueError."""
     arch = (cfg.norm, cfg.norm_bias, cfg.mlp, cfg.embed_scale, cfg.parallel_residual)
     if cfg.position == "rope" and arch == ("rms", False, "gated", "one", False):
-        if cfg.settings.layout == "half" and not cfg.norm_unit_offset and not cfg.embed_norm:
+        plain = cfg.settings.partial_factor == 1 and cfg.settings.proportion == 1
+        if (
+            cfg.settings.layout == "half"
+            and not cfg.norm_unit_offset
+            and not cfg.embed_norm
+            and plain
+        ):
             return {"none": "llama", "all": "llama", "qkv": "qwen2"}[cfg.bias]
+    neox = ("layer", True, "plain", "one")
+    if cfg.position == "rope" and arch[:4] == neox and cfg.settings.layout == "half":
+        if cfg.bias == "all" and not cfg.embed_norm and not cfg.norm_unit_offset:
+            if cfg.settings.proportion == 1:
+                return "gpt_neox"
     if cfg.position == "learned" and arch == ("layer", True, "plain", "one", False):
         if cfg.bias == "all" and not cfg.embed_norm and cfg.tie_embeddings:
             return "gpt2"
@@ -228,7 +267,8 @@ def model_type_of(cfg: ModelConfig) -> str:
     raise ValueError(
         "this model has no Hugging Face architecture that computes the same function; "
         "save_pretrained writes Llama/Qwen2 (rope, half layout, RMSNorm, gated MLP, unscaled "
-        "embeddings), GPT-2 (learned positions, LayerNorm, biases) and BLOOM (ALiBi) models"
+        "embeddings), GPT-NeoX (rope, LayerNorm, biases), GPT-2 (learned positions) and BLOOM "
+        "(ALiBi) models"
     )
 
 

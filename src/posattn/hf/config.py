@@ -12,9 +12,30 @@ from typing import Any
 from posattn import rotary
 from posattn.nn.config import ConfigError, ModelConfig
 
-__all__ = ["ARCHITECTURES", "HfConfigError", "hf_config", "model_config"]
+__all__ = [
+    "ARCHITECTURES",
+    "HfConfigError",
+    "TRAINING_KEYS",
+    "hf_config",
+    "init_from_keys",
+    "model_config",
+]
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "gpt2", "bloom")
+# model.* keys a fine-tune of a published checkpoint may set: how it computes, not what it holds.
+# `rope_scaling` changes the positions' frequencies (position interpolation, YaRN) and keeps
+# every tensor's shape.
+TRAINING_KEYS = (
+    "dtype",
+    "param_dtype",
+    "remat",
+    "scan_layers",
+    "attention_impl",
+    "rope_scaling",
+    "init_scale",
+    "init_from",
+)
+
+ARCHITECTURES = ("llama", "mistral", "qwen2", "gpt2", "bloom", "gpt_neox")
 
 # Hugging Face `hidden_act` / `activation_function` -> model.activation.
 _ACTIVATIONS = {
@@ -49,21 +70,29 @@ def _expect(hf: dict, key: str, allowed: tuple, why: str) -> None:
         raise _refuse(key, hf[key], f"only {' or '.join(map(repr, allowed))} ({why})")
 
 
-def _rope(hf: dict, head_dim: int, default_theta: float) -> dict[str, Any]:
+def _rope(
+    hf: dict, head_dim: int, default_theta: float, *, allow_partial: bool = False
+) -> dict[str, Any]:
     """model.rope_base and model.rope_scaling from `rope_parameters` (transformers 5) or the older
     `rope_scaling` + `rope_theta` (+ `rotary_pct` / `partial_rotary_factor`)."""
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
     theta = params.pop("rope_theta", hf.get("rope_theta", default_theta))
     partial = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial != 1:
+    if "rotary_pct" in hf and "partial_rotary_factor" not in hf:  # GPT-NeoX's older name
+        partial = params.get("partial_rotary_factor", hf["rotary_pct"])
+    if partial != 1 and not allow_partial:
         raise _refuse(
-            f"{key}.partial_rotary_factor", partial, "only 1.0 (RoPE over the whole head)"
+            f"{key}.partial_rotary_factor",
+            partial,
+            f"only 1.0 for model_type {hf['model_type']!r} (its attention rotates the whole head)",
         )
     kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
+    if kind == "proportional":
+        raise _refuse(f"{key}.rope_type", kind, "proportional RoPE is Gemma 4's, not this model's")
     m_l = hf.get("max_position_embeddings")
-    if kind in ("llama3", "yarn"):
+    if kind in ("llama3", "yarn", "longrope"):
         # transformers takes the training length from the config when the dict lacks it.
         orig = hf.get("original_max_position_embeddings") or params.get(
             "original_max_position_embeddings"
@@ -82,7 +111,12 @@ def _rope(hf: dict, head_dim: int, default_theta: float) -> dict[str, Any]:
             scaling = rotary.validate_rope_scaling(scaling, head_dim)
         except ValueError as e:
             raise HfConfigError(f"config.json {key}: {e}") from None
-    return {"rope_base": float(theta), "rope_scaling": scaling, "rope_layout": "half"}
+    return {
+        "rope_base": float(theta),
+        "rope_scaling": scaling,
+        "rope_layout": "half",
+        "rope_partial_factor": float(partial),
+    }
 
 
 def _llama(hf: dict) -> dict[str, Any]:
@@ -179,7 +213,76 @@ def _bloom(hf: dict) -> dict[str, Any]:
     )
 
 
-_PARSERS = {"llama": _llama, "mistral": _llama, "qwen2": _llama, "gpt2": _gpt2, "bloom": _bloom}
+def _neox(hf: dict) -> dict[str, Any]:
+    if not hf.get("attention_bias", True):
+        raise _refuse("attention_bias", False, "only true (GPT-NeoX's projections all have biases)")
+    d, n = hf["hidden_size"], hf["num_attention_heads"]
+    hf = dict(hf)
+    if "rotary_emb_base" in hf and "rope_theta" not in hf:  # the older name
+        hf["rope_theta"] = hf["rotary_emb_base"]
+    return dict(
+        position="rope",
+        vocab_size=hf["vocab_size"],
+        d_model=d,
+        num_layers=hf["num_hidden_layers"],
+        num_heads=n,
+        num_kv_heads=n,
+        d_ff=hf["intermediate_size"],
+        norm="layer",
+        norm_bias=True,
+        norm_eps=float(hf.get("layer_norm_eps", 1e-5)),
+        activation=_activation("hidden_act", hf.get("hidden_act", "gelu")),
+        bias="all",
+        parallel_residual=bool(hf.get("use_parallel_residual", True)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        embed_scale="one",
+        **_rope(hf, d // n, 10000.0, allow_partial=True),
+    )
+
+
+_PARSERS = {
+    "llama": _llama,
+    "mistral": _llama,
+    "qwen2": _llama,
+    "gpt2": _gpt2,
+    "bloom": _bloom,
+    "gpt_neox": _neox,
+}
+
+
+def _read(path) -> dict:
+    import json
+    import pathlib
+
+    file = pathlib.Path(path) / "config.json"
+    if not file.is_file():
+        raise HfConfigError(f"{path} has no config.json (a Hugging Face checkpoint directory)")
+    return json.loads(file.read_text())
+
+
+def init_from_keys(keys: dict[str, Any]) -> dict[str, Any]:
+    """The `model` section of a run with `model.init_from='hf:PATH'`: the checkpoint's
+    architecture, plus the keys of TRAINING_KEYS the config sets. Any other key set away from its
+    default that disagrees with the checkpoint is a ConfigError naming it."""
+    from posattn.nn.config import defaults
+
+    path = keys["init_from"][3:]
+    base = model_config(_read(path)).keys()
+    default = defaults()
+    out = dict(base)
+    for name, value in keys.items():
+        if name in TRAINING_KEYS:
+            if name != "rope_scaling" or value is not None:
+                out[name] = value
+            continue
+        if name not in default or value == default[name] or value == base.get(name):
+            continue
+        raise ConfigError(
+            f"config.model.{name}={value!r} disagrees with the checkpoint model.init_from="
+            f"{keys['init_from']!r} ({base.get(name, default[name])!r}); a fine-tune takes the "
+            f"checkpoint's architecture and may set only {', '.join(TRAINING_KEYS)}"
+        )
+    return out
 
 
 def model_config(hf: dict, *, dtype: str | None = None) -> ModelConfig:
@@ -240,6 +343,23 @@ def hf_config(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
             n_positions=cfg.max_len,
             layer_norm_epsilon=cfg.norm_eps,
             activation_function={"gelu_tanh": "gelu_new"}.get(cfg.activation, cfg.activation),
+        )
+    if model_type == "gpt_neox":
+        params = {"rope_type": "default", **(cfg.settings.scaling_dict or {})}
+        params.update(rope_theta=cfg.rope_base, partial_rotary_factor=cfg.rope_partial_factor)
+        return dict(
+            common,
+            architectures=["GPTNeoXForCausalLM"],
+            hidden_size=cfg.d_model,
+            num_hidden_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_heads,
+            intermediate_size=cfg.ff_dim,
+            layer_norm_eps=cfg.norm_eps,
+            hidden_act={"gelu_tanh": "gelu_new"}.get(cfg.activation, cfg.activation),
+            use_parallel_residual=cfg.parallel_residual,
+            attention_bias=True,
+            max_position_embeddings=int(params.get("original_max_position_embeddings") or 2048),
+            rope_parameters=params,
         )
     if model_type == "bloom":
         return dict(

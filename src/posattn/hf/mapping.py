@@ -97,13 +97,16 @@ def _conv_qkv_out(q, k, v):
 
 def base_prefix(model_type: str) -> str:
     """The prefix of the base model's tensors (files of the bare base model may lack it)."""
-    return {"gpt2": "transformer.", "bloom": "transformer."}.get(model_type, "model.")
+    prefixes = {"gpt2": "transformer.", "bloom": "transformer.", "gpt_neox": "gpt_neox."}
+    return prefixes.get(model_type, "model.")
 
 
 def ignored(model_type: str) -> tuple[str, ...]:
     """Suffixes of buffers older files carry that posattn recomputes from the config."""
     if model_type == "gpt2":
         return (".attn.bias", ".attn.masked_bias")
+    if model_type == "gpt_neox":
+        return (".attention.bias", ".attention.masked_bias", ".rotary_emb.inv_freq")
     return (".rotary_emb.inv_freq",)
 
 
@@ -202,5 +205,31 @@ def rules(cfg: ModelConfig, model_type: str) -> list[Rule]:
             bias(f"{L}mlp.dense_4h_to_h", (*b, "mlp", "b2"))
         if not cfg.tie_embeddings:
             out.append(_copy("lm_head.weight", ("head",)))
+        return out
+    if model_type == "gpt_neox":
+        out.append(_copy(f"{p}embed_in.weight", ("embed",)))
+        norm(f"{p}final_layer_norm", ("final_norm",))
+        for i in range(cfg.num_layers):
+            L, b = f"{p}layers.{i}.", ("blocks", i)
+            norm(f"{L}input_layernorm", (*b, "attn_norm"))
+            norm(f"{L}post_attention_layernorm", (*b, "mlp_norm"))
+            a = f"{L}attention."
+            for suffix, names in (("weight", ("wq", "wk", "wv")), ("bias", ("bq", "bk", "bv"))):
+                out.append(
+                    Rule(
+                        (f"{a}query_key_value.{suffix}",),
+                        tuple((*b, "attn", w) for w in names),
+                        _fused_heads_in(N, H),
+                        _fused_heads_out(N, H),
+                    )
+                )
+            out.append(_out_proj(f"{a}dense.weight", (*b, "attn", "wo"), N, H))
+            bias(f"{a}dense", (*b, "attn", "bo"))
+            out.append(_linear(f"{L}mlp.dense_h_to_4h.weight", (*b, "mlp", "w1")))
+            bias(f"{L}mlp.dense_h_to_4h", (*b, "mlp", "b1"))
+            out.append(_linear(f"{L}mlp.dense_4h_to_h.weight", (*b, "mlp", "w2")))
+            bias(f"{L}mlp.dense_4h_to_h", (*b, "mlp", "b2"))
+        if not cfg.tie_embeddings:
+            out.append(_copy("embed_out.weight", ("head",)))
         return out
     raise ValueError(f"no tensor mapping for model_type {model_type!r}")
