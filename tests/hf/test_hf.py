@@ -166,3 +166,11 @@ def test_goldens_rebuilt_in_process_still_match(tmp_path, case):
 
     make_goldens.write(case, tmp_path / case)
     _check(hf.from_pretrained(tmp_path / case), np.load(tmp_path / case / "expected.npz"))
+
+
+if __name__ == "__main__":  # the measured errors of docs/checkpoints.md
+    for case in LOADED:
+        expected = np.load(GOLDENS / case / "expected.npz")
+        got = hf.from_pretrained(GOLDENS / case)(jnp.asarray(expected["tokens"]))
+        err = np.abs(_log_softmax(got) - _log_softmax(expected["logits"])).max()
+        print(f"{case:18s} {err:.1e}")
