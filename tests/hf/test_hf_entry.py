@@ -111,3 +111,27 @@ def test_finetuning_refuses_an_architecture_key_that_disagrees(tmp_path):
     config = _finetune_config(tmp_path, d_model=64)
     with pytest.raises(ConfigError, match=r"config\.model\.d_model=64 disagrees"):
         config_lib.validate(config)
+
+
+def test_loading_under_a_mesh_places_each_tensor_on_its_fsdp_sharding():
+    from conftest import run_python
+
+    out = run_python(
+        """
+        import numpy as np, jax, jax.numpy as jnp
+        import posattn.hf as hf
+        from posattn.train import sharding
+        mesh = sharding.make_mesh(2)
+        path = "tests/hf/goldens/neox_parallel"
+        model = hf.from_pretrained(path, mesh=mesh)
+        wq = model.blocks[0].attn.wq[...]
+        from flax import nnx
+        ref = nnx.state(hf.from_pretrained(path))  # the same values on one device
+        pairs = zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(ref), strict=True)
+        err = max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in pairs)
+        print(wq.sharding.spec, len(wq.addressable_shards), err)
+        """,
+        devices=2,
+    )
+    spec, shards, err = out.strip().rsplit(" ", 2)
+    assert "fsdp" in spec and int(shards) == 2 and float(err) == 0.0
