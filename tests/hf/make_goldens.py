@@ -90,6 +90,11 @@ def cases() -> dict[str, tuple[str, dict, dict]]:
             {},
         ),
         "mistral": ("MistralConfig", dict(LLAMA, sliding_window=None), {}),
+        "gemma": (
+            "GemmaConfig",
+            dict(LLAMA, head_dim=8, hidden_act="gelu_pytorch_tanh"),
+            {},
+        ),
         "gpt2": (
             "GPT2Config",
             dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32, n_inner=40),
@@ -129,7 +134,8 @@ def cases() -> dict[str, tuple[str, dict, dict]]:
 
 
 def randomise(model, seed: int) -> None:
-    """Every parameter drawn anew: weights ~ N(0, 0.3^2), norm weights 1 + N(0, 0.1^2)."""
+    """Every parameter drawn anew: weights ~ N(0, 0.3^2), norm weights 1 + N(0, 0.1^2) (Gemma's,
+    applied as 1 + w: N(0, 0.1^2))."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -138,7 +144,8 @@ def randomise(model, seed: int) -> None:
             noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
             is_norm = "norm" in name or ".ln" in name or name.startswith("ln")
             if is_norm and name.endswith("weight"):
-                p.copy_(1.0 + 0.1 * noise)
+                # Gemma's norms scale by 1 + weight: its weights sit around 0, the others' around 1.
+                p.copy_((0.0 if model.config.model_type == "gemma" else 1.0) + 0.1 * noise)
             else:
                 p.copy_(0.3 * noise)
 

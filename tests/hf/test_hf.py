@@ -141,7 +141,7 @@ def test_bfloat16_loading_keeps_bfloat16_parameters():
 # ---- Live tests: transformers in this process (skipped where it is absent, as on CI). ----
 
 
-@pytest.mark.parametrize("case", ["qwen2", "gpt2", "bloom", "neox_parallel"])
+@pytest.mark.parametrize("case", ["qwen2", "gpt2", "bloom", "neox_parallel", "gemma"])
 def test_transformers_reads_save_pretrained_to_the_same_logits(tmp_path, case):
     pytest.importorskip("transformers")
     import torch

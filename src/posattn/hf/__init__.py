@@ -292,6 +292,11 @@ def _shardings(mesh, abstract) -> dict | None:
 def model_type_of(cfg: ModelConfig) -> str:
     """The Hugging Face `model_type` that computes what `cfg` computes, or ValueError."""
     arch = (cfg.norm, cfg.norm_bias, cfg.mlp, cfg.embed_scale, cfg.parallel_residual)
+    if cfg.position == "rope" and arch == ("rms", False, "gated", "sqrt_d", False):
+        plain = cfg.settings.partial_factor == 1 and cfg.settings.proportion == 1
+        if cfg.settings.layout == "half" and cfg.norm_unit_offset and plain:
+            if cfg.bias == "none" and not cfg.embed_norm and cfg.activation == "gelu_tanh":
+                return "gemma"
     if cfg.position == "rope" and arch == ("rms", False, "gated", "one", False):
         plain = cfg.settings.partial_factor == 1 and cfg.settings.proportion == 1
         if (
@@ -314,8 +319,8 @@ def model_type_of(cfg: ModelConfig) -> str:
             return "bloom"
     raise ValueError(
         "this model has no Hugging Face architecture that computes the same function; "
-        "save_pretrained writes Llama/Qwen2 (rope, half layout, RMSNorm, gated MLP, unscaled "
-        "embeddings), GPT-NeoX (rope, LayerNorm, biases), GPT-2 (learned positions) and BLOOM "
+        "save_pretrained writes Llama/Qwen2/Gemma (rope, half layout, RMSNorm, gated MLP), "
+        "GPT-NeoX (rope, LayerNorm, biases), GPT-2 (learned positions) and BLOOM "
         "(ALiBi) models"
     )
 

@@ -35,7 +35,7 @@ TRAINING_KEYS = (
     "init_from",
 )
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "gpt2", "bloom", "gpt_neox")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma", "gpt2", "bloom", "gpt_neox")
 
 # Hugging Face `hidden_act` / `activation_function` -> model.activation.
 _ACTIVATIONS = {
@@ -166,6 +166,19 @@ def _llama(hf: dict) -> dict[str, Any]:
     )
 
 
+def _gemma(hf: dict) -> dict[str, Any]:
+    if hf.get("use_bidirectional_attention"):
+        raise _refuse("use_bidirectional_attention", True, "only causal attention")
+    hf = dict(hf)
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    # transformers reads Gemma's legacy hidden_act="gelu" as the tanh approximation.
+    hf["hidden_act"] = "gelu_pytorch_tanh" if act == "gelu" else act
+    hf.setdefault("tie_word_embeddings", True)
+    keys = _llama({**hf, "model_type": "llama"})
+    keys.update(norm_unit_offset=True, embed_scale="sqrt_d")  # weight 1 + w, embeddings sqrt(D)
+    return keys
+
+
 def _gpt2(hf: dict) -> dict[str, Any]:
     _expect(hf, "scale_attn_weights", (True,), "logits scaled by 1/sqrt(H)")
     _expect(hf, "scale_attn_by_inverse_layer_idx", (False,), "no per-layer logit scale")
@@ -247,6 +260,7 @@ _PARSERS = {
     "gpt2": _gpt2,
     "bloom": _bloom,
     "gpt_neox": _neox,
+    "gemma": _gemma,
 }
 
 
@@ -305,10 +319,14 @@ def hf_config(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
     """A transformers config.json dict for `cfg` as a `model_type` model (the inverse)."""
     common = dict(model_type=model_type, vocab_size=cfg.vocab_size, dtype="float32")
     common["tie_word_embeddings"] = cfg.tie_embeddings
-    if model_type in ("llama", "mistral", "qwen2"):
+    if model_type in ("llama", "mistral", "qwen2", "gemma"):
         params = {"rope_type": "default", **(cfg.settings.scaling_dict or {})}
         params["rope_theta"] = cfg.rope_base
-        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+        arch = {
+            "llama": "LlamaForCausalLM",
+            "mistral": "MistralForCausalLM",
+            "gemma": "GemmaForCausalLM",
+        }
         out = dict(
             common,
             architectures=[arch.get(model_type, "Qwen2ForCausalLM")],

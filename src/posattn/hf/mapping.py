@@ -124,7 +124,7 @@ def rules(cfg: ModelConfig, model_type: str) -> list[Rule]:
     def bias(hf, ours):
         out.append(_copy(f"{hf}.bias", ours))
 
-    if model_type in ("llama", "mistral", "qwen2"):
+    if model_type in ("llama", "mistral", "qwen2", "gemma"):
         out.append(_copy(f"{p}embed_tokens.weight", ("embed",)))
         norm(f"{p}norm", ("final_norm",))
         for i in range(cfg.num_layers):
