@@ -17,7 +17,6 @@ import pathlib
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -224,7 +223,7 @@ def _load(path, cfg, model_type, abstract, shardings) -> nnx.State:
                         f"the shape {tuple(x.shape)}; the config says {tuple(want.shape)}"
                     )
                 host = np.ascontiguousarray(x.astype(want.dtype, copy=False))
-                array = jax.device_put(host, shardings[p]) if shardings else jnp.asarray(host)
+                array = jax.device_put(host, shardings[p] if shardings else None)
                 values[p] = want.replace(array)
                 del host, array
             del arrays, outs
