@@ -135,3 +135,19 @@ def test_loading_under_a_mesh_places_each_tensor_on_its_fsdp_sharding():
     )
     spec, shards, err = out.strip().rsplit(" ", 2)
     assert "fsdp" in spec and int(shards) == 2 and float(err) == 0.0
+
+
+def test_a_sweep_member_starts_from_the_checkpoint_as_its_single_run(tmp_path):
+    import types
+
+    import jax
+
+    from posattn.sweep import run as sweep_run
+
+    config = _finetune_config(tmp_path)
+    cfg = config_lib.validate(config)
+    member = types.SimpleNamespace(cfg=cfg, config=config, index=0, overrides={})
+    (state,) = sweep_run._initial_members(types.SimpleNamespace(members=[member]))
+    loaded = hf.load_params(GOLDENS / "llama_gqa", cfg)
+    for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(loaded), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
