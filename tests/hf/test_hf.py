@@ -138,6 +138,30 @@ def test_bfloat16_loading_keeps_bfloat16_parameters():
     assert err.mean() < 0.05 and err.max() < 0.5  # bfloat16 activations (8-bit mantissa)
 
 
+def test_a_bfloat16_model_saves_a_bfloat16_file_that_loads_back_equal(tmp_path):
+    from safetensors import safe_open
+
+    model = hf.from_pretrained(GOLDENS / "llama_bf16", dtype="bfloat16")
+    hf.save_pretrained(model, tmp_path / "out")
+    with safe_open(tmp_path / "out" / "model.safetensors", "numpy") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+    again = dict(
+        nnx.to_flat_state(nnx.state(hf.from_pretrained(tmp_path / "out", dtype="bfloat16")))
+    )
+    for path, v in nnx.to_flat_state(nnx.state(model)):
+        np.testing.assert_array_equal(np.asarray(v[...]), np.asarray(again[path][...]))
+
+
+def test_a_model_without_a_hugging_face_twin_is_not_saved(tmp_path):
+    from posattn.nn.config import ModelConfig
+    from posattn.nn.model import TransformerLM
+
+    cfg = ModelConfig.from_keys(dict(d_model=16, num_layers=1, num_heads=2, num_kv_heads=2))
+    with pytest.raises(ValueError, match="no Hugging Face architecture"):
+        hf.save_pretrained(TransformerLM(cfg.validate(), rngs=nnx.Rngs(0)), tmp_path / "x")
+
+
 # ---- Live tests: transformers in this process (skipped where it is absent, as on CI). ----
 
 
