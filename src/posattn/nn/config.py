@@ -267,12 +267,10 @@ class ModelConfig:
         return self
 
     def _validate_arch(self) -> None:
-        from posattn.nn.layers import ACTIVATIONS
-
         choices = {
             "norm": ("rms", "layer"),
             "mlp": ("plain", "gated"),
-            "activation": tuple(ACTIVATIONS),
+            "activation": ACTIVATIONS,
             "bias": ("none", "qkv", "all"),
             "embed_scale": ("sqrt_d", "one"),
         }
@@ -307,6 +305,9 @@ class ModelConfig:
                 f"config.{key}={length} is too long for model.position={self.position!r}: {e}"
             ) from None
 
+
+# model.activation's values (posattn.nn.layers.ACTIVATIONS holds their functions).
+ACTIVATIONS = ("gelu_tanh", "gelu", "silu", "relu")
 
 _COMMON = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.metadata.get("key", True))
 

@@ -22,6 +22,7 @@ from flax import nnx
 
 from posattn import attention as attention_lib
 from posattn import families, rotary
+from posattn.nn import config as model_config
 
 __all__ = [
     "ACTIVATIONS",
@@ -92,6 +93,7 @@ ACTIVATIONS = {
     "silu": jax.nn.silu,
     "relu": jax.nn.relu,
 }
+assert tuple(ACTIVATIONS) == model_config.ACTIVATIONS
 
 
 @dataclasses.dataclass(frozen=True)
