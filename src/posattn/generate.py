@@ -2,6 +2,7 @@
 
     python -m posattn.generate --workdir DIR --prompt TEXT [--max_new_tokens N] [--temperature T]
         [--top_k K] [--seed S] [--no_cache] [--dynamic_ntk exact|rerotate|hf]
+    python -m posattn.generate --hf PATH --prompt TEXT ...   (a Hugging Face checkpoint)
 
 Loads `DIR/config.json` and the newest checkpoint that restores cleanly, encodes the prompt as
 UTF-8 bytes (the byte-level corpora's vocabulary), and prints the prompt followed by its
@@ -29,7 +30,7 @@ from posattn.nn import decode
 from posattn.nn.model import TransformerLM
 from posattn.train import restore_trained
 
-__all__ = ["load_model", "main"]
+__all__ = ["load_hf", "load_model", "main"]
 
 BYTE_VOCAB = 256
 
@@ -63,13 +64,42 @@ def load_model(workdir: str | pathlib.Path):
     return cfg, graphdef, state["params"], state["constants"], step
 
 
+def load_hf(path: str | pathlib.Path):
+    """(cfg, graphdef, params, constants, tokenizer) of a Hugging Face checkpoint directory
+    (`posattn.hf.from_pretrained`); tokenizer is its tokenizer.json read by `tokenizers`, or None
+    for a byte-level model (vocab_size 256) without one."""
+    from posattn import hf
+
+    path = pathlib.Path(path)
+    model = hf.from_pretrained(path)
+    graphdef, params, constants = nnx.split(model, nnx.Param, ...)
+    tokenizer = None
+    if (path / "tokenizer.json").is_file():
+        import tokenizers
+
+        tokenizer = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+    elif model.cfg.vocab_size != BYTE_VOCAB:
+        raise GenerateError(
+            f"{path} has no tokenizer.json, and the model's vocabulary ({model.cfg.vocab_size}) "
+            "is not bytes; add the checkpoint's tokenizer.json"
+        )
+    return model.cfg, graphdef, params, constants, tokenizer
+
+
 COMMAND = cli.Command(
     "python -m posattn.generate",
     "Samples from a model trained by posattn.train: loads DIR/config.json and the newest "
     "checkpoint that restores, encodes the prompt as UTF-8 bytes and prints it with its "
     "continuation (the KV cache: docs/decoding.md).",
     flags=(
-        cli.Flag("workdir", "a workdir trained by python -m posattn.train", metavar="DIR"),
+        cli.Flag("workdir", "a workdir trained by python -m posattn.train", "", metavar="DIR"),
+        cli.Flag(
+            "hf",
+            "instead of --workdir: a Hugging Face checkpoint directory (config.json, "
+            "*.safetensors; its tokenizer.json encodes the prompt)",
+            "",
+            metavar="PATH",
+        ),
         cli.Flag("prompt", "text to continue (encoded as UTF-8 bytes)", metavar="TEXT"),
         cli.Flag("max_new_tokens", "tokens to generate", 200, int, metavar="N"),
         cli.Flag("temperature", "sampling temperature; 0 is greedy", 0.0, float, metavar="T"),
@@ -94,13 +124,23 @@ COMMAND = cli.Command(
 def main(argv: list[str] | None = None) -> int:
     try:
         args = cli.parse(COMMAND, argv)
-        cfg, graphdef, params, constants, step = load_model(args.workdir)
-        if cfg.vocab_size != BYTE_VOCAB:
+        if bool(args.workdir) == bool(args.hf):
+            raise GenerateError("give exactly one of --workdir DIR and --hf PATH")
+        tokenizer = None
+        if args.hf:
+            cfg, graphdef, params, constants, tokenizer = load_hf(args.hf)
+            step = "hf"
+        else:
+            cfg, graphdef, params, constants, step = load_model(args.workdir)
+        if tokenizer is not None:
+            prompt = np.asarray(tokenizer.encode(args.prompt).ids, np.int32)
+        elif cfg.vocab_size != BYTE_VOCAB:
             raise GenerateError(
                 f"the prompt is encoded as UTF-8 bytes, which needs a byte-level model "
                 f"(model.vocab_size={BYTE_VOCAB}); this one has vocab_size={cfg.vocab_size}"
             )
-        prompt = np.frombuffer(args.prompt.encode("utf-8"), np.uint8).astype(np.int32)
+        else:
+            prompt = np.frombuffer(args.prompt.encode("utf-8"), np.uint8).astype(np.int32)
         start = time.perf_counter()
         tokens = decode.generate(
             graphdef,
@@ -119,8 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     except (GenerateError, config_lib.ConfigError, ValueError) as e:
         print(f"posattn.generate: error: {e}", file=sys.stderr)
         return 2
-    text = bytes(tokens[0].astype(np.uint8).tolist()).decode("utf-8", errors="replace")
-    print(args.prompt + text)
+    if tokenizer is not None:
+        print(tokenizer.decode(np.concatenate([prompt, tokens[0]]).tolist()))
+        print("posattn.generate: tokens " + " ".join(map(str, tokens[0].tolist())), file=sys.stderr)
+    else:
+        text = bytes(tokens[0].astype(np.uint8).tolist()).decode("utf-8", errors="replace")
+        print(args.prompt + text)
     print(
         f"posattn.generate: {cfg.position} step {step}, {tokens.shape[1]} tokens in {seconds:.2f}s "
         f"(compile included; cache {'off' if args.no_cache else 'on'})",

@@ -23,8 +23,17 @@ _TRAIN_KEYS = {"steps", "batch_size", "learning_rate", "seed", "checkpoint_every
 
 
 def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
-    """Validates `config.model` and returns it as a frozen `ModelConfig`."""
-    return ModelConfig.from_keys(config.model.to_dict()).validate()
+    """Validates `config.model` and returns it as a frozen `ModelConfig`.
+
+    With `model.init_from='hf:PATH'` the architecture comes from the checkpoint's config.json
+    (`posattn.hf.config.init_from_keys`)."""
+    keys = config.model.to_dict()
+    init_from = keys.get("init_from", "")
+    if isinstance(init_from, str) and init_from.startswith("hf:") and len(init_from) > 3:
+        from posattn.hf.config import init_from_keys
+
+        keys = init_from_keys(keys)
+    return ModelConfig.from_keys(keys).validate()
 
 
 def _require(ok: bool, key: str, value: Any, allowed: str) -> None:

@@ -6,7 +6,8 @@
     relative path (so the split is stable when files are added), bytes as tokens (vocab 256);
   * a text file or a directory of text files (every file, sorted; held out by file the same way;
     a single file is split 95/5 by position);
-  * a directory holding nanoGPT's `train.bin` / `val.bin` (uint16 tokens, memory-mapped), or a
+  * a directory holding nanoGPT's `train.bin` / `val.bin` (uint16 tokens, memory-mapped; uint32 in
+    `train.u32.bin` / `val.u32.bin`, for vocabularies past 65536), or a
     single `.bin` file (split 95/5).
 Its `sha256` identifies the exact content, so a result records which corpus it came from. A file
 corpus records where each held-out file lies in its val split (`Corpus.val_spans`), so that an
@@ -126,6 +127,13 @@ def _hash_arrays(*arrays: np.ndarray) -> str:
     return digest.hexdigest()
 
 
+def _token_file(path: pathlib.Path) -> np.memmap:
+    """Memory-mapped tokens: uint16 (nanoGPT), or uint32 for a name ending in .u32.bin."""
+    return np.memmap(
+        path, dtype=np.uint32 if path.name.endswith(".u32.bin") else np.uint16, mode="r"
+    )
+
+
 def load_corpus(spec: str) -> Corpus:
     """Loads a corpus by name or path (see the module docstring)."""
     if spec == "stdlib":
@@ -137,16 +145,19 @@ def load_corpus(spec: str) -> Corpus:
             f"data.corpus={spec!r}: no such file or directory; use 'stdlib', a text file or "
             "directory, or a directory with nanoGPT train.bin/val.bin"
         )
-    if path.is_dir() and (path / "train.bin").exists():
-        if not (path / "val.bin").exists():
+    wide = path.is_dir() and (path / "train.u32.bin").exists()  # uint32: vocabularies past 2^16
+    if path.is_dir() and ((path / "train.bin").exists() or wide):
+        suffix = ".u32.bin" if wide else ".bin"
+        if not (path / f"val{suffix}").exists():
             raise DataError(
-                f"{path} has train.bin but no val.bin (nanoGPT layout: both, uint16 tokens)"
+                f"{path} has train{suffix} but no val{suffix} (nanoGPT layout: both, uint16 "
+                "tokens, or uint32 in train.u32.bin/val.u32.bin)"
             )
-        train = np.memmap(path / "train.bin", dtype=np.uint16, mode="r")
-        val = np.memmap(path / "val.bin", dtype=np.uint16, mode="r")
+        train = _token_file(path / f"train{suffix}")
+        val = _token_file(path / f"val{suffix}")
         return Corpus(str(path), train, val, _token_vocab(train, val), _hash_arrays(train, val), 2)
     if path.is_file() and path.suffix == ".bin":
-        tokens = np.memmap(path, dtype=np.uint16, mode="r")
+        tokens = _token_file(path)
         return _split_by_position(str(path), tokens, _token_vocab(tokens), _hash_arrays(tokens))
     if path.is_file():
         content = path.read_bytes()

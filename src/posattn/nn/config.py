@@ -47,7 +47,7 @@ class ModelConfig:
     vocab_size: int = _key(256, "output vocabulary (256: bytes)")
     d_model: int = _key(128, "D, the residual stream's width")
     num_layers: int = _key(4, "transformer blocks")
-    num_heads: int = _key(4, "N, query heads (head dim = d_model / num_heads)")
+    num_heads: int = _key(4, "N, query heads (head dim = d_model / num_heads unless head_dim)")
     num_kv_heads: int = _key(4, "K, key/value heads; must divide num_heads (1: multi-query)")
     d_ff: int = _key(0, "feed-forward width (0: 4 * d_model)")
     kv_share: int = _key(1, "cross-layer KV sharing: groups of kv_share layers read one K/V")
@@ -71,6 +71,23 @@ class ModelConfig:
         "family entries cycled over the layers, e.g. ('rope:window=128', 'nope') "
         "(docs/training.md); empty: every layer model.position",
     )
+    # Architecture switches (published checkpoints, docs/checkpoints.md); the defaults are
+    # posattn's own model: RMSNorm, a tanh-GELU MLP, no biases, tied logits, sqrt(D) input scale.
+    head_dim: int = _key(0, "H, one head's width (0: d_model / num_heads)")
+    norm: str = _key("rms", "the norms: 'rms' (RMSNorm) or 'layer' (LayerNorm)")
+    norm_eps: float = _key(1e-6, "the norms' epsilon")
+    norm_bias: bool = _key(False, "a learned bias in every LayerNorm (model.norm='layer')")
+    norm_unit_offset: bool = _key(False, "norms scale by 1 + w (Gemma), w starting at 0")
+    mlp: str = _key("plain", "'plain' act(x W1) W2 or 'gated' (act(x W1) * x W3) W2")
+    activation: str = _key(
+        "gelu_tanh", "the MLP's activation: 'gelu_tanh', 'gelu' (exact), 'silu', 'relu'"
+    )
+    bias: str = _key("none", "linear-layer biases: 'none', 'qkv' (q/k/v only), 'all'")
+    parallel_residual: bool = _key(False, "x + attn(norm1(x)) + mlp(norm2(x)) (GPT-NeoX)")
+    tie_embeddings: bool = _key(True, "logits from the input embedding (False: a separate head)")
+    embed_scale: str = _key("sqrt_d", "input embeddings times 'sqrt_d' (sqrt(d_model)) or 'one'")
+    embed_norm: bool = _key(False, "a norm right after the input embedding (BLOOM)")
+    init_from: str = _key("", "start from a published checkpoint: 'hf:PATH' (posattn.hf)")
     # The family's settings, filled with its defaults when not given (not a config key itself).
     settings: families.Settings | None = dataclasses.field(default=None, metadata={"key": False})
 
@@ -79,6 +96,12 @@ class ModelConfig:
             object.__setattr__(self, "layer_pattern", pattern_lib.as_pattern(self.layer_pattern))
         except (TypeError, ValueError) as e:
             raise ConfigError(str(e)) from None
+        # `head_dim` reads as H itself; 0 (the key's default: d_model / num_heads) is kept for
+        # `keys()`, so that a copy with another d_model or num_heads derives its own H.
+        self.__dict__["_head_dim_key"] = self.head_dim
+        d, n = self.d_model, self.num_heads
+        if self.head_dim == 0 and _ints(d, n) and n > 0 and d % n == 0:
+            object.__setattr__(self, "head_dim", d // n)
         family = families.get(self.position)
         if self.settings is None:
             object.__setattr__(self, "settings", family.settings())
@@ -90,8 +113,11 @@ class ModelConfig:
 
     # ---- Derived values. ----
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.num_heads
+    def arch(self):
+        """The blocks' architecture switches (`posattn.nn.layers.Arch`)."""
+        from posattn.nn.layers import Arch
+
+        return Arch(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Arch)})
 
     @property
     def ff_dim(self) -> int:
@@ -195,6 +221,7 @@ class ModelConfig:
     def keys(self) -> dict[str, Any]:
         """The flat `model` section of this config (the family's keys only)."""
         common = {name: getattr(self, name) for name in _COMMON}
+        common["head_dim"] = self.__dict__.get("_head_dim_key", self.head_dim)
         return {**common, **self.settings.to_keys()}
 
     def replace(self, **values: Any) -> ModelConfig:
@@ -216,13 +243,15 @@ class ModelConfig:
         ):
             _check_int(name, getattr(self, name), allow_zero=False)
         _check_int("d_ff", self.d_ff, allow_zero=True)
-        if self.d_model % self.num_heads:
+        _check_int("head_dim", self.head_dim, allow_zero=True)
+        if not self.head_dim and self.d_model % self.num_heads:
             _fail(
                 "d_model",
                 self.d_model,
                 f"must be divisible by model.num_heads={self.num_heads} "
-                "(head dim = d_model / num_heads)",
+                "(head dim = d_model / num_heads), or set model.head_dim",
             )
+        self._validate_arch()
         if self.num_heads % self.num_kv_heads:
             _fail(
                 "num_kv_heads",
@@ -272,6 +301,36 @@ class ModelConfig:
             raise ConfigError(str(e)) from None
         return self
 
+    def _validate_arch(self) -> None:
+        choices = {
+            "norm": ("rms", "layer"),
+            "mlp": ("plain", "gated"),
+            "activation": ACTIVATIONS,
+            "bias": ("none", "qkv", "all"),
+            "embed_scale": ("sqrt_d", "one"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                _fail(name, getattr(self, name), "allowed: " + _listing(allowed))
+        for name in (
+            "norm_bias",
+            "norm_unit_offset",
+            "parallel_residual",
+            "tie_embeddings",
+            "embed_norm",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, getattr(self, name), "must be True or False")
+        eps = self.norm_eps
+        if not (_number(eps) and math.isfinite(eps) and eps > 0):
+            _fail("norm_eps", eps, "must be a positive finite number")
+        if self.norm_bias and self.norm != "layer":
+            _fail("norm_bias", self.norm_bias, "a norm bias needs model.norm='layer'")
+        if not isinstance(self.init_from, str) or (
+            self.init_from and not (self.init_from.startswith("hf:") and len(self.init_from) > 3)
+        ):
+            _fail("init_from", self.init_from, "must be '' or 'hf:PATH' (a Hugging Face directory)")
+
     def check_length(self, length: int, key: str) -> None:
         """Raises ConfigError naming `key` if the family cannot read `length` positions."""
         try:
@@ -282,6 +341,9 @@ class ModelConfig:
             ) from None
 
 
+# model.activation's values (posattn.nn.layers.ACTIVATIONS holds their functions).
+ACTIVATIONS = ("gelu_tanh", "gelu", "silu", "relu")
+
 _COMMON = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.metadata.get("key", True))
 
 
@@ -291,6 +353,14 @@ def _listing(values) -> str:
 
 def _fail(name: str, value: Any, allowed: str):
     raise ConfigError(f"config.model.{name}={value!r} is invalid: {allowed}")
+
+
+def _ints(*values: Any) -> bool:
+    return all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check_int(name: str, value: Any, *, allow_zero: bool) -> None:

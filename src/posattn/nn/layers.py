@@ -13,6 +13,7 @@ whole config: `TransformerLM` is what reads a `ModelConfig`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -21,18 +22,23 @@ from flax import nnx
 
 from posattn import attention as attention_lib
 from posattn import families, rotary
+from posattn.nn import config as model_config
 from posattn.nn import window as window_lib
 
 __all__ = [
+    "ACTIVATIONS",
+    "Arch",
     "Attention",
     "Block",
     "Constant",
     "Mlp",
+    "Norm",
     "PositionBias",
     "RMSNorm",
     "Rotary",
     "compute_dtype",
     "dense",
+    "make_norm",
     "token_positions",
     "write_rows",
 ]
@@ -79,6 +85,80 @@ class RMSNorm(nnx.Module):
         x = x.astype(jnp.float32)
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
         return (x * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+
+
+# The MLP's activations by name (Hugging Face's `hidden_act` names map onto these in posattn.hf).
+ACTIVATIONS = {
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "silu": jax.nn.silu,
+    "relu": jax.nn.relu,
+}
+assert tuple(ACTIVATIONS) == model_config.ACTIVATIONS
+
+
+@dataclasses.dataclass(frozen=True)
+class Arch:
+    """A block's architecture switches; the defaults are posattn's own block (docs/checkpoints.md).
+
+    norm: "rms" (RMSNorm) or "layer" (LayerNorm); norm_eps its epsilon; norm_bias a learned
+    LayerNorm bias; norm_unit_offset scales by 1 + w (Gemma) with w starting at 0.
+    mlp: "plain" act(x W1) W2 or "gated" (act(x W1) * x W3) W2; activation: a key of ACTIVATIONS.
+    bias: linear-layer biases, "none", "qkv" (the q/k/v projections) or "all" (every projection).
+    parallel_residual: x + attn(norm1(x)) + mlp(norm2(x)) (GPT-NeoX) instead of two residual steps.
+    """
+
+    norm: str = "rms"
+    norm_eps: float = 1e-6
+    norm_bias: bool = False
+    norm_unit_offset: bool = False
+    mlp: str = "plain"
+    activation: str = "gelu_tanh"
+    bias: str = "none"
+    parallel_residual: bool = False
+
+
+class Norm(nnx.Module):
+    """RMSNorm or LayerNorm (optional bias, optional 1 + w scale), in float32, output in `dtype`."""
+
+    def __init__(self, dim: int, arch: Arch, *, dtype=jnp.float32, param_dtype=jnp.float32):
+        init = jnp.zeros if arch.norm_unit_offset else jnp.ones
+        self.scale = nnx.Param(init((dim,), param_dtype))
+        if arch.norm_bias:
+            self.bias = nnx.Param(jnp.zeros((dim,), param_dtype))
+        self.kind, self.eps, self.unit_offset = arch.norm, arch.norm_eps, arch.norm_unit_offset
+        self.has_bias, self.dtype = arch.norm_bias, dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x.astype(jnp.float32)
+        if self.kind == "layer":
+            x = x - jnp.mean(x, axis=-1, keepdims=True)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        w = self.scale[...].astype(jnp.float32)
+        x = x * (1.0 + w if self.unit_offset else w)
+        if self.has_bias:
+            x = x + self.bias[...].astype(jnp.float32)
+        return x.astype(self.dtype)
+
+
+def make_norm(dim: int, arch: Arch, *, dtype=jnp.float32, param_dtype=jnp.float32) -> nnx.Module:
+    """posattn's own RMSNorm for the default switches (its parameter paths), else a `Norm`."""
+    if arch.norm == "rms" and not (arch.norm_bias or arch.norm_unit_offset):
+        return RMSNorm(dim, dtype=dtype, param_dtype=param_dtype, eps=arch.norm_eps)
+    return Norm(dim, arch, dtype=dtype, param_dtype=param_dtype)
+
+
+def _bias(x: jax.Array, module: nnx.Module, name: str, dtype) -> jax.Array:
+    """x plus the module's bias `name` when it has one.
+
+    Biases are stored flat ([N * H] for a projection to [..., N, H]), so that they are vectors to
+    the optimiser (no weight decay, as norms' scales).
+    """
+    b = getattr(module, name, None)
+    if b is None:
+        return x
+    b = b[...].astype(dtype)
+    return x + (b.reshape(x.shape[-2:]) if x.ndim == 4 else b)
 
 
 class PositionBias(nnx.Module):
@@ -168,7 +248,9 @@ class Attention(nnx.Module):
     """Multi-head / grouped-query self-attention with the model's position family.
 
     Args:
-      d_model, num_heads, num_kv_heads: D, N and K (head dim H = D / N; K divides N).
+      d_model, num_heads, num_kv_heads: D, N and K (K divides N).
+      head_dim: H (None: D / N).
+      arch: the architecture switches (`Arch`: biases here).
       num_layers: the depth of the stack (the output projection's init std shrinks with it).
       causal: decoder (True) or bidirectional encoder (False).
       scale_free: logits without 1/sqrt(H), carried by the query initialiser instead (T5).
@@ -206,8 +288,10 @@ class Attention(nnx.Module):
         window: int | None = None,
         temperature: nnx.Module | None = None,
         forget: nnx.Module | None = None,
+        head_dim: int | None = None,
+        arch: Arch = Arch(),
     ):
-        D, N, K, H = d_model, num_heads, num_kv_heads, d_model // num_heads
+        D, N, K, H = d_model, num_heads, num_kv_heads, head_dim or d_model // num_heads
         std = init_scale / math.sqrt(D)
         # T5 keeps 1/sqrt(H) out of the logits and puts it into the query initialiser instead
         # (mesh_tensorflow: query init std (d_model * d_kv) ** -0.5).
@@ -220,6 +304,14 @@ class Attention(nnx.Module):
         self.wo = nnx.Param(
             _normal(rngs, (N, H, D), init_scale / math.sqrt(N * H * 2 * num_layers), pdt)
         )
+        # Biases (arch.bias), zero at initialisation as in GPT-2 and Qwen2.
+        if arch.bias in ("qkv", "all"):
+            self.bq = nnx.Param(jnp.zeros((N * H,), pdt))
+            if owns_kv:
+                self.bk = nnx.Param(jnp.zeros((K * H,), pdt))
+                self.bv = nnx.Param(jnp.zeros((K * H,), pdt))
+        if arch.bias == "all":
+            self.bo = nnx.Param(jnp.zeros((D,), pdt))
         self.owns_kv = owns_kv
         self.rotary = rotary_module
         self.bias = bias_module
@@ -241,15 +333,15 @@ class Attention(nnx.Module):
         self, x: jax.Array, positions: jax.Array, *, seq_len, rotate: bool = True, shared=None
     ) -> tuple[jax.Array, jax.Array]:
         """Keys and values of x[B, S, D] at `positions` (keys rotated for RoPE when `rotate`)."""
-        k = dense(x, self.wk[...].astype(self.dtype))  # (B, S, K, H)
-        v = dense(x, self.wv[...].astype(self.dtype))  # (B, S, K, H)
+        k = _bias(dense(x, self.wk[...].astype(self.dtype)), self, "bk", self.dtype)  # (B, S, K, H)
+        v = _bias(dense(x, self.wv[...].astype(self.dtype)), self, "bv", self.dtype)  # (B, S, K, H)
         rotary_module = self._rotary(shared)
         if rotary_module is not None and rotate:
             k = rotary_module(k, positions, seq_len=seq_len)
         return k, v
 
     def project_q(self, x: jax.Array, positions: jax.Array, *, seq_len, shared=None) -> jax.Array:
-        q = dense(x, self.wq[...].astype(self.dtype))  # (B, T, N, H)
+        q = _bias(dense(x, self.wq[...].astype(self.dtype)), self, "bq", self.dtype)  # (B, T, N, H)
         rotary_module = self._rotary(shared)
         if rotary_module is not None:
             q = rotary_module(q, positions, seq_len=seq_len)
@@ -289,9 +381,10 @@ class Attention(nnx.Module):
             **extra,
         )  # (B, T, N, H)
         B, T, N, H = out.shape
-        return dense(
+        out = dense(
             out.reshape(B, T, N * H), self.wo[...].astype(self.dtype).reshape(N * H, -1)
         )  # (B, T, D)
+        return _bias(out, self, "bo", self.dtype)
 
     def __call__(self, x: jax.Array, *, kv_lengths=None, kv=None, shared=None):
         """Self-attention of x[B, T, D] at positions 0..T-1 (the KV-cache path is `extend`).
@@ -427,7 +520,11 @@ def token_positions(q_offset, length: int) -> jax.Array:
 
 
 class Mlp(nnx.Module):
-    """GELU feed-forward D -> F -> D; `num_layers` (the stack's depth) shrinks the output init."""
+    """Feed-forward D -> F -> D: act(x W1) W2, or gated (act(x W1) * x W3) W2 (`arch.mlp`).
+
+    `num_layers` (the stack's depth) shrinks the output init; biases b1, b3, b2 when
+    arch.bias="all".
+    """
 
     def __init__(
         self,
@@ -439,21 +536,34 @@ class Mlp(nnx.Module):
         dtype,
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
+        arch: Arch = Arch(),
     ):
         D, F, pdt = d_model, d_ff, param_dtype
         self.w1 = nnx.Param(_normal(rngs, (D, F), init_scale / math.sqrt(D), pdt))
         self.w2 = nnx.Param(_normal(rngs, (F, D), init_scale / math.sqrt(F * 2 * num_layers), pdt))
+        if arch.mlp == "gated":
+            self.w3 = nnx.Param(_normal(rngs, (D, F), init_scale / math.sqrt(D), pdt))
+        if arch.bias == "all":
+            self.b1 = nnx.Param(jnp.zeros((F,), pdt))
+            self.b2 = nnx.Param(jnp.zeros((D,), pdt))
+            if arch.mlp == "gated":
+                self.b3 = nnx.Param(jnp.zeros((F,), pdt))
+        self.activation = arch.activation
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = jax.nn.gelu(dense(x, self.w1[...].astype(self.dtype)))  # (B, T, F)
-        return dense(h, self.w2[...].astype(self.dtype))  # (B, T, D)
+        dt = self.dtype
+        h = ACTIVATIONS[self.activation](_bias(dense(x, self.w1[...].astype(dt)), self, "b1", dt))
+        if hasattr(self, "w3"):
+            h = h * _bias(dense(x, self.w3[...].astype(dt)), self, "b3", dt)  # (B, T, F)
+        return _bias(dense(h, self.w2[...].astype(dt)), self, "b2", dt)  # (B, T, D)
 
 
 class Block(nnx.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)) (or both branches on
+    x with `arch.parallel_residual`).
 
-    Args: as `Attention`, plus d_ff, F, the MLP's width.
+    Args: as `Attention`, plus d_ff, F, the MLP's width, and `arch`, the switches (`Arch`).
     """
 
     def __init__(
@@ -474,9 +584,11 @@ class Block(nnx.Module):
         rotary_module: Rotary | None,
         bias_module: PositionBias | None,
         rngs: nnx.Rngs,
+        head_dim: int | None = None,
+        arch: Arch = Arch(),
         **position_layer,
     ):
-        self.attn_norm = RMSNorm(d_model, dtype=dtype, param_dtype=param_dtype)
+        self.attn_norm = make_norm(d_model, arch, dtype=dtype, param_dtype=param_dtype)
         self.attn = Attention(
             d_model,
             num_heads,
@@ -493,8 +605,10 @@ class Block(nnx.Module):
             bias_module=bias_module,
             rngs=rngs,
             **position_layer,
+            head_dim=head_dim,
+            arch=arch,
         )
-        self.mlp_norm = RMSNorm(d_model, dtype=dtype, param_dtype=param_dtype)
+        self.mlp_norm = make_norm(d_model, arch, dtype=dtype, param_dtype=param_dtype)
         self.mlp = Mlp(
             d_model,
             d_ff,
@@ -503,15 +617,21 @@ class Block(nnx.Module):
             dtype=dtype,
             param_dtype=param_dtype,
             rngs=rngs,
+            arch=arch,
         )
+        self.parallel_residual = arch.parallel_residual
+
+    def _residual(self, x: jax.Array, h: jax.Array) -> jax.Array:
+        if self.parallel_residual:  # GPT-NeoX: both branches read the block's input
+            return x + h + self.mlp(self.mlp_norm(x))
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x))
 
     def __call__(self, x: jax.Array, *, kv_lengths=None, kv=None, shared=None):
         h, kv = self.attn(self.attn_norm(x), kv_lengths=kv_lengths, kv=kv, shared=shared)
-        x = x + h
-        return x + self.mlp(self.mlp_norm(x)), kv
+        return self._residual(x, h), kv
 
     def extend(self, x: jax.Array, kv, **cache_args):
         """The block on a chunk over a KV cache; `cache_args`, `shared` as `Attention.extend`."""
         h, kv = self.attn.extend(self.attn_norm(x), kv, **cache_args)
-        x = x + h
-        return x + self.mlp(self.mlp_norm(x)), kv
+        return self._residual(x, h), kv

@@ -1,4 +1,4 @@
-"""Language models: a decoder-only LM and a bidirectional encoder, with tied embeddings.
+"""Language models: a decoder-only LM and a bidirectional encoder (tied embeddings by default).
 
 Shape legend: B batch, T length, D d_model, V vocabulary.
 
@@ -149,11 +149,14 @@ class TransformerLM(nnx.Module):
                 fam.bias, cfg.context, spec.settings, rngs=rngs
             )
 
+        if cfg.embed_norm:  # BLOOM's word_embeddings_layernorm
+            self.embed_norm = layers.make_norm(D, cfg.arch, param_dtype=pdt)
         if cfg.scan_layers:  # identical layers (validated): the first spec is every layer's
             self.rotary = rotaries.get(specs[0].settings)
             self.shared_bias = shared_biases.get((specs[0].position, specs[0].settings))
             self.blocks = _stacked_blocks(cfg, rngs)
-            self.final_norm = layers.RMSNorm(D, param_dtype=pdt)
+            self.final_norm = layers.make_norm(D, cfg.arch, param_dtype=pdt)
+            self._init_head(rngs)
             return
         self.blocks = nnx.List(
             [
@@ -168,18 +171,34 @@ class TransformerLM(nnx.Module):
                 for i, spec in enumerate(specs)
             ]
         )
-        self.final_norm = layers.RMSNorm(D, param_dtype=pdt)
+        self.final_norm = layers.make_norm(D, cfg.arch, param_dtype=pdt)
+        self._init_head(rngs)
+
+    def _init_head(self, rngs: nnx.Rngs) -> None:
+        """A separate output table `head` [V, D] when the logits are not tied to `embed`."""
+        cfg = self.cfg
+        if not cfg.tie_embeddings:
+            std = cfg.init_scale / math.sqrt(cfg.d_model)
+            table = std * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.d_model))
+            self.head = nnx.Param(table.astype(layers.compute_dtype(cfg.param_dtype)))
+
+    def output_table(self) -> jax.Array:
+        """The output projection's table float32[V, D]: `embed`'s first V rows, or `head`."""
+        table = self.embed[...] if self.cfg.tie_embeddings else self.head[...]
+        return table[: self.cfg.vocab_size].astype(jnp.float32)
 
     def embed_tokens(self, tokens: jax.Array, *, q_offset=0) -> jax.Array:
         """Token embeddings plus the absolute position embedding, if the family has one."""
         cfg, family = self.cfg, self.cfg.family
         rows = jnp.take(self.embed[...], tokens, axis=0).astype(jnp.float32)  # (B, T, D)
-        x = rows * math.sqrt(cfg.d_model)
+        x = rows * math.sqrt(cfg.d_model) if cfg.embed_scale == "sqrt_d" else rows
         pos = layers.token_positions(q_offset, tokens.shape[1])  # (T,) or (B, T)
         if family.embedding == "sinusoidal":
             x = x + _sinusoidal(pos, cfg.d_model)
         elif family.embedding == "learned":
             x = x + positions.learned_embedding(self.pos_embed[...].astype(jnp.float32), pos)
+        if cfg.embed_norm:
+            x = self.embed_norm(x)
         return x.astype(layers.compute_dtype(cfg.dtype))
 
     def hidden(self, tokens: jax.Array, *, kv_lengths=None) -> jax.Array:
@@ -266,8 +285,8 @@ class TransformerLM(nnx.Module):
         return self.final_norm(x).astype(jnp.float32), tuple(kvs)
 
     def logits(self, h: jax.Array) -> jax.Array:
-        """Tied output projection: h[B, T, D] -> logits[B, T, V] in float32."""
-        table = self.embed[...][: self.cfg.vocab_size].astype(jnp.float32)
+        """Output projection (tied or `head`): h[B, T, D] -> logits[B, T, V] in float32."""
+        table = self.output_table()
         return layers.dense(h.astype(jnp.float32), table.T)  # (B, T, V)
 
     def __call__(self, tokens: jax.Array, *, kv_lengths=None) -> jax.Array:
@@ -304,7 +323,7 @@ class TransformerLM(nnx.Module):
             chunk = max(1, LOSS_LOGITS_BUDGET // (B * self.cfg.vocab_size))
         if not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"chunk={chunk!r} must be a positive number of positions")
-        table = self.embed[...][: self.cfg.vocab_size].astype(jnp.float32)  # (V, D)
+        table = self.output_table()  # (V, D)
 
         def sums(h_c, t_c, w_c, table):  # [B, c, D], [B, c], [B, c]
             logits = layers.dense(h_c.astype(jnp.float32), table.T)  # (B, c, V)
@@ -380,6 +399,8 @@ def _block(
         bias_module=bias_module,
         rngs=rngs,
         **_position_layer(cfg, spec, rngs),
+        head_dim=cfg.head_dim,
+        arch=cfg.arch,
     )
 
 

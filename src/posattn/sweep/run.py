@@ -218,11 +218,12 @@ def _initial_members(program: sweep_config.Program) -> list[dict]:
     states = []
     for member in program.members:
         tx = steps.make_optimizer(steps.OptimConfig.from_config(member.config.train))
-        states.append(
-            jax.device_get(
-                steps.init_train_state(member.cfg, tx, jax.random.key(member.config.train.seed))
-            )
-        )
+        state = steps.init_train_state(member.cfg, tx, jax.random.key(member.config.train.seed))
+        if member.cfg.init_from:  # a published checkpoint's weights, as posattn.train starts
+            from posattn import hf
+
+            state = {**state, "params": hf.load_params(member.cfg.init_from[3:], member.cfg)}
+        states.append(jax.device_get(state))
     _warn_duplicates(program, states)
     return states
 

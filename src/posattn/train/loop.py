@@ -170,6 +170,12 @@ def _train(
     else:
         state = jax.jit(init, out_shardings=state_sh)(key)
         start = 0
+        if cfg.init_from:  # a published checkpoint's weights (posattn.hf), AdamW moments at 0
+            from posattn import hf
+
+            params = hf.load_params(cfg.init_from[3:], cfg, shardings=state_sh["params"])
+            state = {**state, "params": params}
+            workdir_lib.say(lead, f"starting from {cfg.init_from}")
     metrics = workdir_lib.MetricsFile(
         workdir / "metrics.jsonl",
         keep_through=start,

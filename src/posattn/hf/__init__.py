@@ -1,0 +1,354 @@
+"""Hugging Face checkpoints: load them exactly into a `TransformerLM`, save them back.
+
+    model = posattn.hf.from_pretrained("path/to/dir")      # config.json + *.safetensors
+    logits = model(tokens)                                   # float32[B, T, V], as transformers
+    posattn.hf.save_pretrained(model, "out/")                # transformers reads it back
+
+No torch at run time: tensors stream from the safetensors files (memory-mapped, `safe_open`)
+into the parameter tree one at a time, each placed straight to its sharding under a mesh.
+Architectures, the tensor mapping of each, and the tolerances: docs/checkpoints.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from posattn.hf import mapping
+from posattn.hf.config import ARCHITECTURES, HfConfigError, hf_config, model_config
+from posattn.nn.config import ModelConfig
+from posattn.nn.model import TransformerLM, convert_layout
+
+__all__ = [
+    "ARCHITECTURES",
+    "HfConfigError",
+    "from_pretrained",
+    "load_config",
+    "load_params",
+    "model_type_of",
+    "save_pretrained",
+]
+
+_FLOATS = ("F32", "F16", "BF16", "F64")
+
+
+def load_config(path, *, dtype: str | None = None) -> tuple[ModelConfig, str]:
+    """(ModelConfig, model_type) of the checkpoint directory `path`'s config.json."""
+    path = pathlib.Path(path)
+    file = path / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{path} has no config.json (a Hugging Face checkpoint directory)")
+    hf = json.loads(file.read_text())
+    return model_config(hf, dtype=dtype), hf.get("model_type")
+
+
+def _weight_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
+    """tensor name -> the safetensors file holding it (one file, or the index's shards)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: path / file for name, file in weight_map.items()}
+    single = path / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(
+            f"{path} has neither model.safetensors nor model.safetensors.index.json "
+            "(only safetensors checkpoints load; convert a .bin file with transformers first)"
+        )
+    return {name: single for name in _header(single) if name != "__metadata__"}
+
+
+def _header(file: pathlib.Path) -> dict[str, Any]:
+    """The safetensors header: name -> {"dtype", "shape", "data_offsets"} (and __metadata__)."""
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(n))
+
+
+def _numpy_dtype(code: str):
+    import ml_dtypes
+
+    return {
+        "F64": np.float64,
+        "F32": np.float32,
+        "F16": np.float16,
+        "BF16": ml_dtypes.bfloat16,
+    }.get(code)
+
+
+class _Reader:
+    """Reads single tensors of safetensors files (the format: an 8-byte header length, a JSON
+    header, the tensors' bytes) with plain file reads at their offsets.
+
+    Reading rather than memory-mapping keeps the file's pages out of this process's resident
+    set: only the tensor being placed is held on the host (benchmarks/hf_load.py measures it).
+    The format is the one `safetensors` writes (safetensors.numpy.save_file, transformers).
+    """
+
+    def __init__(self, files: dict[str, pathlib.Path]):
+        self.files = files
+        self.headers = {f: _header(f) for f in set(files.values())}
+
+    def _entry(self, name: str) -> dict:
+        return self.headers[self.files[name]][name]
+
+    def dtype(self, name: str) -> str:
+        return self._entry(name)["dtype"]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._entry(name)["shape"])
+
+    def get(self, name: str) -> np.ndarray:
+        file, entry = self.files[name], self._entry(name)
+        dtype = np.dtype(_numpy_dtype(entry["dtype"]))
+        start, stop = entry["data_offsets"]
+        count = (stop - start) // dtype.itemsize
+        with open(file, "rb") as f:
+            header_len = 8 + int.from_bytes(f.read(8), "little")
+            f.seek(header_len + start)
+            data = np.fromfile(f, dtype=dtype, count=count)
+        if data.size != int(np.prod(entry["shape"], dtype=np.int64)):
+            raise ValueError(f"tensor {name} in {file} is truncated")
+        return data.reshape(entry["shape"])
+
+    def close(self):
+        pass
+
+
+def _resolve_names(names, model_type: str, rules) -> dict[str, str]:
+    """Rule name -> the file's name for it (files of a bare base model lack its prefix)."""
+    prefix = mapping.base_prefix(model_type)
+    out = {}
+    for rule in rules:
+        for name in rule.hf:
+            if name in names:
+                out[name] = name
+            elif name.startswith(prefix) and name[len(prefix) :] in names:
+                out[name] = name[len(prefix) :]
+    return out
+
+
+def from_pretrained(path, *, dtype: str | None = None, mesh=None) -> TransformerLM:
+    """A `TransformerLM` holding a Hugging Face checkpoint's weights exactly.
+
+    Args:
+      path: a directory with config.json and model.safetensors (or sharded files and
+        model.safetensors.index.json), as `transformers` writes them.
+      dtype: None (float32 parameters and compute) or "bfloat16" / "float32": `model.dtype` and
+        `model.param_dtype` of the result.
+      mesh: optional `jax.sharding.Mesh` with an `fsdp` axis: each tensor goes straight to its
+        `posattn.train.sharding.state_shardings` placement.
+
+    Raises:
+      HfConfigError: an architecture or config option posattn cannot compute exactly (named).
+      ValueError: a tensor the file has that the mapping does not use, a parameter no tensor
+        fills, or a shape/dtype mismatch, each naming the tensors.
+    """
+    path = pathlib.Path(path)
+    cfg, model_type = load_config(path, dtype=dtype)
+    graphdef, abstract, constants = _skeleton(cfg)
+    params = _load(path, cfg, model_type, abstract, _shardings(mesh, abstract))
+    return nnx.merge(graphdef, params, constants)
+
+
+def load_params(path, cfg: ModelConfig, *, shardings=None) -> nnx.State:
+    """The parameters (`nnx.Param` state) of the checkpoint at `path` for `cfg`, which must have
+    its architecture (`model.init_from`: dtype, scan_layers, rope_scaling may differ);
+    `shardings` (a pytree of NamedShardings like the state) places each tensor."""
+    path = pathlib.Path(path)
+    _, model_type = load_config(path)
+    flat_cfg = cfg.replace(scan_layers=False)
+    _, abstract, _ = _skeleton(flat_cfg, constants=False)
+    if cfg.scan_layers:
+        params = _load(path, flat_cfg, model_type, abstract, None)
+        (params,) = convert_layout((params,), flat_cfg, scan_layers=True)
+        return params if shardings is None else jax.device_put(params, shardings)
+    flat_sh = None
+    if shardings is not None:
+        flat_sh = {
+            p: s.get_value() if isinstance(s, nnx.Variable) else s
+            for p, s in nnx.to_flat_state(shardings)
+        }
+    return _load(path, flat_cfg, model_type, abstract, flat_sh)
+
+
+def _load(path, cfg, model_type, abstract, shardings) -> nnx.State:
+    flat_abstract = dict(nnx.to_flat_state(abstract))
+    rules = mapping.rules(cfg, model_type)
+    reader = _Reader(_weight_files(path))
+    try:
+        file_names = set(reader.files)
+        resolved = _resolve_names(file_names, model_type, rules)
+        missing = [n for r in rules for n in r.hf if n not in resolved]
+        used = set(resolved.values())
+        unused = sorted(n for n in file_names - used if not n.endswith(mapping.ignored(model_type)))
+        filled = {p for r in rules for p in r.ours}
+        unfilled = sorted("/".join(map(str, p)) for p in set(flat_abstract) - filled)
+        problems = []
+        if missing:
+            problems.append(f"tensors the {model_type} mapping needs are absent: {_few(missing)}")
+        if unused:
+            problems.append(f"tensors in the file that the mapping does not use: {_few(unused)}")
+        if unfilled:
+            problems.append(f"parameters no tensor fills: {_few(unfilled)}")
+        if problems:
+            raise ValueError(f"{path}: " + "; ".join(problems))
+        values = {}
+        for rule in rules:
+            arrays = []
+            for name in rule.hf:
+                file_name = resolved[name]
+                kind = reader.dtype(file_name)
+                if kind not in _FLOATS:
+                    raise ValueError(
+                        f"tensor {file_name} has dtype {kind}; floating-point tensors expected "
+                        f"({', '.join(_FLOATS)})"
+                    )
+                arrays.append(reader.get(file_name))
+            try:
+                outs = rule.load(*arrays)
+            except ValueError as e:
+                shapes = ", ".join(f"{n} {a.shape}" for n, a in zip(rule.hf, arrays, strict=True))
+                raise ValueError(f"tensor {shapes} does not fit the model: {e}") from None
+            for p, x in zip(rule.ours, outs, strict=True):
+                want = flat_abstract[p]
+                if tuple(x.shape) != tuple(want.shape):
+                    raise ValueError(
+                        f"tensor {', '.join(rule.hf)} gives parameter {'/'.join(map(str, p))} "
+                        f"the shape {tuple(x.shape)}; the config says {tuple(want.shape)}"
+                    )
+                host = np.ascontiguousarray(x.astype(want.dtype, copy=False))
+                array = jax.device_put(host, shardings[p] if shardings else None)
+                values[p] = want.replace(array)
+                del host, array
+            del arrays, outs
+            _release_host_memory()
+    finally:
+        reader.close()
+    return nnx.from_flat_state([(p, values[p]) for p in flat_abstract])
+
+
+def _release_host_memory() -> None:
+    """Hands freed host buffers back to the OS (glibc `malloc_trim`; elsewhere nothing).
+
+    Without it the heap keeps each tensor's freed host copy between the device buffers placed
+    after it, and the resident set grows to about twice the parameters (benchmarks/hf_load.py).
+    """
+    global _TRIM
+    if _TRIM is None:
+        try:
+            import ctypes
+
+            _TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _TRIM = False
+    if _TRIM:
+        _TRIM(0)
+
+
+_TRIM = None
+
+
+def _few(names, n: int = 8) -> str:
+    names = list(names)
+    more = f" (and {len(names) - n} more)" if len(names) > n else ""
+    return ", ".join(names[:n]) + more
+
+
+def _skeleton(cfg: ModelConfig, *, constants: bool = True):
+    """(graphdef, abstract params, real constants) without allocating the parameters."""
+    abstract_model = nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(0)))
+    graphdef, abstract, _ = nnx.split(abstract_model, nnx.Param, ...)
+    if not constants:
+        return graphdef, abstract, None
+
+    # The constants (RoPE frequencies, ALiBi slopes) are computed from the config; the random
+    # parameters of this program are dead code that XLA drops.
+    @jax.jit
+    def constants():
+        return nnx.split(TransformerLM(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)[2]
+
+    return graphdef, abstract, constants()
+
+
+def _shardings(mesh, abstract) -> dict | None:
+    """path -> NamedSharding of each parameter under `mesh` (as the training state's)."""
+    if mesh is None:
+        return None
+    from posattn.train import sharding
+
+    return {
+        p: sharding.state_shardings(mesh, jax.ShapeDtypeStruct(v.shape, v.dtype))
+        for p, v in nnx.to_flat_state(abstract)
+    }
+
+
+def model_type_of(cfg: ModelConfig) -> str:
+    """The Hugging Face `model_type` that computes what `cfg` computes, or ValueError."""
+    arch = (cfg.norm, cfg.norm_bias, cfg.mlp, cfg.embed_scale, cfg.parallel_residual)
+    if cfg.position == "rope" and arch == ("rms", False, "gated", "sqrt_d", False):
+        plain = cfg.settings.partial_factor == 1 and cfg.settings.proportion == 1
+        if cfg.settings.layout == "half" and cfg.norm_unit_offset and plain:
+            if cfg.bias == "none" and not cfg.embed_norm and cfg.activation == "gelu_tanh":
+                return "gemma"
+    if cfg.position == "rope" and arch == ("rms", False, "gated", "one", False):
+        plain = cfg.settings.partial_factor == 1 and cfg.settings.proportion == 1
+        if (
+            cfg.settings.layout == "half"
+            and not cfg.norm_unit_offset
+            and not cfg.embed_norm
+            and plain
+        ):
+            return {"none": "llama", "all": "llama", "qkv": "qwen2"}[cfg.bias]
+    neox = ("layer", True, "plain", "one")
+    if cfg.position == "rope" and arch[:4] == neox and cfg.settings.layout == "half":
+        if cfg.bias == "all" and not cfg.embed_norm and not cfg.norm_unit_offset:
+            if cfg.settings.proportion == 1:
+                return "gpt_neox"
+    if cfg.position == "learned" and arch == ("layer", True, "plain", "one", False):
+        if cfg.bias == "all" and not cfg.embed_norm and cfg.tie_embeddings:
+            return "gpt2"
+    if cfg.position == "alibi" and arch == ("layer", True, "plain", "one", False):
+        if cfg.bias == "all" and cfg.embed_norm and cfg.activation == "gelu_tanh":
+            return "bloom"
+    raise ValueError(
+        "this model has no Hugging Face architecture that computes the same function; "
+        "save_pretrained writes Llama/Qwen2/Gemma (rope, half layout, RMSNorm, gated MLP), "
+        "GPT-NeoX (rope, LayerNorm, biases), GPT-2 (learned positions) and BLOOM "
+        "(ALiBi) models"
+    )
+
+
+def save_pretrained(model: TransformerLM, path) -> None:
+    """Writes `path`/config.json and `path`/model.safetensors that `transformers` loads to the
+    same logits (and `from_pretrained` back to the same parameters)."""
+    from safetensors.numpy import save_file
+
+    cfg = model.cfg
+    if cfg.scan_layers:
+        raise ValueError("save_pretrained takes the per-layer layout (model.scan_layers=False)")
+    model_type = model_type_of(cfg)
+    hf = hf_config(cfg, model_type)
+    if cfg.activation not in ("silu", "gelu", "gelu_tanh", "relu"):
+        raise ValueError(f"model.activation={cfg.activation!r} has no Hugging Face name")
+    params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    tensors: dict[str, np.ndarray] = {}
+    for rule in mapping.rules(cfg, model_type):
+        ours = [np.asarray(jax.device_get(params[p][...])) for p in rule.ours]
+        for name, x in zip(rule.hf, rule.save(*ours), strict=True):
+            tensors[name] = np.ascontiguousarray(x)
+    written = {p for r in mapping.rules(cfg, model_type) for p in r.ours}
+    extra = sorted("/".join(map(str, p)) for p in set(params) - written)
+    if extra:
+        raise ValueError(f"parameters the {model_type} mapping does not write: {_few(extra)}")
+    dtypes = {str(x.dtype) for x in tensors.values()}
+    hf["dtype"] = "bfloat16" if dtypes == {"bfloat16"} else "float32"
+    path = pathlib.Path(path)
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,391 @@
+"""Hugging Face `config.json` -> `ModelConfig`, and back (docs/checkpoints.md).
+
+Every option that changes the computation is either mapped onto a posattn switch or refused
+before any compute, naming the key and what is supported; none is ignored. Recomputed constants
+(RoPE inverse frequencies, ALiBi slopes) come from the config, never from the weights file.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from posattn import rotary
+from posattn.nn.config import ConfigError, ModelConfig
+
+__all__ = [
+    "ARCHITECTURES",
+    "HfConfigError",
+    "TRAINING_KEYS",
+    "hf_config",
+    "init_from_keys",
+    "model_config",
+]
+
+# model.* keys a fine-tune of a published checkpoint may set: how it computes, not what it holds.
+# `rope_scaling` changes the positions' frequencies (position interpolation, YaRN) and keeps
+# every tensor's shape.
+TRAINING_KEYS = (
+    "dtype",
+    "param_dtype",
+    "remat",
+    "scan_layers",
+    "attention_impl",
+    "rope_scaling",
+    "init_scale",
+    "init_from",
+)
+
+ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma", "gpt2", "bloom", "gpt_neox")
+
+# Hugging Face `hidden_act` / `activation_function` -> model.activation.
+_ACTIVATIONS = {
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_fast": None,  # a different tanh approximation constant arrangement: refused
+    "gelu": "gelu",
+    "silu": "silu",
+    "swish": "silu",
+    "relu": "relu",
+}
+
+
+class HfConfigError(ConfigError):
+    """A Hugging Face config that posattn cannot compute exactly; names the key."""
+
+
+def _refuse(key: str, value: Any, supported: str) -> HfConfigError:
+    return HfConfigError(f"config.json {key}={value!r} is not supported: {supported}")
+
+
+def _activation(key: str, value: Any) -> str:
+    name = _ACTIVATIONS.get(value)
+    if name is None:
+        allowed = ", ".join(repr(k) for k, v in _ACTIVATIONS.items() if v)
+        raise _refuse(key, value, f"supported activations are {allowed}")
+    return name
+
+
+def _expect(hf: dict, key: str, allowed: tuple, why: str) -> None:
+    if key in hf and hf[key] not in allowed:
+        raise _refuse(key, hf[key], f"only {' or '.join(map(repr, allowed))} ({why})")
+
+
+def _rope(
+    hf: dict, head_dim: int, default_theta: float, *, allow_partial: bool = False
+) -> dict[str, Any]:
+    """model.rope_base and model.rope_scaling from `rope_parameters` (transformers 5) or the older
+    `rope_scaling` + `rope_theta` (+ `rotary_pct` / `partial_rotary_factor`)."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    theta = params.pop("rope_theta", hf.get("rope_theta", default_theta))
+    partial = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if "rotary_pct" in hf and "partial_rotary_factor" not in hf:  # GPT-NeoX's older name
+        partial = params.get("partial_rotary_factor", hf["rotary_pct"])
+    if partial != 1 and not allow_partial:
+        raise _refuse(
+            f"{key}.partial_rotary_factor",
+            partial,
+            f"only 1.0 for model_type {hf['model_type']!r} (its attention rotates the whole head)",
+        )
+    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if kind == "proportional":
+        raise _refuse(f"{key}.rope_type", kind, "proportional RoPE is Gemma 4's, not this model's")
+    m_l = hf.get("max_position_embeddings")
+    if kind in ("llama3", "yarn", "longrope"):
+        # transformers takes the training length from the config when the dict lacks it.
+        orig = hf.get("original_max_position_embeddings") or params.get(
+            "original_max_position_embeddings"
+        )
+        params["original_max_position_embeddings"] = orig or m_l
+        if kind == "yarn" and params.get("factor") is None:
+            params["factor"] = m_l / params["original_max_position_embeddings"]
+    if kind == "dynamic":
+        # transformers' dynamic NTK reads config.max_position_embeddings as the training length.
+        params["original_max_position_embeddings"] = m_l
+    if kind == "linear":
+        params.pop("original_max_position_embeddings", None)  # unused by linear scaling
+    scaling = None if kind == "default" and not params else {"rope_type": kind, **params}
+    if scaling is not None:
+        try:
+            scaling = rotary.validate_rope_scaling(scaling, head_dim)
+        except ValueError as e:
+            raise HfConfigError(f"config.json {key}: {e}") from None
+    return {
+        "rope_base": float(theta),
+        "rope_scaling": scaling,
+        "rope_layout": "half",
+        "rope_partial_factor": float(partial),
+    }
+
+
+def _llama(hf: dict) -> dict[str, Any]:
+    kind = hf["model_type"]
+    d, n = hf["hidden_size"], hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or d // n
+    if kind == "mistral" and hf.get("sliding_window") is not None:
+        raise _refuse("sliding_window", hf["sliding_window"], "only null (full causal attention)")
+    if kind == "qwen2":
+        if hf.get("use_sliding_window"):
+            raise _refuse("use_sliding_window", True, "only false (full causal attention)")
+        if any(t != "full_attention" for t in hf.get("layer_types") or []):
+            raise _refuse("layer_types", hf["layer_types"], "only 'full_attention' layers")
+    if hf.get("pretraining_tp", 1) != 1:
+        raise _refuse("pretraining_tp", hf["pretraining_tp"], "only 1")
+    attention_bias, mlp_bias = hf.get("attention_bias", False), hf.get("mlp_bias", False)
+    bias = "qkv" if kind == "qwen2" else "none"
+    if attention_bias or mlp_bias:
+        if not (attention_bias and mlp_bias):
+            raise _refuse(
+                "attention_bias" if attention_bias else "mlp_bias",
+                True,
+                "biases on every projection (attention_bias and mlp_bias both true) or none",
+            )
+        bias = "all"
+    for k in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf.get(k) is not None:
+            raise _refuse(k, hf[k], "only null (no logit soft-capping)")
+    default_theta = 1000000.0 if kind == "qwen2" else 10000.0
+    return dict(
+        position="rope",
+        vocab_size=hf["vocab_size"],
+        d_model=d,
+        num_layers=hf["num_hidden_layers"],
+        num_heads=n,
+        num_kv_heads=hf.get("num_key_value_heads") or n,
+        head_dim=head_dim if head_dim * n != d else 0,
+        d_ff=hf["intermediate_size"],
+        norm="rms",
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        mlp="gated",
+        activation=_activation("hidden_act", hf.get("hidden_act", "silu")),
+        bias=bias,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        embed_scale="one",
+        **_rope(hf, head_dim, default_theta),
+    )
+
+
+def _gemma(hf: dict) -> dict[str, Any]:
+    if hf.get("use_bidirectional_attention"):
+        raise _refuse("use_bidirectional_attention", True, "only causal attention")
+    hf = dict(hf)
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    # transformers reads Gemma's legacy hidden_act="gelu" as the tanh approximation.
+    hf["hidden_act"] = "gelu_pytorch_tanh" if act == "gelu" else act
+    hf.setdefault("tie_word_embeddings", True)
+    keys = _llama({**hf, "model_type": "llama"})
+    keys.update(norm_unit_offset=True, embed_scale="sqrt_d")  # weight 1 + w, embeddings sqrt(D)
+    return keys
+
+
+def _gpt2(hf: dict) -> dict[str, Any]:
+    _expect(hf, "scale_attn_weights", (True,), "logits scaled by 1/sqrt(H)")
+    _expect(hf, "scale_attn_by_inverse_layer_idx", (False,), "no per-layer logit scale")
+    _expect(hf, "add_cross_attention", (False,), "a decoder without cross-attention")
+    d = hf["n_embd"]
+    return dict(
+        position="learned",
+        max_len=hf["n_positions"],
+        vocab_size=hf["vocab_size"],
+        d_model=d,
+        num_layers=hf["n_layer"],
+        num_heads=hf["n_head"],
+        num_kv_heads=hf["n_head"],
+        d_ff=hf.get("n_inner") or 4 * d,
+        norm="layer",
+        norm_bias=True,
+        norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+        activation=_activation("activation_function", hf.get("activation_function", "gelu_new")),
+        bias="all",
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        embed_scale="one",
+    )
+
+
+def _bloom(hf: dict) -> dict[str, Any]:
+    _expect(hf, "apply_residual_connection_post_layernorm", (False,), "pre-norm residuals")
+    d = hf.get("hidden_size") or hf.get("n_embed")
+    n = hf.get("n_head") or hf.get("num_attention_heads")
+    return dict(
+        position="alibi",
+        vocab_size=hf["vocab_size"],
+        d_model=d,
+        num_layers=hf.get("n_layer") or hf.get("num_hidden_layers"),
+        num_heads=n,
+        num_kv_heads=n,
+        d_ff=4 * d,
+        norm="layer",
+        norm_bias=True,
+        norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+        activation="gelu_tanh",  # BLOOM's bloom_gelu_forward is the tanh approximation
+        bias="all",
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        embed_scale="one",
+        embed_norm=True,
+    )
+
+
+def _neox(hf: dict) -> dict[str, Any]:
+    if not hf.get("attention_bias", True):
+        raise _refuse("attention_bias", False, "only true (GPT-NeoX's projections all have biases)")
+    d, n = hf["hidden_size"], hf["num_attention_heads"]
+    hf = dict(hf)
+    if "rotary_emb_base" in hf and "rope_theta" not in hf:  # the older name
+        hf["rope_theta"] = hf["rotary_emb_base"]
+    return dict(
+        position="rope",
+        vocab_size=hf["vocab_size"],
+        d_model=d,
+        num_layers=hf["num_hidden_layers"],
+        num_heads=n,
+        num_kv_heads=n,
+        d_ff=hf["intermediate_size"],
+        norm="layer",
+        norm_bias=True,
+        norm_eps=float(hf.get("layer_norm_eps", 1e-5)),
+        activation=_activation("hidden_act", hf.get("hidden_act", "gelu")),
+        bias="all",
+        parallel_residual=bool(hf.get("use_parallel_residual", True)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        embed_scale="one",
+        **_rope(hf, d // n, 10000.0, allow_partial=True),
+    )
+
+
+_PARSERS = {
+    "llama": _llama,
+    "mistral": _llama,
+    "qwen2": _llama,
+    "gpt2": _gpt2,
+    "bloom": _bloom,
+    "gpt_neox": _neox,
+    "gemma": _gemma,
+}
+
+
+def _read(path) -> dict:
+    import json
+    import pathlib
+
+    file = pathlib.Path(path) / "config.json"
+    if not file.is_file():
+        raise HfConfigError(f"{path} has no config.json (a Hugging Face checkpoint directory)")
+    return json.loads(file.read_text())
+
+
+def init_from_keys(keys: dict[str, Any]) -> dict[str, Any]:
+    """The `model` section of a run with `model.init_from='hf:PATH'`: the checkpoint's
+    architecture, plus the keys of TRAINING_KEYS the config sets. Any other key set away from its
+    default that disagrees with the checkpoint is a ConfigError naming it."""
+    from posattn.nn.config import defaults
+
+    path = keys["init_from"][3:]
+    base = model_config(_read(path)).keys()
+    default = defaults()
+    out = dict(base)
+    for name, value in keys.items():
+        if name in TRAINING_KEYS:
+            if name != "rope_scaling" or value is not None:
+                out[name] = value
+            continue
+        if name not in default or value == default[name] or value == base.get(name):
+            continue
+        raise ConfigError(
+            f"config.model.{name}={value!r} disagrees with the checkpoint model.init_from="
+            f"{keys['init_from']!r} ({base.get(name, default[name])!r}); a fine-tune takes the "
+            f"checkpoint's architecture and may set only {', '.join(TRAINING_KEYS)}"
+        )
+    return out
+
+
+def model_config(hf: dict, *, dtype: str | None = None) -> ModelConfig:
+    """The `ModelConfig` of a Hugging Face config dict (validated), or HfConfigError."""
+    kind = hf.get("model_type")
+    if kind not in _PARSERS:
+        raise _refuse("model_type", kind, "supported: " + ", ".join(map(repr, _PARSERS)))
+    try:
+        keys = _PARSERS[kind](hf)
+    except KeyError as e:
+        raise HfConfigError(
+            f"config.json lacks {e.args[0]!r}, which model_type {kind!r} needs"
+        ) from None
+    if dtype is not None:
+        keys.update(dtype=dtype, param_dtype=dtype)
+    return ModelConfig.from_keys(keys).validate()
+
+
+def hf_config(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
+    """A transformers config.json dict for `cfg` as a `model_type` model (the inverse)."""
+    common = dict(model_type=model_type, vocab_size=cfg.vocab_size, dtype="float32")
+    common["tie_word_embeddings"] = cfg.tie_embeddings
+    if model_type in ("llama", "mistral", "qwen2", "gemma"):
+        params = {"rope_type": "default", **(cfg.settings.scaling_dict or {})}
+        params["rope_theta"] = cfg.rope_base
+        arch = {
+            "llama": "LlamaForCausalLM",
+            "mistral": "MistralForCausalLM",
+            "gemma": "GemmaForCausalLM",
+        }
+        out = dict(
+            common,
+            architectures=[arch.get(model_type, "Qwen2ForCausalLM")],
+            hidden_size=cfg.d_model,
+            num_hidden_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_heads,
+            num_key_value_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            intermediate_size=cfg.ff_dim,
+            rms_norm_eps=cfg.norm_eps,
+            hidden_act={"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}.get(
+                cfg.activation, cfg.activation
+            ),
+            max_position_embeddings=int(params.get("original_max_position_embeddings") or 2048),
+            rope_parameters=params,
+        )
+        if model_type == "llama":
+            out.update(attention_bias=cfg.bias == "all", mlp_bias=cfg.bias == "all")
+        if model_type == "mistral":
+            out.update(sliding_window=None)
+        if model_type == "qwen2":
+            out.update(use_sliding_window=False)
+        return out
+    if model_type == "gpt2":
+        return dict(
+            common,
+            architectures=["GPT2LMHeadModel"],
+            n_embd=cfg.d_model,
+            n_layer=cfg.num_layers,
+            n_head=cfg.num_heads,
+            n_inner=cfg.ff_dim,
+            n_positions=cfg.max_len,
+            layer_norm_epsilon=cfg.norm_eps,
+            activation_function={"gelu_tanh": "gelu_new"}.get(cfg.activation, cfg.activation),
+        )
+    if model_type == "gpt_neox":
+        params = {"rope_type": "default", **(cfg.settings.scaling_dict or {})}
+        params.update(rope_theta=cfg.rope_base, partial_rotary_factor=cfg.rope_partial_factor)
+        return dict(
+            common,
+            architectures=["GPTNeoXForCausalLM"],
+            hidden_size=cfg.d_model,
+            num_hidden_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_heads,
+            intermediate_size=cfg.ff_dim,
+            layer_norm_eps=cfg.norm_eps,
+            hidden_act={"gelu_tanh": "gelu_new"}.get(cfg.activation, cfg.activation),
+            use_parallel_residual=cfg.parallel_residual,
+            attention_bias=True,
+            max_position_embeddings=int(params.get("original_max_position_embeddings") or 2048),
+            rope_parameters=params,
+        )
+    if model_type == "bloom":
+        return dict(
+            common,
+            architectures=["BloomForCausalLM"],
+            hidden_size=cfg.d_model,
+            n_layer=cfg.num_layers,
+            n_head=cfg.num_heads,
+            layer_norm_epsilon=cfg.norm_eps,
+        )
+    raise ValueError(f"model_type {model_type!r}: supported " + ", ".join(ARCHITECTURES))

@@ -1,0 +1,215 @@
+"""Writes tests/hf/goldens/<case>/: a tiny Hugging Face checkpoint and the logits transformers
+computes for it (run with transformers and torch installed; the files are committed, so the tests
+need neither).
+
+    PYTHONPATH=src python tests/hf/make_goldens.py [case ...]
+
+Every tensor is randomised (transformers initialises biases to 0 and norm weights to 1, which
+would hide a dropped tensor). Each case directory holds config.json, model.safetensors (or shards
+with model.safetensors.index.json) and expected.npz (tokens int64[2, T], logits float32[2, T, V],
+the transformers version).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import sys
+
+HERE = pathlib.Path(__file__).parent
+GOLDENS = HERE / "goldens"
+T = 24  # tokens per row; the scaled-RoPE cases train at 16, so T exceeds it
+
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=2)
+LLAMA = dict(SMALL, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+SCALED = dict(LLAMA, max_position_embeddings=16)
+
+
+def cases() -> dict[str, tuple[str, dict, dict]]:
+    """case -> (transformers config class, its arguments, options for writing)."""
+    return {
+        "llama_gqa": ("LlamaConfig", dict(LLAMA, tie_word_embeddings=False), {}),
+        "llama_mqa_tied": (
+            "LlamaConfig",
+            dict(LLAMA, num_key_value_heads=1, tie_word_embeddings=True, rope_theta=500.0),
+            {},
+        ),
+        "llama_head_dim": (
+            "LlamaConfig",
+            dict(LLAMA, head_dim=12, tie_word_embeddings=False, rms_norm_eps=1e-5),
+            {},
+        ),
+        "llama_six_heads": (
+            "LlamaConfig",
+            dict(LLAMA, hidden_size=36, num_attention_heads=6, num_key_value_heads=3),
+            {},
+        ),
+        "rope_linear": (
+            "LlamaConfig",
+            dict(SCALED, rope_scaling={"rope_type": "linear", "factor": 4.0}),
+            {},
+        ),
+        "rope_dynamic": (
+            "LlamaConfig",
+            dict(SCALED, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+            {},
+        ),
+        "rope_yarn": (
+            "LlamaConfig",
+            dict(
+                SCALED,
+                rope_scaling={
+                    "rope_type": "yarn",
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 16,
+                    "beta_fast": 8.0,
+                    "beta_slow": 1.0,
+                },
+            ),
+            {},
+        ),
+        "rope_llama3": (
+            "LlamaConfig",
+            dict(
+                SCALED,
+                rope_theta=500000.0,
+                rope_scaling={
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8,
+                },
+            ),
+            {},
+        ),
+        "qwen2": (
+            "Qwen2Config",
+            dict(LLAMA, tie_word_embeddings=False, use_sliding_window=False),
+            {},
+        ),
+        "mistral": ("MistralConfig", dict(LLAMA, sliding_window=None), {}),
+        "gemma": (
+            "GemmaConfig",
+            dict(LLAMA, head_dim=8, hidden_act="gelu_pytorch_tanh"),
+            {},
+        ),
+        "gpt2": (
+            "GPT2Config",
+            dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32, n_inner=40),
+            {},
+        ),
+        "bloom": ("BloomConfig", dict(vocab_size=64, hidden_size=32, n_layer=2, n_head=4), {}),
+        "bloom_six_heads": (
+            "BloomConfig",
+            dict(vocab_size=64, hidden_size=36, n_layer=2, n_head=6),
+            {},
+        ),
+        "neox_parallel": (
+            "GPTNeoXConfig",
+            dict(SMALL, num_attention_heads=4, rotary_pct=0.5, use_parallel_residual=True),
+            {},
+        ),
+        "neox_sequential": (
+            "GPTNeoXConfig",
+            dict(
+                SMALL,
+                num_attention_heads=4,
+                rotary_pct=0.25,
+                use_parallel_residual=False,
+                hidden_act="gelu_new",
+                tie_word_embeddings=False,
+            ),
+            {},
+        ),
+        "llama_sharded": ("LlamaConfig", dict(LLAMA, tie_word_embeddings=False), {"shard": "8KB"}),
+        "llama_bf16": ("LlamaConfig", dict(LLAMA, tie_word_embeddings=False), {"bf16": True}),
+        "llama_legacy": (
+            "LlamaConfig",
+            dict(SCALED, rope_theta=20000.0, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+            {"legacy": True},
+        ),
+    }
+
+
+def randomise(model, seed: int) -> None:
+    """Every parameter drawn anew: weights ~ N(0, 0.3^2), norm weights 1 + N(0, 0.1^2) (Gemma's,
+    applied as 1 + w: N(0, 0.1^2))."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            is_norm = "norm" in name or ".ln" in name or name.startswith("ln")
+            if is_norm and name.endswith("weight"):
+                # Gemma's norms scale by 1 + weight: its weights sit around 0, the others' around 1.
+                p.copy_((0.0 if model.config.model_type == "gemma" else 1.0) + 0.1 * noise)
+            else:
+                p.copy_(0.3 * noise)
+
+
+def build(name: str, class_name: str, kwargs: dict, seed: int):
+    import torch
+    import transformers
+
+    config = getattr(transformers, class_name)(**kwargs)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    model.eval()
+    randomise(model, seed)
+    return model
+
+
+def tokens(vocab: int, seed: int):
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(0, vocab, (2, T))
+
+
+def write(name: str, out: pathlib.Path | None = None) -> None:
+    import numpy as np
+    import torch
+    import transformers
+
+    class_name, kwargs, opts = cases()[name]
+    seed = sorted(cases()).index(name)
+    model = build(name, class_name, kwargs, seed)
+    out = GOLDENS / name if out is None else out
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    if opts.get("bf16"):
+        model = model.to(torch.bfloat16)
+    model.save_pretrained(out, max_shard_size=opts.get("shard", "1GB"))
+    if opts.get("legacy"):  # the pre-5 form: rope_scaling and a top-level rope_theta
+        path = out / "config.json"
+        cfg = json.loads(path.read_text())
+        params = cfg.pop("rope_parameters")
+        cfg["rope_theta"] = params.pop("rope_theta")
+        cfg["rope_scaling"] = {"type": params.pop("rope_type"), **params}
+        path.write_text(json.dumps(cfg, indent=2))
+    # The reference logits: the written files read back by transformers, in float32.
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float32, attn_implementation="eager"
+    )
+    ref.eval()
+    ids = tokens(ref.config.vocab_size, seed)
+    with torch.no_grad():
+        logits = ref(torch.as_tensor(ids)).logits.float().numpy()
+    np.savez(
+        out / "expected.npz",
+        tokens=ids,
+        logits=logits.astype(np.float32),
+        transformers=np.asarray(transformers.__version__),
+    )
+    for extra in ("generation_config.json",):
+        (out / extra).unlink(missing_ok=True)
+    size = sum(f.stat().st_size for f in out.iterdir())
+    print(f"{name}: {size / 1024:.0f} KB")
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:] or sorted(cases()):
+        write(name)

@@ -1,0 +1,200 @@
+"""posattn.hf: Hugging Face checkpoints load to transformers' logits (committed goldens, no torch),
+refusals name the key, and save_pretrained round-trips (tests/hf/make_goldens.py made the files)."""
+
+import json
+import pathlib
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import posattn.hf as hf
+from posattn.hf.config import HfConfigError
+
+GOLDENS = pathlib.Path(__file__).parent / "goldens"
+LOADED = sorted(p.name for p in GOLDENS.iterdir())
+TOL = 5e-5  # log-softmax, float32
+
+
+def _log_softmax(x):
+    x = np.asarray(x, np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def _check(model, expected):
+    got = model(jnp.asarray(expected["tokens"]))
+    assert got.dtype == jnp.float32 and got.shape == expected["logits"].shape
+    err = np.abs(_log_softmax(got) - _log_softmax(expected["logits"])).max()
+    assert err < TOL, err
+
+
+@pytest.mark.parametrize("case", LOADED)
+def test_goldens_give_transformers_logits(case):
+    _check(hf.from_pretrained(GOLDENS / case), np.load(GOLDENS / case / "expected.npz"))
+
+
+def test_the_goldens_cover_each_layout_and_config_form():
+    assert (GOLDENS / "llama_sharded" / "model.safetensors.index.json").is_file()
+    from safetensors import safe_open
+
+    with safe_open(GOLDENS / "llama_bf16" / "model.safetensors", "numpy") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    legacy = json.loads((GOLDENS / "llama_legacy" / "config.json").read_text())
+    assert "rope_parameters" not in legacy and legacy["rope_scaling"]["type"] == "linear"
+
+
+def _copy(tmp_path, case):
+    out = tmp_path / case
+    shutil.copytree(GOLDENS / case, out)
+    return out
+
+
+def _edit_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize(
+    "changes, named",
+    [
+        (dict(model_type="gemma3"), "model_type='gemma3'"),
+        (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0"),
+        (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), "longrope"),
+        (dict(rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 0.5}), "partial"),
+        (dict(attention_bias=True), "attention_bias=True"),
+        (dict(hidden_act="gelu_fast"), "hidden_act='gelu_fast'"),
+        (dict(pretraining_tp=2), "pretraining_tp=2"),
+    ],
+)
+def test_unsupported_options_are_refused_naming_the_key(tmp_path, changes, named):
+    path = _copy(tmp_path, "llama_gqa")
+    _edit_config(path, **changes)
+    with pytest.raises(HfConfigError, match=named):
+        hf.from_pretrained(path)
+
+
+def test_mistral_sliding_window_and_gpt2_inverse_layer_scale_are_refused(tmp_path):
+    path = _copy(tmp_path, "mistral")
+    _edit_config(path, sliding_window=4096)
+    with pytest.raises(HfConfigError, match="sliding_window=4096"):
+        hf.from_pretrained(path)
+    path = _copy(tmp_path, "gpt2")
+    _edit_config(path, scale_attn_by_inverse_layer_idx=True)
+    with pytest.raises(HfConfigError, match="scale_attn_by_inverse_layer_idx"):
+        hf.from_pretrained(path)
+
+
+def _rewrite(path, edit):
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    file = path / "model.safetensors"
+    with safe_open(file, "numpy") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    edit(tensors)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def test_tensors_are_checked_both_ways_and_by_shape(tmp_path):
+    path = _copy(tmp_path, "qwen2")
+    _rewrite(path, lambda t: t.update({"model.layers.0.self_attn.o_proj.bias": np.zeros(32)}))
+    unused = r"does not use: model\.layers\.0\.self_attn\.o_proj\.bias"
+    with pytest.raises(ValueError, match=unused):
+        hf.from_pretrained(path)
+    shutil.rmtree(path)
+    shutil.copytree(GOLDENS / "qwen2", path)
+    _rewrite(path, lambda t: t.pop("model.layers.1.self_attn.k_proj.bias"))
+    with pytest.raises(ValueError, match=r"absent: model\.layers\.1\.self_attn\.k_proj\.bias"):
+        hf.from_pretrained(path)
+    shutil.rmtree(path)
+    shutil.copytree(GOLDENS / "qwen2", path)
+    _rewrite(path, lambda t: t.update({"lm_head.weight": np.zeros((60, 32), np.float32)}))
+    with pytest.raises(ValueError, match=r"lm_head\.weight .*\(60, 32\).*\(64, 32\)"):
+        hf.from_pretrained(path)
+
+
+@pytest.mark.parametrize("case", ["qwen2", "gpt2", "bloom", "llama_mqa_tied", "neox_sequential"])
+def test_save_then_load_gives_the_same_parameters(tmp_path, case):
+    model = hf.from_pretrained(GOLDENS / case)
+    hf.save_pretrained(model, tmp_path / "out")
+    again = hf.from_pretrained(tmp_path / "out")
+    a = nnx.to_flat_state(nnx.state(model))
+    b = dict(nnx.to_flat_state(nnx.state(again)))
+    for path, v in a:
+        np.testing.assert_array_equal(np.asarray(v[...]), np.asarray(b[path][...]), str(path))
+    assert again.cfg == model.cfg
+
+
+def test_bfloat16_loading_keeps_bfloat16_parameters():
+    model = hf.from_pretrained(GOLDENS / "llama_bf16", dtype="bfloat16")
+    assert model.blocks[0].attn.wq[...].dtype == jnp.bfloat16
+    expected = np.load(GOLDENS / "llama_bf16" / "expected.npz")
+    got = _log_softmax(model(jnp.asarray(expected["tokens"])))
+    err = np.abs(got - _log_softmax(expected["logits"]))
+    assert err.mean() < 0.05 and err.max() < 0.5  # bfloat16 activations (8-bit mantissa)
+
+
+def test_a_bfloat16_model_saves_a_bfloat16_file_that_loads_back_equal(tmp_path):
+    from safetensors import safe_open
+
+    model = hf.from_pretrained(GOLDENS / "llama_bf16", dtype="bfloat16")
+    hf.save_pretrained(model, tmp_path / "out")
+    with safe_open(tmp_path / "out" / "model.safetensors", "numpy") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+    again = dict(
+        nnx.to_flat_state(nnx.state(hf.from_pretrained(tmp_path / "out", dtype="bfloat16")))
+    )
+    for path, v in nnx.to_flat_state(nnx.state(model)):
+        np.testing.assert_array_equal(np.asarray(v[...]), np.asarray(again[path][...]))
+
+
+def test_a_model_without_a_hugging_face_twin_is_not_saved(tmp_path):
+    from posattn.nn.config import ModelConfig
+    from posattn.nn.model import TransformerLM
+
+    cfg = ModelConfig.from_keys(dict(d_model=16, num_layers=1, num_heads=2, num_kv_heads=2))
+    with pytest.raises(ValueError, match="no Hugging Face architecture"):
+        hf.save_pretrained(TransformerLM(cfg.validate(), rngs=nnx.Rngs(0)), tmp_path / "x")
+
+
+# ---- Live tests: transformers in this process (skipped where it is absent, as on CI). ----
+
+
+@pytest.mark.parametrize("case", ["qwen2", "gpt2", "bloom", "neox_parallel", "gemma"])
+def test_transformers_reads_save_pretrained_to_the_same_logits(tmp_path, case):
+    pytest.importorskip("transformers")
+    import torch
+    import transformers
+
+    model = hf.from_pretrained(GOLDENS / case)
+    hf.save_pretrained(model, tmp_path / "out")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", dtype=torch.float32, attn_implementation="eager"
+    )
+    expected = np.load(GOLDENS / case / "expected.npz")
+    with torch.no_grad():
+        logits = ref(torch.as_tensor(expected["tokens"])).logits.numpy()
+    err = np.abs(_log_softmax(logits) - _log_softmax(expected["logits"])).max()
+    assert err < TOL, err
+
+
+@pytest.mark.parametrize("case", ["rope_yarn", "llama_head_dim"])
+def test_goldens_rebuilt_in_process_still_match(tmp_path, case):
+    pytest.importorskip("transformers")
+    import make_goldens
+
+    make_goldens.write(case, tmp_path / case)
+    _check(hf.from_pretrained(tmp_path / case), np.load(tmp_path / case / "expected.npz"))
+
+
+if __name__ == "__main__":  # the measured errors of docs/checkpoints.md
+    for case in LOADED:
+        expected = np.load(GOLDENS / case / "expected.npz")
+        got = hf.from_pretrained(GOLDENS / case)(jnp.asarray(expected["tokens"]))
+        err = np.abs(_log_softmax(got) - _log_softmax(expected["logits"])).max()
+        print(f"{case:18s} {err:.1e}")

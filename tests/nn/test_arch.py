@@ -1,0 +1,190 @@
+"""Architecture switches (`model.head_dim`, `norm*`, `mlp`, `activation`, `bias`,
+`parallel_residual`, `tie_embeddings`, `embed_scale`, `embed_norm`): the defaults are the model
+as it was before the switches existed, and every switch works in training, `scan_layers`,
+`remat` and the KV-cache decode."""
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from posattn.nn import decode
+from posattn.nn.config import ConfigError, ModelConfig
+from posattn.nn.model import TransformerLM, convert_layout
+from posattn.train import steps
+
+BASELINE = pathlib.Path(__file__).parent / "data" / "default_model_baseline.json"
+
+# Every switch away from its default, in two combinations.
+VARIANTS = {
+    "neox": dict(
+        head_dim=12,
+        norm="layer",
+        norm_bias=True,
+        norm_eps=1e-5,
+        activation="gelu",
+        bias="all",
+        parallel_residual=True,
+        tie_embeddings=False,
+        embed_scale="one",
+        embed_norm=True,
+    ),
+    "gated_alibi": dict(
+        position="alibi",
+        mlp="gated",
+        activation="silu",
+        bias="qkv",
+        norm_unit_offset=True,
+        tie_embeddings=False,
+    ),
+}
+
+
+def _record():
+    """Parameter paths, shapes and dtypes and the first two training losses of two default
+    models (as tests/nn/data/default_model_baseline.json was recorded before the switches)."""
+    out = {}
+    scan = {"position": "alibi", "num_kv_heads": 2, "scan_layers": True}
+    cases = {"rope": {}, "alibi_gqa_scan": scan}
+    for name, keys in cases.items():
+        cfg = ModelConfig.from_keys(
+            dict(d_model=32, num_layers=2, num_heads=4, d_ff=64, **keys)
+        ).validate()
+        optim = _optim()
+        state = steps.init_train_state(cfg, steps.make_optimizer(optim), jax.random.key(0))
+        graphdef, _, _ = steps.init_model(cfg, jax.random.key(0))
+        step = jax.jit(steps.train_step, static_argnums=(0, 1))
+        state, m1 = step(graphdef, optim, state, _batch())
+        _, m2 = step(graphdef, optim, state, _batch())
+        model = nnx.merge(graphdef, state["params"], state["constants"])
+        tree = {
+            "/".join(map(str, p)): [list(v.shape), str(v.dtype)]
+            for p, v in nnx.to_flat_state(nnx.state(model))
+        }
+        out[name] = {"tree": tree, "loss_step1": float(m1["loss"]), "loss_step2": float(m2["loss"])}
+    return out
+
+
+def _optim():
+    return steps.OptimConfig(
+        learning_rate=1e-2,
+        total_steps=10,
+        warmup_steps=0,
+        min_lr_ratio=0.1,
+        weight_decay=0.1,
+        grad_clip=1.0,
+        b1=0.9,
+        b2=0.95,
+    )
+
+
+def _batch():
+    tokens = np.random.default_rng(0).integers(0, 256, (2, 17))
+    return {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:])}
+
+
+def test_the_default_model_keeps_its_parameter_paths_and_losses():
+    expected = json.loads(BASELINE.read_text())
+    got = _record()
+    for name in expected:
+        assert got[name]["tree"] == expected[name]["tree"], name
+        for step in ("loss_step1", "loss_step2"):
+            np.testing.assert_allclose(got[name][step], expected[name][step], rtol=1e-5)
+
+
+def _cfg(**keys):
+    base = dict(d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=48, vocab_size=64)
+    return ModelConfig.from_keys({**base, **keys}).validate()
+
+
+def _randomised(model):
+    """Every parameter drawn at random (zero biases and unit scales would hide a dropped one)."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    leaves = [
+        0.3 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves, strict=True)
+    ]
+    return nnx.merge(graphdef, jax.tree.unflatten(tree, leaves), rest)
+
+
+def _logits(graphdef, params, constants, tokens):
+    return nnx.merge(graphdef, params, constants)(tokens)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_switches_agree_across_layouts_remat_and_the_cache(name):
+    cfg = _cfg(**VARIANTS[name])
+    model = _randomised(TransformerLM(cfg, rngs=nnx.Rngs(0)))
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 9)))
+    graphdef, params, constants = nnx.split(model, nnx.Param, ...)
+    full = jax.jit(_logits, static_argnums=0)(graphdef, params, constants, tokens)
+    assert np.all(np.isfinite(full))
+
+    # scan_layers: the same values stacked give the same logits.
+    scanned = TransformerLM(cfg.replace(scan_layers=True), rngs=nnx.Rngs(0))
+    g_s = nnx.graphdef(scanned)
+    p_s, c_s = convert_layout((params, constants), cfg, scan_layers=True)
+    np.testing.assert_allclose(
+        jax.jit(_logits, static_argnums=0)(g_s, p_s, c_s, tokens), full, atol=2e-5
+    )
+
+    # remat: the same gradients, and every parameter gets one.
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    grad = jax.jit(jax.grad(steps.loss_fn), static_argnums=2)
+    grads = grad(params, constants, graphdef, batch)
+    g_r = nnx.graphdef(TransformerLM(cfg.replace(remat="full"), rngs=nnx.Rngs(0)))
+    grads_r = grad(params, constants, g_r, batch)
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads_r), strict=True
+    ):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+        assert float(jnp.abs(a).sum()) > 0, f"{jax.tree_util.keystr(path)} gets no gradient"
+
+    # KV-cache decode: the cached steps' logits equal the full forward's at every position.
+    cache = decode.init_cache(cfg, batch_size=2, capacity=9)
+    logits, cache = decode.prefill(
+        graphdef, params, constants, cache, tokens[:, :5], jnp.array([5, 5], jnp.int32)
+    )
+    np.testing.assert_allclose(logits, full[:, 4], atol=2e-5)
+    step = jax.jit(decode.decode_step, static_argnums=0)
+    for t in range(5, 9):
+        logits, cache = step(graphdef, params, constants, cache, tokens[:, t])
+        np.testing.assert_allclose(logits, full[:, t], atol=2e-5)
+
+
+def test_an_untied_head_is_its_own_parameter_and_head_dim_is_free():
+    cfg = _cfg(tie_embeddings=False, head_dim=24)
+    state = nnx.state(TransformerLM(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+    assert state["head"].shape == (64, 32)
+    assert state["blocks"][0]["attn"]["wq"].shape == (32, 4, 24)
+    assert state["blocks"][0]["attn"]["wk"].shape == (32, 2, 24)
+    assert cfg.keys()["head_dim"] == 24 and _cfg().keys()["head_dim"] == 0
+    assert _cfg().head_dim == 8 and _cfg().replace(d_model=64).head_dim == 16
+    # head_dim frees d_model from being a multiple of num_heads.
+    assert _cfg(d_model=30, head_dim=8).head_dim == 8
+
+
+@pytest.mark.parametrize(
+    "keys, named",
+    [
+        (dict(norm="batch"), "model.norm='batch'"),
+        (dict(mlp="moe"), "model.mlp='moe'"),
+        (dict(activation="gelu_new"), "model.activation='gelu_new'"),
+        (dict(bias="qkvo"), "model.bias='qkvo'"),
+        (dict(embed_scale="2"), "model.embed_scale='2'"),
+        (dict(norm_eps=0.0), "model.norm_eps=0.0"),
+        (dict(norm_bias=True), "model.norm_bias=True"),
+        (dict(parallel_residual=1), "model.parallel_residual=1"),
+        (dict(head_dim=-2), "model.head_dim=-2"),
+        (dict(d_model=30), "model.d_model=30"),
+        (dict(init_from="/x"), "model.init_from='/x'"),
+    ],
+)
+def test_bad_switches_fail_before_compute_naming_the_key(keys, named):
+    with pytest.raises(ConfigError, match=named.replace("(", r"\(").replace(".", r"\.")):
+        _cfg(**keys)
