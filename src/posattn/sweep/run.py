@@ -474,19 +474,22 @@ def _extrapolate(program, state, graphdef, corpus, lengths, loss_at_lengths, con
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    try:
+
+    def body() -> int:
         args = cli.parse(cli.SWEEP, argv)
         workdir = args.workdir
         records = run_sweep(
             args.config, workdir, cli_overrides=args.overrides, config_path=args.config_path
         )
-    except (
-        config_lib.ConfigError,
-        data_lib.DataError,
-        workdir_lib.WorkdirBusyError,
-        IncompatibleCheckpointError,
-    ) as e:
-        print(f"posattn.sweep: error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, (config_lib.ConfigError, data_lib.DataError)) else 1
-    print(f"posattn.sweep: {len(records)} members done; see {pathlib.Path(workdir) / 'sweep.md'}")
-    return 0
+        print(
+            f"posattn.sweep: {len(records)} members done; see {pathlib.Path(workdir) / 'sweep.md'}"
+        )
+        return 0
+
+    return cli.report_errors(
+        "posattn.sweep",
+        argv,
+        body,
+        user_errors=(data_lib.DataError,),
+        run_errors=(workdir_lib.WorkdirBusyError, IncompatibleCheckpointError),
+    )
