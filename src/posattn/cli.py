@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import logging
 import pathlib
+import re
 import sys
 import textwrap
 import types
@@ -198,16 +200,45 @@ def report_errors(
     disk or a read-only directory, Ctrl-C before training started). Anything else is a bug and
     keeps its traceback; `--debug` on the command line shows the traceback of every error.
     """
+    debug = "--debug" in argv
+    quiet = _QuietDiskFull()
+    # orbax's and asyncio's threads log a traceback per array for a full disk; we say it once.
+    # (A filter on the handlers sees the records propagated from every logger.)
+    filtered = [logging.getLogger("absl"), *logging.getLogger().handlers]
+    for target in filtered if not debug else []:
+        target.addFilter(quiet)
     try:
         return body()
     except BaseException as e:
-        if "--debug" in argv or isinstance(e, SystemExit):
+        if debug or isinstance(e, SystemExit):
             raise
         status, message = _classify(e, user_errors, run_errors)
         if status is None:
             raise
         print(f"{prog}: error: {message}", file=sys.stderr)
         return status
+    finally:
+        for target in filtered:
+            target.removeFilter(quiet)
+
+
+class _QuietDiskFull(logging.Filter):
+    """Drops log records about a full disk (the entry point reports it in one line), and once
+    one was seen, those of the aborted writes' event loops."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            text += str(record.exc_info[1])
+        self.seen = self.seen or _NO_SPACE in text
+        return not (_NO_SPACE in text or (self.seen and "Event loop is closed" in text))
+
+
+_NO_SPACE = "No space left on device"
 
 
 def _classify(e: BaseException, user_errors, run_errors) -> tuple[int | None, str]:
@@ -231,10 +262,11 @@ def _no_space(e: BaseException) -> str | None:
     seen, cause = set(), e
     while cause is not None and id(cause) not in seen:
         seen.add(id(cause))
-        if (isinstance(cause, OSError) and cause.errno == errno.ENOSPC) or (
-            "No space left on device" in str(cause)
-        ):
+        if (isinstance(cause, OSError) and cause.errno == errno.ENOSPC) or _NO_SPACE in str(cause):
             where = getattr(cause, "filename", None)
+            if where is None:  # tensorstore: ... Failed writing: "<path>": ...
+                found = re.search(r'Failed writing: "([^"]+)"', str(cause))
+                where = found and found.group(1)
             return (
                 "no space left on device"
                 + (f" writing {where}" if where else "")
