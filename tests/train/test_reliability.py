@@ -207,7 +207,7 @@ def test_readers_during_training_lose_no_checkpoint_and_sigint_saves(tmp_path):
     proc = _start_cli(workdir, ["train.checkpoint_every=1", "train.keep_checkpoints=1000"])
     _wait_for_steps(workdir, 1, proc)
     reads = collisions = 0
-    while proc.poll() is None and (reads < 40 or collisions < 3):
+    while proc.poll() is None and (reads < 12 or collisions < 3):
         writing = any("tmp" in p.name for p in (workdir / "checkpoints").iterdir())
         restored = restore_trained(config, workdir / "checkpoints")
         collisions += writing or any("tmp" in p.name for p in (workdir / "checkpoints").iterdir())
@@ -284,17 +284,39 @@ def reference_lr(config, step):
     return float(optim.learning_rate * steps.lr_shape(optim)(step))
 
 
-def test_a_nan_before_any_checkpoint_names_none(tmp_path, monkeypatch):
-    _poison_params_at(monkeypatch, 2)
-    with pytest.raises(NonFiniteLossError) as e:
-        train_and_evaluate(small_config(**LONG), tmp_path)
-    assert "No checkpoint was saved" in str(e.value) and "step 0" not in str(e.value)
-    assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]
+def test_a_nan_state_is_never_saved_by_the_loop_and_a_fresh_run_names_no_checkpoint(tmp_path):
+    """`run_loop` with a stand-in step whose update turns the state NaN at `bad` (loss finite)."""
+    from posattn.train import sharding
+    from posattn.train.checkpoint import Checkpointer
+    from posattn.train.loop import Schedule, run_loop
+
+    def run(bad, directory):
+        def step_fn(state, batch):
+            w = state["w"] + 1.0
+            w = jnp.where(state["step"] + 1 >= bad, jnp.nan, w)
+            return {"w": w, "step": state["step"] + 1}, {"loss": jnp.float32(1.0)}
+
+        state = {"w": jnp.zeros((3,)), "step": jnp.int32(0)}
+        ckpt = Checkpointer(directory, async_save=False)
+        with pytest.raises(NonFiniteLossError) as e:
+            run_loop(
+                state, 0, step_fn=step_fn, batch_at=lambda s: None,
+                schedule=Schedule(total=10, log_every=1, checkpoint_every=1),
+                emit=lambda *a: None, checkpointer=ckpt, record=lambda s: {"step": s},
+                mesh=sharding.make_mesh(1), lead=True, name="t", tokens_per_step=1,
+            )  # fmt: skip
+        return str(e.value), sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+    message, saved = run(1, tmp_path / "fresh")
+    assert "No checkpoint was saved" in message and "step 0" not in message and saved == []
+    message, saved = run(4, tmp_path / "later")
+    assert saved == [1, 2, 3] and "state of step 4 holds NaN" in message
+    assert f"last good checkpoint is {tmp_path / 'later' / '3'} (step 3" in message
 
 
 @pytest.mark.parametrize("key, value", [("b2", 1.0), ("b1", 1.0), ("b2", -0.1), ("grad_clip", 0)])
 def test_optimiser_settings_that_cannot_train_are_refused(key, value):
-    with pytest.raises(ConfigError, match=rf"train\.{key}={value}.*\["):
+    with pytest.raises(ConfigError, match=rf"train\.{key}={value}.* must be a number in [\[(]"):
         small_config(**{f"train__{key}": value})
 
 
@@ -308,8 +330,6 @@ def test_resume_checks_the_checkpoints_config_whatever_config_json_says(tmp_path
     assert "checkpoints" in str(e.value)
     assert not (tmp_path / "config.json").exists()  # not rewritten with the refused config
     assert [x["step"] for x in read_metrics(tmp_path)[0]] == [1, 2, 3, 4]
-    train_and_evaluate(small_config(**LONG), tmp_path, stop_after=6)  # the same config goes on
-    assert (tmp_path / "config.json").exists()
 
 
 def test_a_validation_split_smaller_than_one_eval_batch_is_refused(tmp_path):

@@ -42,6 +42,16 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
+
+class _NoReadOnlyNotice(logging.Filter):
+    """orbax announces every read-only manager at WARNING level; a reader is not news."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Given directory is read only")
+
+
+logging.getLogger("absl").addFilter(_NoReadOnlyNotice())
+
 DAMAGED = "damaged"  # subdirectory of the checkpoint directory holding damaged checkpoints
 
 
@@ -151,6 +161,7 @@ class Checkpointer:
                 return  # nothing to read; never create it
             options = ocp.CheckpointManagerOptions(
                 read_only=True,
+                save_interval_steps=0,
                 create=False,
                 max_to_keep=None,
                 enable_async_checkpointing=False,
