@@ -342,3 +342,14 @@ def test_a_validation_split_smaller_than_one_eval_batch_is_refused(tmp_path):
             small_config(data__corpus=str(corpus), train__eval_every=5), tmp_path / "w"
         )
     assert not (tmp_path / "w" / "metrics.jsonl").exists()
+    # A sweep evaluates every program at its end: refused the same way, before compute.
+    from posattn import config as config_lib
+    from posattn import sweep
+
+    sweep_config = config_lib.load_config(
+        ROOT / "configs" / "sweep_tiny.py",
+        ["data.seq_len=32", "train.batch_size=8", f"data.corpus={corpus}"],
+    )
+    with pytest.raises(DataError, match="fewer than one evaluation batch"):
+        sweep.run_sweep(sweep_config, tmp_path / "s")
+    assert not (tmp_path / "s" / "programs").exists()

@@ -47,7 +47,7 @@ from posattn.train import data as data_lib
 from posattn.train import sharding, steps
 from posattn.train import workdir as workdir_lib
 from posattn.train.checkpoint import Checkpointer, IncompatibleCheckpointError
-from posattn.train.loop import Schedule, restore_for_resume, run_loop
+from posattn.train.loop import Schedule, check_eval_split, restore_for_resume, run_loop
 
 __all__ = ["main", "run_sweep", "sweep_mesh"]
 
@@ -79,14 +79,20 @@ def run_sweep(
     if config.train.get("tensorboard", False):
         workdir_lib.require_tensorboard()
     workdir = pathlib.Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
     lead = jax.process_index() == 0
+    if lead:
+        workdir_lib.make_workdir(workdir)
     with workdir_lib.lock(workdir) if lead else contextlib.nullcontext():
         corpus = data_lib.load_corpus(config.data.corpus)
         for program in programs:
             for member in program.members:
                 corpus.check_vocab(member.cfg.vocab_size)
                 data_lib.check_length(corpus, member.config.data.seq_len)
+                check_eval_split(  # every program evaluates at its end
+                    corpus,
+                    seq_len=member.config.data.seq_len,
+                    batch_size=member.config.train.batch_size,
+                )
             sweep_mesh(
                 len(program.members), program.members[0].config.train
             )  # fails early if it cannot
@@ -329,7 +335,12 @@ def _run_program(
             )
             s, c = eval_fn(state["members"]["params"], state["members"]["constants"], batch)
             nll, count = nll + np.asarray(s, np.float64), count + np.asarray(c, np.float64)
-        values = list(nll / np.maximum(count, 1.0))
+        if not count.all():  # never report a loss over no tokens as 0.0
+            raise data_lib.DataError(
+                f"sweep program {program.index}: evaluation at step {step} scored no tokens; "
+                "the validation split fills no evaluation batch"
+            )
+        values = list(nll / count)
         for m, v in zip(program.members, values, strict=True):
             metrics.write(
                 {

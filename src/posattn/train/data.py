@@ -31,7 +31,6 @@ __all__ = [
     "DataError",
     "batch_options",
     "batched",
-    "check_eval_split",
     "check_length",
     "eval_batches",
     "eval_windows",
@@ -182,19 +181,6 @@ def check_length(corpus: Corpus, seq_len: int, *, split: str = "both") -> None:
                 "window of "
                 f"seq_len + 1 = {seq_len + 1}; use a larger corpus or a shorter data.seq_len"
             )
-
-
-def check_eval_split(corpus: Corpus, *, seq_len: int, batch_size: int) -> None:
-    """Refuses a validation split that fills no evaluation batch (`eval_batches` would be empty
-    and an evaluation would score no tokens)."""
-    windows = (corpus.val.size - 1) // seq_len if corpus.val.size > 0 else 0
-    if windows < batch_size:
-        raise DataError(
-            f"corpus {corpus.name!r}: the val split has {corpus.val.size} tokens, {windows} "
-            f"windows of data.seq_len={seq_len}, fewer than one evaluation batch of "
-            f"train.batch_size={batch_size}; use a larger corpus, a smaller batch_size or "
-            "seq_len, or train.eval_every=0"
-        )
 
 
 def batch_options(data_config, *, causal: bool, vocab_size: int) -> dict:

@@ -130,10 +130,23 @@ def train_and_evaluate(
         corpus.check_vocab(cfg.vocab_size)
         data_lib.check_length(corpus, data_cfg.seq_len)
         if train_cfg.get("eval_every", 0):
-            data_lib.check_eval_split(corpus, seq_len=data_cfg.seq_len, batch_size=B)
+            check_eval_split(corpus, seq_len=data_cfg.seq_len, batch_size=B)
         if lead:  # config.json is written once the checkpoints' own config agrees (in _train)
             workdir_lib.check_config(workdir, config)
         return _train(config, cfg, corpus, workdir, lead, stop_after, mesh, restart_from)
+
+
+def check_eval_split(corpus: data_lib.Corpus, *, seq_len: int, batch_size: int) -> None:
+    """Refuses (DataError) a validation split that fills no evaluation batch: `eval_batches`
+    would be empty and every evaluation would score no tokens."""
+    windows = (corpus.val.size - 1) // seq_len if corpus.val.size > 0 else 0
+    if windows < batch_size:
+        raise data_lib.DataError(
+            f"corpus {corpus.name!r}: the val split has {corpus.val.size} tokens, {windows} "
+            f"windows of data.seq_len={seq_len}, fewer than one evaluation batch of "
+            f"train.batch_size={batch_size}; use a larger corpus, a smaller batch_size or "
+            "seq_len, or train.eval_every=0"
+        )
 
 
 def restore_for_resume(
