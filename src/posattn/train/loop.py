@@ -571,7 +571,8 @@ def run_loop(
                     last_checkpoint = step
                 tick = tick if steps_since else time.perf_counter()
                 if stopping:
-                    signame = received.name or "SIGTERM on another process"
+                    # The signal may have reached another process only: SIGTERM, as before.
+                    signame = received.name or "SIGTERM"
                     why = (
                         ("interrupted" if signame == "SIGINT" else "preempted") + f" ({signame})"
                         if preempted
