@@ -1,12 +1,13 @@
 """The one command-line parser: flags, config overrides, --help on every entry point, and bad
 command lines refused with the usage (exit status 2), never a traceback."""
 
+import errno
 import importlib.util
 import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, SMALL_OVERRIDES
 
 from posattn import cli, generate
 from posattn import sweep as sweep_lib
@@ -119,3 +120,68 @@ def test_entry_points_report_usage_errors_with_status_2(tmp_path, capsys):
     assert _experiment().main(["--workdir", str(tmp_path), "--nope"]) == 2
     assert "unknown flag --nope" in capsys.readouterr().err
     assert not any(tmp_path.iterdir()), "nothing may be written for a bad command line"
+
+
+def _config_file(tmp_path, text):
+    path = tmp_path / "cfg.py"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "argv, status, words",
+    [
+        (lambda t: ["--config", _config_file(t, "def get_config(:\n")], 2, ["line 1", "syntax"]),
+        (
+            lambda t: ["--config", _config_file(t, "def get_config():\n    return None\n")],
+            2,
+            ["returned NoneType"],
+        ),
+        (
+            lambda t: ["--config", _config_file(t, "def get_config():\n    return nope\n")],
+            2,
+            ["line 2", "NameError"],
+        ),
+        (lambda t: ["--config", TINY + ":5"], 2, ["get_config()", "'5'"]),
+        (lambda t: ["--config", TINY, "--config.train.seed=" + str(2**70)], 2, ["train.seed"]),
+        (lambda t: ["--config", TINY, "--config.train.b2=1.0"], 2, ["train.b2", "[0.0, 1.0)"]),
+    ],
+    ids=["syntax", "none", "name_error", "arg", "seed", "b2"],
+)
+@pytest.mark.parametrize("main", [train_lib.main, sweep_lib.main], ids=["train", "sweep"])
+def test_config_mistakes_are_one_line(tmp_path, capsys, main, argv, status, words):
+    workdir = tmp_path / "w"
+    assert main([*argv(tmp_path), "--workdir", str(workdir)]) == status
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    for word in words:
+        assert word in err, (word, err)
+    assert not workdir.exists()
+
+
+def test_workdir_and_file_system_errors_are_one_line(tmp_path, capsys, monkeypatch):
+    from posattn.train import checkpoint as checkpoint_lib
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    small = [f"--config.{o}" for o in SMALL_OVERRIDES]
+    assert train_lib.main(["--config", TINY, "--workdir", str(afile), *small]) == 2
+    assert "is a file" in capsys.readouterr().err
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "config.json").write_text("{not json")
+    assert train_lib.main(["--config", TINY, "--workdir", str(damaged), *small]) == 2
+    assert "config.json is damaged" in capsys.readouterr().err
+    assert generate.main(["--workdir", str(damaged), "--prompt", "x"]) == 2
+    assert "config.json is damaged" in capsys.readouterr().err
+
+    def full(self, step, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.directory / str(step)))
+
+    monkeypatch.setattr(checkpoint_lib.Checkpointer, "save", full)
+    argv = ["--config", TINY, "--workdir", str(tmp_path / "full"), *small]
+    assert train_lib.main([*argv, "--config.train.steps=2"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no space left on device writing" in err, err
+    with pytest.raises(OSError, match="No space left"):  # --debug: the traceback
+        train_lib.main([*argv, "--config.train.steps=2", "--debug"])

@@ -14,7 +14,10 @@ every config key with its default, and exits. A bad command line is a `UsageErro
 from __future__ import annotations
 
 import dataclasses
+import errno
+import logging
 import pathlib
+import re
 import sys
 import textwrap
 import types
@@ -24,7 +27,17 @@ from typing import Any
 from posattn import config as config_lib
 from posattn.nn.config import ConfigError
 
-__all__ = ["REQUIRED", "SWEEP", "TRAIN", "WORKDIR", "Command", "Flag", "UsageError", "parse"]
+__all__ = [
+    "REQUIRED",
+    "SWEEP",
+    "TRAIN",
+    "WORKDIR",
+    "Command",
+    "Flag",
+    "UsageError",
+    "parse",
+    "report_errors",
+]
 
 REQUIRED = object()  # the default of a flag that must be given
 
@@ -60,6 +73,7 @@ WORKDIR = Flag(
     metavar="DIR",
 )
 _HELP = Flag("help", "print this message and exit", False, bool)
+_DEBUG = Flag("debug", "show the traceback of an error instead of a one-line message", False, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +132,7 @@ def parse(command: Command, argv: Sequence[str] | None = None) -> types.SimpleNa
       ConfigError: the config file or an override is invalid.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    flags = {flag.name: flag for flag in (*command.flags, _HELP)}
+    flags = {flag.name: flag for flag in (*command.flags, _HELP, _DEBUG)}
     path, overrides, values = None, [], {}
     i = 0
     while i < len(argv):
@@ -156,6 +170,7 @@ def parse(command: Command, argv: Sequence[str] | None = None) -> types.SimpleNa
     if values.pop("help", False):
         print(help_text(command, path, overrides))
         raise SystemExit(0)
+    values.setdefault("debug", False)
     for flag in command.flags:
         if flag.name not in values:
             if flag.default is REQUIRED:
@@ -168,6 +183,98 @@ def parse(command: Command, argv: Sequence[str] | None = None) -> types.SimpleNa
         values["config"] = config_lib.load_config(path, overrides)
         values["config_path"], values["overrides"] = str(path), overrides
     return types.SimpleNamespace(**values)
+
+
+def report_errors(
+    prog: str,
+    argv: Sequence[str],
+    body: Callable[[], int],
+    *,
+    user_errors: tuple[type[BaseException], ...] = (),
+    run_errors: tuple[type[BaseException], ...] = (),
+) -> int:
+    """Runs an entry point's `body`, turning the errors a user can act on into one line on stderr.
+
+    Exit status 2: a bad command line, config, workdir or corpus (`ConfigError` and
+    `user_errors`); 1: the run cannot go on (`run_errors`, a file system error such as a full
+    disk or a read-only directory, Ctrl-C before training started). Anything else is a bug and
+    keeps its traceback; `--debug` on the command line shows the traceback of every error.
+    """
+    debug = "--debug" in argv
+    quiet = _QuietDiskFull()
+    # orbax's and asyncio's threads log a traceback per array for a full disk; we say it once.
+    # (A filter on the handlers sees the records propagated from every logger.)
+    filtered = [logging.getLogger("absl"), *logging.getLogger().handlers]
+    for target in filtered if not debug else []:
+        target.addFilter(quiet)
+    try:
+        return body()
+    except BaseException as e:
+        if debug or isinstance(e, SystemExit):
+            raise
+        status, message = _classify(e, user_errors, run_errors)
+        if status is None:
+            raise
+        print(f"{prog}: error: {message}", file=sys.stderr)
+        return status
+    finally:
+        for target in filtered:
+            target.removeFilter(quiet)
+
+
+class _QuietDiskFull(logging.Filter):
+    """Drops log records about a full disk (the entry point reports it in one line), and once
+    one was seen, those of the aborted writes' event loops."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            text += str(record.exc_info[1])
+        self.seen = self.seen or _NO_SPACE in text
+        return not (_NO_SPACE in text or (self.seen and "Event loop is closed" in text))
+
+
+_NO_SPACE = "No space left on device"
+
+
+def _classify(e: BaseException, user_errors, run_errors) -> tuple[int | None, str]:
+    if isinstance(e, (ConfigError, *user_errors)):
+        return 2, str(e)
+    if isinstance(e, run_errors):
+        return 1, str(e)
+    if isinstance(e, KeyboardInterrupt):
+        return 1, "interrupted (Ctrl-C) before a checkpoint could be saved; nothing new was kept"
+    full = _no_space(e)
+    if full is not None:
+        return 1, full
+    if isinstance(e, OSError) and e.strerror:
+        where = f": {e.filename}" if e.filename else ""
+        return 1, f"{e.strerror}{where} (rerun with --debug for the traceback)"
+    return None, ""
+
+
+def _no_space(e: BaseException) -> str | None:
+    """The one line for a full disk, whoever raised it (orbax and tensorstore wrap the OSError)."""
+    seen, cause = set(), e
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if (isinstance(cause, OSError) and cause.errno == errno.ENOSPC) or _NO_SPACE in str(cause):
+            where = getattr(cause, "filename", None)
+            if where is None:  # tensorstore: ... Failed writing: "<path>": ...
+                found = re.search(r'Failed writing: "([^"]+)"', str(cause))
+                where = found and found.group(1)
+            return (
+                "no space left on device"
+                + (f" writing {where}" if where else "")
+                + "; free some space (or move the workdir) and rerun the same command: it "
+                "resumes from the last complete checkpoint"
+            )
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def _usage(command: Command, problem: str) -> UsageError:
@@ -198,7 +305,7 @@ def help_text(command: Command, path: str | None = None, overrides: Sequence[str
     if command.takes_config:
         where = f"default {command.default_config}" if command.default_config else "required"
         rows.append(("--config FILE[:arg]", f"a config file defining get_config() ({where})"))
-    for flag in (*command.flags, _HELP):
+    for flag in (*command.flags, _HELP, _DEBUG):
         name = f"--{flag.name}" + ("" if flag.type is bool else f" {flag.metavar}")
         extra = []
         if flag.choices:

@@ -21,9 +21,11 @@ import ast
 import difflib
 import hashlib
 import importlib.util
+import inspect
 import json
 import pathlib
 import sys
+import traceback
 import types
 from collections.abc import Sequence
 from typing import Any
@@ -196,11 +198,36 @@ def read_config(path: str | pathlib.Path) -> ml_collections.ConfigDict:
     file = pathlib.Path(path)
     if not file.is_file():
         raise ConfigError(f"config file {path!r} does not exist (expected e.g. configs/tiny.py)")
-    module = _import_file(file)
-    if not hasattr(module, "get_config"):
-        raise ConfigError(f"config file {path!r} defines no get_config()")
-    config = module.get_config(arg) if arg is not None else module.get_config()
-    return complete(config)
+    try:
+        module = _import_file(file)
+        if not hasattr(module, "get_config"):
+            raise ConfigError(f"config file {path!r} defines no get_config()")
+        try:
+            inspect.signature(module.get_config).bind(*(() if arg is None else (arg,)))
+        except TypeError:
+            given = "no argument" if arg is None else f"the argument {arg!r} ({path}:{arg})"
+            raise ConfigError(
+                f"config file {path!r}: get_config{inspect.signature(module.get_config)} cannot "
+                f"be called with {given}"
+            ) from None
+        config = module.get_config(arg) if arg is not None else module.get_config()
+    except ConfigError:
+        raise
+    except SyntaxError as e:
+        raise ConfigError(
+            f"config file {e.filename or path}, line {e.lineno}: syntax error: {e.msg}"
+        ) from None
+    except Exception as e:  # the file's own code failed: say where, in one line
+        names = {str(file), str(file.resolve()), str(file.absolute())}
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename in names]
+        where = f", line {frames[-1].lineno}" if frames else ""
+        raise ConfigError(f"config file {path}{where}: {type(e).__name__}: {e}") from None
+    if not isinstance(config, (ml_collections.ConfigDict, dict)):
+        raise ConfigError(
+            f"config file {path!r}: get_config() returned {type(config).__name__}, not an "
+            "ml_collections.ConfigDict"
+        )
+    return complete(ml_collections.ConfigDict(config) if isinstance(config, dict) else config)
 
 
 def _import_file(file: pathlib.Path) -> types.ModuleType:

@@ -51,8 +51,14 @@ def load_model(workdir: str | pathlib.Path):
         raise GenerateError(
             f"{workdir} has no config.json: is it a workdir written by python -m posattn.train?"
         )
+    try:
+        saved = json.loads(path.read_text())
+        if not isinstance(saved, dict):
+            raise ValueError("not a JSON object")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise GenerateError(f"{path} is damaged ({e})") from None
     # Keys added to the library since the run was written take their defaults.
-    config = config_lib.complete(ml_collections.ConfigDict(json.loads(path.read_text())))
+    config = config_lib.complete(ml_collections.ConfigDict(saved))
     restored = restore_trained(config, workdir / "checkpoints")
     if restored is None:
         raise GenerateError(
@@ -122,43 +128,46 @@ COMMAND = cli.Command(
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = cli.parse(COMMAND, argv)
-        if bool(args.workdir) == bool(args.hf):
-            raise GenerateError("give exactly one of --workdir DIR and --hf PATH")
-        tokenizer = None
-        if args.hf:
-            cfg, graphdef, params, constants, tokenizer = load_hf(args.hf)
-            step = "hf"
-        else:
-            cfg, graphdef, params, constants, step = load_model(args.workdir)
-        if tokenizer is not None:
-            prompt = np.asarray(tokenizer.encode(args.prompt).ids, np.int32)
-        elif cfg.vocab_size != BYTE_VOCAB:
-            raise GenerateError(
-                f"the prompt is encoded as UTF-8 bytes, which needs a byte-level model "
-                f"(model.vocab_size={BYTE_VOCAB}); this one has vocab_size={cfg.vocab_size}"
-            )
-        else:
-            prompt = np.frombuffer(args.prompt.encode("utf-8"), np.uint8).astype(np.int32)
-        start = time.perf_counter()
-        tokens = decode.generate(
-            graphdef,
-            params,
-            constants,
-            cfg,
-            [prompt],
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            key=jax.random.key(args.seed),
-            use_cache=not args.no_cache,
-            dynamic_ntk=args.dynamic_ntk,
+    argv = sys.argv[1:] if argv is None else argv
+    return cli.report_errors(
+        "posattn.generate", argv, lambda: _main(argv), user_errors=(GenerateError, ValueError)
+    )
+
+
+def _main(argv: list[str]) -> int:
+    args = cli.parse(COMMAND, argv)
+    if bool(args.workdir) == bool(args.hf):
+        raise GenerateError("give exactly one of --workdir DIR and --hf PATH")
+    tokenizer = None
+    if args.hf:
+        cfg, graphdef, params, constants, tokenizer = load_hf(args.hf)
+        step = "hf"
+    else:
+        cfg, graphdef, params, constants, step = load_model(args.workdir)
+    if tokenizer is not None:
+        prompt = np.asarray(tokenizer.encode(args.prompt).ids, np.int32)
+    elif cfg.vocab_size != BYTE_VOCAB:
+        raise GenerateError(
+            f"the prompt is encoded as UTF-8 bytes, which needs a byte-level model "
+            f"(model.vocab_size={BYTE_VOCAB}); this one has vocab_size={cfg.vocab_size}"
         )
-        seconds = time.perf_counter() - start
-    except (GenerateError, config_lib.ConfigError, ValueError) as e:
-        print(f"posattn.generate: error: {e}", file=sys.stderr)
-        return 2
+    else:
+        prompt = np.frombuffer(args.prompt.encode("utf-8"), np.uint8).astype(np.int32)
+    start = time.perf_counter()
+    tokens = decode.generate(
+        graphdef,
+        params,
+        constants,
+        cfg,
+        [prompt],
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        key=jax.random.key(args.seed),
+        use_cache=not args.no_cache,
+        dynamic_ntk=args.dynamic_ntk,
+    )
+    seconds = time.perf_counter() - start
     if tokenizer is not None:
         print(tokenizer.decode(np.concatenate([prompt, tokens[0]]).tolist()))
         print("posattn.generate: tokens " + " ".join(map(str, tokens[0].tolist())), file=sys.stderr)

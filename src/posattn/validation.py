@@ -95,6 +95,12 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
     for name in ("steps", "batch_size", "checkpoint_every"):
         _positive_int(train, "train", name)
     _positive_int(train, "train", "seed", allow_zero=True)
+    _require(
+        train.seed < 2**63,
+        "train.seed",
+        train.seed,
+        "must be an integer in [0, 2**63) (a PRNG key holds 64 bits)",
+    )
     for name in ("warmup_steps", "eval_every", "eval_batches", "log_every", "keep_checkpoints"):
         if name in train:
             _positive_int(train, "train", name, allow_zero=name in ("warmup_steps", "eval_every"))
@@ -107,20 +113,32 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
         lr,
         "must be a positive finite number",
     )
-    for name, lo, hi in (
-        ("weight_decay", 0.0, math.inf),
-        ("grad_clip", 0.0, math.inf),
-        ("b1", 0.0, 1.0),
-        ("b2", 0.0, 1.0),
-        ("min_lr_ratio", 0.0, 1.0),
+    # (key, low, high, high included, why): settings outside these ranges cannot train; AdamW's
+    # bias correction divides by 1 - beta^t, which is 0 for beta = 1 (NaN at the first steps).
+    for name, lo, hi, closed, why in (
+        ("weight_decay", 0.0, math.inf, True, ""),
+        ("grad_clip", 0.0, math.inf, False, "; 0 clips every gradient to zero"),
+        ("b1", 0.0, 1.0, False, "; AdamW divides by 1 - b1**t, 0 for b1 = 1"),
+        ("b2", 0.0, 1.0, False, "; AdamW divides by 1 - b2**t, 0 for b2 = 1"),
+        ("min_lr_ratio", 0.0, 1.0, True, ""),
     ):
         if name in train:
             value = train[name]
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            inside = (
+                number
+                and math.isfinite(value)
+                and lo <= value
+                and (value <= hi if closed else value < hi)
+            )
+            if name == "grad_clip":
+                inside = inside and value > 0
+            left = "(" if name == "grad_clip" else "["
             _require(
-                isinstance(value, (int, float)) and lo <= value <= hi,
+                inside,
                 f"train.{name}",
                 value,
-                f"must be a number in [{lo}, {hi}]",
+                f"must be a number in {left}{lo}, {hi}{']' if closed else ')'}{why}",
             )
     if "warmup_steps" in train and train.warmup_steps > train.steps:
         raise ConfigError(

@@ -14,6 +14,7 @@ from flax import nnx
 
 from posattn import config as config_lib
 from posattn.nn import layers
+from posattn.train import checkpoint as checkpoint_lib
 from posattn.train import main, restore_trained, steps, train_and_evaluate
 from posattn.train.checkpoint import Checkpointer, IncompatibleCheckpointError
 
@@ -47,7 +48,15 @@ def _abstract(**kwargs):
 def _saved(directory, steps=(1, 2, 3), poison_last=False):
     ckpt = Checkpointer(directory, async_save=False)
     for s in steps:
-        ckpt.save(s, _state(s, poison=poison_last and s == steps[-1]), {"step": s})
+        if poison_last and s == steps[-1]:  # as code without the save-time guard wrote it
+            check = checkpoint_lib._fingerprint_and_check
+            checkpoint_lib._fingerprint_and_check = lambda state, check=check: (check(state)[0], [])
+            try:
+                ckpt.save(s, _state(s, poison=True), {"step": s})
+            finally:
+                checkpoint_lib._fingerprint_and_check = check
+        else:
+            ckpt.save(s, _state(s), {"step": s})
     ckpt.close()
 
 

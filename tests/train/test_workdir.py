@@ -1,8 +1,10 @@
 """The workdir: metrics.jsonl trimmed on resume (and TensorBoard events beside it), config.json
 checked on resume, the lock, and the SIGTERM flag."""
 
+import errno
 import json
 import os
+import pathlib
 import signal
 import struct
 import sys
@@ -106,3 +108,68 @@ def test_sigterm_sets_the_flag_and_the_handler_is_restored():
             time.sleep(0.01)  # Python runs the handler between bytecodes
         assert received()
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_metrics_are_rewritten_atomically(tmp_path, monkeypatch):
+    """A kill during the startup rewrite leaves the old file whole (here: the rename fails)."""
+    path = tmp_path / "metrics.jsonl"
+    original = "".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 6))
+    path.write_text(original)
+
+    def killed(*args):
+        raise KeyboardInterrupt  # as if the process died just before the rename
+
+    monkeypatch.setattr(os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        workdir_lib.MetricsFile(path, keep_through=2)
+    assert path.read_text() == original
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no temp file left
+    monkeypatch.undo()
+    with pytest.raises(KeyboardInterrupt):
+        monkeypatch.setattr(os, "replace", killed)
+        workdir_lib.write_config(tmp_path, small_config())
+    assert not (tmp_path / "config.json").exists()
+
+
+def test_metrics_that_end_before_the_restored_step_are_reported(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(
+        "".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3))
+        + "garbage\n"
+        + json.dumps({"step": 4, "loss": 1.0})
+        + "\n"
+    )
+    with workdir_lib.MetricsFile(path, keep_through=8) as metrics:
+        assert metrics.missing == (5, 8)
+    assert "steps 5..8 have no metrics lines" in caplog.text
+    assert "1 unreadable lines dropped (line 4)" in caplog.text
+    path.unlink()  # lost altogether (e.g. zero bytes after a crash)
+    with workdir_lib.MetricsFile(path, keep_through=8) as metrics:
+        assert metrics.missing == (1, 8)
+    caplog.clear()
+    with workdir_lib.MetricsFile(path, keep_through=0) as metrics:  # a fresh run: nothing to say
+        assert metrics.missing is None
+    assert not caplog.text
+
+
+def test_a_damaged_config_json_is_a_config_error(tmp_path):
+    (tmp_path / "config.json").write_text('{"model": {"d_model": 3')
+    with pytest.raises(ConfigError, match=r"config.json is damaged.*mv "):
+        workdir_lib.check_config(tmp_path, small_config())
+
+
+def test_a_workdir_that_cannot_hold_a_run_is_one_sentence(tmp_path, monkeypatch):
+    afile = tmp_path / "file"
+    afile.write_text("")
+    with pytest.raises(workdir_lib.WorkdirError, match="is a file"):
+        workdir_lib.make_workdir(afile)
+    with pytest.raises(workdir_lib.WorkdirError, match="cannot be created"):
+        workdir_lib.make_workdir(afile / "below")
+
+    def read_only(self, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    monkeypatch.setattr(pathlib.Path, "open", read_only)
+    with pytest.raises(workdir_lib.WorkdirError, match="not writable .Read-only file system"):
+        with workdir_lib.lock(tmp_path):
+            pass

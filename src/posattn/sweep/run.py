@@ -47,7 +47,7 @@ from posattn.sweep import report as sweep_report
 from posattn.train import sharding, steps
 from posattn.train import workdir as workdir_lib
 from posattn.train.checkpoint import Checkpointer, IncompatibleCheckpointError
-from posattn.train.loop import Schedule, restore_for_resume, run_loop
+from posattn.train.loop import Schedule, check_eval_split, restore_for_resume, run_loop
 
 __all__ = ["main", "run_sweep", "sweep_mesh"]
 
@@ -79,14 +79,20 @@ def run_sweep(
     if config.train.get("tensorboard", False):
         workdir_lib.require_tensorboard()
     workdir = pathlib.Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
     lead = jax.process_index() == 0
+    if lead:
+        workdir_lib.make_workdir(workdir)
     with workdir_lib.lock(workdir) if lead else contextlib.nullcontext():
         corpus = data_lib.load_corpus(config.data.corpus)
         for program in programs:
             for member in program.members:
                 corpus.check_vocab(member.cfg.vocab_size)
                 data_lib.check_length(corpus, member.config.data.seq_len)
+                check_eval_split(  # every program evaluates at its end
+                    corpus,
+                    seq_len=member.config.data.seq_len,
+                    batch_size=member.config.train.batch_size,
+                )
             sweep_mesh(
                 len(program.members), program.members[0].config.train
             )  # fails early if it cannot
@@ -330,7 +336,12 @@ def _run_program(
             )
             s, c = eval_fn(state["members"]["params"], state["members"]["constants"], batch)
             nll, count = nll + np.asarray(s, np.float64), count + np.asarray(c, np.float64)
-        values = list(nll / np.maximum(count, 1.0))
+        if not count.all():  # never report a loss over no tokens as 0.0
+            raise data_lib.DataError(
+                f"sweep program {program.index}: evaluation at step {step} scored no tokens; "
+                "the validation split fills no evaluation batch"
+            )
+        values = list(nll / count)
         for m, v in zip(program.members, values, strict=True):
             metrics.write(
                 {
@@ -475,19 +486,22 @@ def _extrapolate(program, state, graphdef, corpus, lengths, loss_at_lengths, con
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    try:
+
+    def body() -> int:
         args = cli.parse(cli.SWEEP, argv)
         workdir = args.workdir
         records = run_sweep(
             args.config, workdir, cli_overrides=args.overrides, config_path=args.config_path
         )
-    except (
-        config_lib.ConfigError,
-        data_lib.DataError,
-        workdir_lib.WorkdirBusyError,
-        IncompatibleCheckpointError,
-    ) as e:
-        print(f"posattn.sweep: error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, (config_lib.ConfigError, data_lib.DataError)) else 1
-    print(f"posattn.sweep: {len(records)} members done; see {pathlib.Path(workdir) / 'sweep.md'}")
-    return 0
+        print(
+            f"posattn.sweep: {len(records)} members done; see {pathlib.Path(workdir) / 'sweep.md'}"
+        )
+        return 0
+
+    return cli.report_errors(
+        "posattn.sweep",
+        argv,
+        body,
+        user_errors=(data_lib.DataError,),
+        run_errors=(workdir_lib.WorkdirBusyError, IncompatibleCheckpointError),
+    )

@@ -32,9 +32,25 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-__all__ = ["Checkpointer", "DamagedCheckpoint", "IncompatibleCheckpointError", "fingerprint"]
+__all__ = [
+    "Checkpointer",
+    "DamagedCheckpoint",
+    "IncompatibleCheckpointError",
+    "NonFiniteStateError",
+    "fingerprint",
+]
 
 _log = logging.getLogger(__name__)
+
+
+class _NoReadOnlyNotice(logging.Filter):
+    """orbax announces every read-only manager at WARNING level; a reader is not news."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Given directory is read only")
+
+
+logging.getLogger("absl").addFilter(_NoReadOnlyNotice())
 
 DAMAGED = "damaged"  # subdirectory of the checkpoint directory holding damaged checkpoints
 
@@ -77,6 +93,23 @@ class IncompatibleCheckpointError(RuntimeError):
         super().__init__("\n".join(lines))
 
 
+class NonFiniteStateError(FloatingPointError):
+    """A train state holding NaN or inf was about to be saved (nothing was written).
+
+    Attributes:
+      step: the step it would have been saved as.
+      arrays: the paths of the non-finite arrays.
+    """
+
+    def __init__(self, step: int, arrays: list[str]):
+        self.step, self.arrays = step, arrays
+        shown = ", ".join(arrays[:3]) + (f" and {len(arrays) - 3} more" if len(arrays) > 3 else "")
+        super().__init__(
+            f"the train state of step {step} holds NaN or inf in {len(arrays)} arrays ({shown}); "
+            "it was not saved"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class DamagedCheckpoint:
     """A checkpoint that failed to restore and was moved aside to `moved_to`."""
@@ -98,21 +131,49 @@ def _listing(title: str, items: list[str], limit: int = 16) -> list[str]:
 class Checkpointer:
     """Saves and restores train states under `directory` (async, keeps the newest `max_to_keep`).
 
+    With `read_only=True` (every reader: generation, evaluation, an experiment reusing a run) it
+    never changes the directory, so it can run beside the trainer that writes it: no directory is
+    created, the writer's in-progress `*.orbax-checkpoint-tmp*` directories are left alone (the
+    writer's own restart removes those of a dead writer), no old checkpoint is deleted, and a
+    checkpoint that does not restore is skipped with a warning instead of being moved aside. A
+    missing directory holds no checkpoint. Only the writer (`read_only=False`, under the workdir's
+    lock) cleans up.
+
     Attributes:
-      set_aside: the damaged checkpoints the last `restore_latest` moved aside.
+      set_aside: the damaged checkpoints the last `restore_latest` moved aside (a writer) or
+        skipped (a reader: `moved_to` is where they still are).
     """
 
     def __init__(
-        self, directory: str | pathlib.Path, *, max_to_keep: int = 3, async_save: bool = True
+        self,
+        directory: str | pathlib.Path,
+        *,
+        max_to_keep: int = 3,
+        async_save: bool = True,
+        read_only: bool = False,
     ):
         self.directory = pathlib.Path(directory).absolute()
+        self.read_only = read_only
         self.set_aside: list[DamagedCheckpoint] = []
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep,
-            create=True,
-            enable_async_checkpointing=async_save,
-            cleanup_tmp_directories=True,
-        )
+        self._manager = None
+        if read_only:
+            if not self.directory.is_dir():
+                return  # nothing to read; never create it
+            options = ocp.CheckpointManagerOptions(
+                read_only=True,
+                save_interval_steps=0,
+                create=False,
+                max_to_keep=None,
+                enable_async_checkpointing=False,
+                cleanup_tmp_directories=False,
+            )
+        else:
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=max_to_keep,
+                create=True,
+                enable_async_checkpointing=async_save,
+                cleanup_tmp_directories=True,
+            )
         # Handlers named up front, so that a fresh process can read a checkpoint's metadata.
         handlers = {"state": ocp.StandardCheckpointHandler(), "record": ocp.JsonCheckpointHandler()}
         self._manager = ocp.CheckpointManager(
@@ -120,18 +181,34 @@ class Checkpointer:
         )
 
     def steps(self) -> list[int]:
+        if self._manager is None:
+            return []
+        if self.read_only:
+            self._manager.reload()  # the writer may have added or removed steps since
         return sorted(self._manager.all_steps())
 
     def latest_step(self) -> int | None:
-        return self._manager.latest_step()
+        return max(self.steps(), default=None)
 
     def save(self, step: int, state: Any, record: dict, *, force: bool = True) -> bool:
         """Starts saving `state` and `record` as checkpoint `step` (returns before the write ends).
 
         The record also gets a fingerprint of every array of `state`, checked on restore: orbax
-        and tensorstore do not notice a flipped byte in a data file, we do.
+        and tensorstore do not notice a flipped byte in a data file, we do. The same pass over
+        the arrays checks that every floating value is finite: a state holding NaN or inf (the
+        loss can still be finite at the step where the parameters or the optimiser's moments
+        overflow) is never written.
+
+        Raises:
+          NonFiniteStateError: `state` holds NaN or inf (nothing written).
+          PermissionError: a read-only Checkpointer.
         """
-        record = dict(record, fingerprint=fingerprint(state))
+        if self.read_only or self._manager is None:
+            raise PermissionError(f"{self.directory} was opened read-only; it cannot be saved to")
+        sums, bad = _fingerprint_and_check(state)
+        if bad:
+            raise NonFiniteStateError(step, bad)
+        record = dict(record, fingerprint=sums)
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state), record=ocp.args.JsonSave(record)
         )
@@ -176,6 +253,23 @@ class Checkpointer:
         restored = self._manager.restore(step, args=args)
         return restored["state"], dict(restored["record"])
 
+    def restore_checked(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
+        """`restore`, then the arrays checked against their fingerprint and for NaN or inf.
+
+        Raises:
+          IncompatibleCheckpointError: as `restore`.
+          ValueError: the arrays do not match their fingerprint, or hold NaN or inf.
+          Exception: whatever orbax raises for unreadable files.
+        """
+        state, record = self.restore(step, abstract_state)
+        expected = record.get("fingerprint")
+        sums, bad = _fingerprint_and_check(state)
+        if expected is not None and sums != expected:
+            raise ValueError("its arrays do not match the fingerprint saved with them")
+        if bad:
+            raise ValueError(f"non-finite values in {len(bad)} arrays, the first {bad[0]}")
+        return state, record
+
     def restore_latest(self, abstract_state: Any) -> tuple[Any, dict] | None:
         """The newest checkpoint that restores cleanly, or None if there is none.
 
@@ -191,11 +285,7 @@ class Checkpointer:
         result = None
         for step in reversed(self.steps()):
             try:
-                state, record = self.restore(step, abstract_state)
-                expected = record.get("fingerprint")
-                if expected is not None and fingerprint(state) != expected:
-                    raise ValueError("its arrays do not match the fingerprint saved with them")
-                _check_finite(state)
+                state, record = self.restore_checked(step, abstract_state)
             except IncompatibleCheckpointError:
                 raise
             except MemoryError:
@@ -207,17 +297,24 @@ class Checkpointer:
                 continue
             result = state, record
             break
-        self.set_aside = [self._move_aside(step, reason) for step, reason in damaged]
-        if damaged:
-            self._manager.reload()
+        if self.read_only:  # a reader never moves the writer's files
+            self.set_aside = [
+                DamagedCheckpoint(step, reason, self.directory / str(step))
+                for step, reason in damaged
+            ]
+        else:
+            self.set_aside = [self._move_aside(step, reason) for step, reason in damaged]
+            if damaged:
+                self._manager.reload()
         for bad in self.set_aside:
             _log.warning(
-                "checkpoint %d in %s is damaged (%s); moved to %s; %s",
+                "checkpoint %d in %s does not restore (%s); %s; %s",
                 bad.step,
                 self.directory,
                 bad.reason,
-                bad.moved_to,
-                f"resuming from checkpoint {result[1].get('step')}"
+                "left where it is (read-only)" if self.read_only else f"moved to {bad.moved_to}",
+                f"{'using' if self.read_only else 'resuming from'} checkpoint "
+                f"{result[1].get('step')}"
                 if result is not None
                 else "no older checkpoint restores",
             )
@@ -241,11 +338,13 @@ class Checkpointer:
         return DamagedCheckpoint(step=step, reason=reason, moved_to=target)
 
     def wait(self) -> None:
-        self._manager.wait_until_finished()
+        if self._manager is not None:
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+            self._manager.close()
 
 
 def _flat_arrays(tree: Any) -> dict[str, Any]:
@@ -272,9 +371,12 @@ def _describe(leaf: Any) -> str:
 
 
 @jax.jit
-def _fingerprints(leaves: list[jax.Array]) -> list[jax.Array]:
-    out = []
+def _fingerprints(leaves: list[jax.Array]) -> tuple[list[jax.Array], list[jax.Array]]:
+    """(checksum, all finite) of every leaf, in one program (one read of each array)."""
+    out, finite = [], []
     for x in leaves:
+        floating = jnp.issubdtype(x.dtype, jnp.floating)
+        finite.append(jnp.all(jnp.isfinite(x)) if floating else jnp.bool_(True))
         bits = x.reshape(-1)
         if bits.dtype.itemsize == 4:
             bits = jax.lax.bitcast_convert_type(bits, jnp.uint32)
@@ -286,22 +388,19 @@ def _fingerprints(leaves: list[jax.Array]) -> list[jax.Array]:
         # or swapped pair of values changes it.
         weights = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
         out.append(jnp.sum(bits * weights, dtype=jnp.uint32))
-    return out
+    return out, finite
+
+
+def _fingerprint_and_check(state: Any) -> tuple[list[int], list[str]]:
+    """(one 32-bit checksum per array, the paths of the arrays holding NaN or inf)."""
+    paths_leaves = jax.tree_util.tree_leaves_with_path(state)
+    leaves = [jnp.asarray(x) for _, x in paths_leaves]  # Python scalars restore as arrays
+    sums, finite = jax.device_get(_fingerprints(leaves))
+    paths = [jax.tree_util.keystr(p) for p, _ in paths_leaves]
+    bad = [p for p, ok in zip(paths, finite, strict=True) if not ok]
+    return [int(v) for v in sums], bad
 
 
 def fingerprint(state: Any) -> list[int]:
     """One 32-bit checksum per array of `state` (computed where the arrays live)."""
-    leaves = [jnp.asarray(x) for x in jax.tree.leaves(state)]  # Python scalars restore as arrays
-    return [int(v) for v in jax.device_get(_fingerprints(leaves))]
-
-
-def _check_finite(state: Any) -> None:
-    bad = [
-        jax.tree_util.keystr(path)
-        for path, x in jax.tree_util.tree_leaves_with_path(state)
-        if hasattr(x, "dtype")
-        and jnp.issubdtype(x.dtype, jnp.floating)
-        and not bool(jnp.all(jnp.isfinite(x)))
-    ]
-    if bad:
-        raise ValueError(f"non-finite values in {len(bad)} arrays, the first {bad[0]}")
+    return _fingerprint_and_check(state)[0]

@@ -42,7 +42,11 @@ from posattn import data as data_lib
 from posattn.nn.model import TransformerLM
 from posattn.train import sharding, steps
 from posattn.train import workdir as workdir_lib
-from posattn.train.checkpoint import Checkpointer, IncompatibleCheckpointError
+from posattn.train.checkpoint import (
+    Checkpointer,
+    IncompatibleCheckpointError,
+    NonFiniteStateError,
+)
 from posattn.train.workdir import WorkdirBusyError
 
 __all__ = [
@@ -63,11 +67,34 @@ _log = logging.getLogger(__name__)
 
 
 class NonFiniteLossError(FloatingPointError):
-    """The loss became NaN or inf; the message names the step and the last good checkpoint."""
+    """The loss, or the train state about to be saved, became NaN or inf; the message names the
+    step, the last good checkpoint and how to go on."""
+
+
+def nonfinite_advice(directory: pathlib.Path, last_checkpoint: int | None) -> str:
+    """What a run stopped by a NaN or inf can do next (every saved checkpoint is finite)."""
+    if last_checkpoint is None:
+        return (
+            f"No checkpoint was saved in {directory}. Start again (a new --workdir, or this one "
+            "after deleting it) with a lower train.learning_rate, a longer train.warmup_steps, a "
+            "lower train.grad_clip or another train.b2, or check the data."
+        )
+    where = directory / str(last_checkpoint)
+    return (
+        f"The last good checkpoint is {where} (step {last_checkpoint}; every saved checkpoint is "
+        "checked finite). Rerunning the same command resumes from it with the same settings. To "
+        "go on from it with other settings (a lower train.learning_rate, a longer "
+        "train.warmup_steps, another train.b2: a workdir refuses a different config), start a "
+        f"new workdir from it: --restart_from={where} --workdir NEW_DIR; or check the data."
+    )
 
 
 def train_and_evaluate(
-    config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, stop_after: int | None = None
+    config: ml_collections.ConfigDict,
+    workdir: str | os.PathLike,
+    *,
+    stop_after: int | None = None,
+    restart_from: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
     """Trains (or resumes) the run described by `config` in `workdir`; returns the final metrics.
 
@@ -76,14 +103,19 @@ def train_and_evaluate(
       workdir: where config.json, metrics.jsonl and checkpoints/ live; an existing run resumes.
       stop_after: stop after this step as a preemption would (checkpoint saved, run resumable):
         for time-sliced jobs, and for tests of exact resumption.
+      restart_from: a checkpoint of another run (`OTHER/checkpoints/N`) that this new workdir
+        starts from, with this config's optimiser settings (learning rate, betas, weight decay,
+        schedule): how a run stopped by a NaN goes on with other settings. The model and data
+        settings must be the checkpoint's; the workdir must hold no checkpoint yet.
     """
     # ---- Setup: everything that can fail does so before any compute. ----
     cfg = config_lib.validate(config)
     train_cfg, data_cfg = config.train, config.data
     sharding.maybe_initialize_distributed(bool(train_cfg.get("distributed", False)))
     workdir = pathlib.Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
     lead = jax.process_index() == 0
+    if lead:
+        workdir_lib.make_workdir(workdir)
     mesh = sharding.make_mesh(train_cfg.get("fsdp", 1))
     B = train_cfg.batch_size
     if B % mesh.size or B % jax.process_count():
@@ -97,18 +129,40 @@ def train_and_evaluate(
         corpus = data_lib.load_corpus(data_cfg.corpus)
         corpus.check_vocab(cfg.vocab_size)
         data_lib.check_length(corpus, data_cfg.seq_len)
-        if lead:
-            workdir_lib.write_or_check_config(workdir, config)
-        return _train(config, cfg, corpus, workdir, lead, stop_after, mesh)
+        if train_cfg.get("eval_every", 0):
+            check_eval_split(corpus, seq_len=data_cfg.seq_len, batch_size=B)
+        if lead:  # config.json is written once the checkpoints' own config agrees (in _train)
+            workdir_lib.check_config(workdir, config)
+        return _train(config, cfg, corpus, workdir, lead, stop_after, mesh, restart_from)
+
+
+def check_eval_split(corpus: data_lib.Corpus, *, seq_len: int, batch_size: int) -> None:
+    """Refuses (DataError) a validation split that fills no evaluation batch: `eval_batches`
+    would be empty and every evaluation would score no tokens."""
+    windows = (corpus.val.size - 1) // seq_len if corpus.val.size > 0 else 0
+    if windows < batch_size:
+        raise data_lib.DataError(
+            f"corpus {corpus.name!r}: the val split has {corpus.val.size} tokens, {windows} "
+            f"windows of data.seq_len={seq_len}, fewer than one evaluation batch of "
+            f"train.batch_size={batch_size}; use a larger corpus, a smaller batch_size or "
+            "seq_len, or train.eval_every=0"
+        )
 
 
 def restore_for_resume(
-    ckpt: Checkpointer, abstract, shardings, corpus: data_lib.Corpus, where: pathlib.Path
+    ckpt: Checkpointer,
+    abstract,
+    shardings,
+    corpus: data_lib.Corpus,
+    where: pathlib.Path,
+    config: ml_collections.ConfigDict | None = None,
 ) -> tuple[Any, int] | None:
     """(state, step) of the latest checkpoint that restores, laid out as `shardings`, or None.
 
     Refuses (DataError) a checkpoint written on a corpus whose content hash differs from
-    `corpus`'s: resuming would silently continue on other data. `where` names the run.
+    `corpus`'s: resuming would silently continue on other data. With `config`, refuses
+    (ConfigError, naming the keys) a checkpoint trained with a config that computes something
+    else, whatever config.json says (it may be missing or edited). `where` names the run.
     """
     targets = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
@@ -117,24 +171,96 @@ def restore_for_resume(
     if restored is None:
         return None
     state, record = restored
+    _check_corpus(record, corpus, where)
+    if config is not None and isinstance(record.get("config"), dict):
+        workdir_lib.check_config(where, config, saved=record["config"])
+    return state, int(record["step"])
+
+
+def _check_corpus(record: dict, corpus: data_lib.Corpus, where) -> None:
     if record.get("corpus_sha256") not in (None, corpus.sha256):
         raise data_lib.DataError(
             f"{where} was trained on a corpus with sha256 {record['corpus_sha256'][:12]}..., but "
             f"{corpus.name!r} now hashes to {corpus.sha256[:12]}...; use a new --workdir"
         )
-    return state, int(record["step"])
+
+
+_OPTIMISER_HYPERPARAMS = ("learning_rate", "b1", "b2", "weight_decay")
+
+
+def restart_state(
+    checkpoint: str | os.PathLike,
+    config: ml_collections.ConfigDict,
+    targets,
+    corpus: data_lib.Corpus,
+) -> tuple[Any, int]:
+    """(state, step) of `checkpoint` (`DIR/N`, opened read-only) with `config`'s optimiser
+    hyperparameters written into its optimiser state (the moments are kept).
+
+    Raises:
+      ConfigError: no such checkpoint, or its model/data settings differ from `config`'s.
+      DataError: it was trained on another corpus.
+    """
+    path = pathlib.Path(checkpoint)
+    if not path.name.isdigit():
+        raise config_lib.ConfigError(
+            f"--restart_from={checkpoint} must name one checkpoint, DIR/checkpoints/<step>"
+        )
+    reader = Checkpointer(path.parent, read_only=True)
+    try:
+        step = int(path.name)
+        if step not in reader.steps():
+            raise config_lib.ConfigError(
+                f"--restart_from={checkpoint}: no checkpoint {step} in {path.parent} (there: "
+                f"{reader.steps() or 'none'})"
+            )
+        try:
+            state, record = reader.restore_checked(step, targets)
+        except (IncompatibleCheckpointError, MemoryError):
+            raise
+        except Exception as e:  # damaged: orbax raises many types
+            raise config_lib.ConfigError(
+                f"--restart_from={checkpoint} does not restore ({type(e).__name__}: "
+                f"{str(e).splitlines()[0][:300]}); pick an older checkpoint"
+            ) from None
+    finally:
+        reader.close()
+    _check_corpus(record, corpus, path)
+    saved = record.get("config")
+    if isinstance(saved, dict):
+        differ = [
+            d
+            for d in workdir_lib.config_differences(saved, config)
+            if not d[0].startswith("train.")
+        ]
+        if differ:
+            detail = ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in differ[:5])
+            raise config_lib.ConfigError(
+                f"--restart_from={checkpoint} was trained with other model or data settings "
+                f"({detail}); a restart may change only train.* settings"
+            )
+    hyper = dict(state["opt_state"][1].hyperparams)
+    for name in _OPTIMISER_HYPERPARAMS:
+        old = hyper[name]
+        hyper[name] = jax.device_put(np.asarray(config.train[name], dtype=old.dtype), old.sharding)
+    opt_state = list(state["opt_state"])
+    opt_state[1] = opt_state[1]._replace(hyperparams=hyper)
+    return dict(state, opt_state=type(state["opt_state"])(opt_state)), step
 
 
 def restore_trained(
     config: ml_collections.ConfigDict, checkpoints: pathlib.Path
 ) -> tuple[Any, Any, int] | None:
     """(validated model config, train state, step) of the latest checkpoint in `checkpoints`, on
-    one local device (for evaluation and generation), or None when none restores."""
+    one local device (for evaluation and generation), or None when none restores.
+
+    A reader: the checkpoints are opened read-only (`Checkpointer(read_only=True)`), so it may
+    run while a trainer writes to the same directory; nothing is created, cleaned or moved."""
     cfg = config_lib.validate(config)
     tx = steps.make_optimizer(steps.OptimConfig.from_config(config.train))
     abstract = jax.eval_shape(functools.partial(steps.init_train_state, cfg, tx), jax.random.key(0))
     device = SingleDeviceSharding(jax.local_devices()[0])
-    ckpt = Checkpointer(checkpoints)
+    ckpt = Checkpointer(checkpoints, read_only=True)  # never touches a running trainer's files
     try:
         restored = ckpt.restore_latest(
             jax.tree.map(
@@ -147,7 +273,14 @@ def restore_trained(
 
 
 def _train(
-    config, cfg, corpus, workdir: pathlib.Path, lead: bool, stop_after: int | None, mesh
+    config,
+    cfg,
+    corpus,
+    workdir: pathlib.Path,
+    lead: bool,
+    stop_after: int | None,
+    mesh,
+    restart_from=None,
 ) -> dict[str, Any]:
     train_cfg, data_cfg = config.train, config.data
     B, T = train_cfg.batch_size, data_cfg.seq_len
@@ -163,10 +296,27 @@ def _train(
     options = data_lib.batch_options(data_cfg, causal=cfg.causal, vocab_size=cfg.vocab_size)
 
     ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=train_cfg.get("keep_checkpoints", 3))
-    restored = restore_for_resume(ckpt, abstract, state_sh, corpus, workdir)
+    if restart_from is not None and ckpt.steps():
+        ckpt.close()
+        raise config_lib.ConfigError(
+            f"--restart_from starts a new run, but {workdir} already holds checkpoints "
+            f"{ckpt.steps()}; rerun without --restart_from to resume it, or use a new --workdir"
+        )
+    try:
+        if restart_from is not None:
+            targets = jax.tree.map(
+                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh
+            )
+            restored = restart_state(restart_from, config, targets, corpus)
+        else:
+            restored = restore_for_resume(ckpt, abstract, state_sh, corpus, workdir, config)
+    except BaseException:
+        ckpt.close()
+        raise
     if restored is not None:
         state, start = restored
-        workdir_lib.say(lead, f"resuming {workdir} from step {start}")
+        how = f"restarting from {restart_from}" if restart_from is not None else "resuming"
+        workdir_lib.say(lead, f"{how} {workdir} from step {start}")
     else:
         state = jax.jit(init, out_shardings=state_sh)(key)
         start = 0
@@ -176,11 +326,14 @@ def _train(
             params = hf.load_params(cfg.init_from[3:], cfg, shardings=state_sh["params"])
             state = {**state, "params": params}
             workdir_lib.say(lead, f"starting from {cfg.init_from}")
+    if lead:
+        workdir_lib.write_config(workdir, config)
     metrics = workdir_lib.MetricsFile(
         workdir / "metrics.jsonl",
         keep_through=start,
         tensorboard=bool(train_cfg.get("tensorboard", False)),
         enabled=lead,
+        expect_through=restart_from is None,
     )
 
     step_fn = jax.jit(
@@ -216,7 +369,13 @@ def _train(
             )
             s, c = eval_fn(state["params"], state["constants"], batch)
             nll, count = nll + float(s), count + float(c)
-        result = {"step": step, "eval_loss": nll / max(count, 1.0), "eval_tokens": int(count)}
+        if count <= 0:  # never report a loss over no tokens as 0.0
+            raise data_lib.DataError(
+                f"evaluation at step {step} scored no tokens: the validation split of "
+                f"{corpus.name!r} fills no batch of train.batch_size={B} windows of "
+                f"data.seq_len={T}; use a larger corpus or a smaller batch_size or seq_len"
+            )
+        result = {"step": step, "eval_loss": nll / count, "eval_tokens": int(count)}
         metrics.write(result)
         return result
 
@@ -228,9 +387,8 @@ def _train(
         final.update(line)
         if not np.isfinite(line["loss"]):
             raise NonFiniteLossError(
-                f"loss is {line['loss']} at step {step}: training stopped. The last good "
-                f"checkpoint (step {last_checkpoint}) is intact; rerunning resumes from it. Lower "
-                "train.learning_rate, raise train.warmup_steps or check the data."
+                f"loss is {line['loss']} at step {step}: training stopped. "
+                + nonfinite_advice(ckpt.directory, last_checkpoint)
             )
 
     def record(step: int) -> dict:
@@ -335,7 +493,7 @@ def run_loop(
     step_fn: Callable,
     batch_at: Callable[[int], Any],
     schedule: Schedule,
-    emit: Callable[[int, dict, dict, int], None],
+    emit: Callable[[int, dict, dict, int | None], None],
     checkpointer: Checkpointer,
     record: Callable[[int], dict],
     mesh,
@@ -353,11 +511,14 @@ def run_loop(
     step is `step_fn(state, batch) -> (state, metrics)`, jitted with donated state; it is
     compiled once ahead, and its `cost_analysis()` FLOPs give the MFU. Every `log_every` steps
     the pending metrics are fetched and `emit(step, values, timing, last_checkpoint)` is called
-    for each step (it writes the lines; it may raise to stop the run): `timing` holds
+    for each step (it writes the lines; it may raise to stop the run; `last_checkpoint` is None
+    before the first checkpoint of a fresh run): `timing` holds
     `step_time` (seconds, the mean over the interval, evaluation and checkpoints excluded),
     `tokens_per_sec` and `mfu` (None where the device's peak is unknown). `evaluate(step, state)`
     runs on `schedule.evaluates` steps. A checkpoint (`checkpointer.save(step, state,
-    record(step))`) is written every `checkpoint_every` steps, at the end, and when stopping early.
+    record(step))`) is written every `checkpoint_every` steps, at the end, and when stopping early;
+    a state holding NaN or inf is never saved: the run stops with `NonFiniteLossError` naming the
+    last checkpoint saved, which is therefore good.
 
     SIGTERM on any process stops every process after the same step: with several processes the
     flag is agreed by a collective every `log_every` steps (`Schedule.agrees`,
@@ -368,7 +529,9 @@ def run_loop(
     bar = workdir_lib.progress_bar(lead, schedule.total, start, name)
     flops = None
     pending: list[tuple[int, Any]] = []
-    last_checkpoint, last_eval, preempted = start, None, False
+    # A run resumed from step `start` was restored from its checkpoint; a fresh run has none.
+    last_checkpoint = start if start > 0 else None
+    last_eval, preempted = None, False
     steps_since, tick = 0, time.perf_counter()
     profiler = _Profiler(schedule.profile_steps, profile_dir)
     step = start
@@ -403,11 +566,24 @@ def run_loop(
                 if evaluating:
                     last_eval = evaluate(step, state)
                 if checkpoint_now:
-                    checkpointer.save(step, state, record(step))
+                    try:
+                        checkpointer.save(step, state, record(step))
+                    except NonFiniteStateError as e:
+                        raise NonFiniteLossError(
+                            f"{e}{where}: training stopped (the loss of this step was finite; "
+                            "the update was not). "
+                            + nonfinite_advice(checkpointer.directory, last_checkpoint)
+                        ) from None
                     last_checkpoint = step
                 tick = tick if steps_since else time.perf_counter()
                 if stopping:
-                    why = "preempted (SIGTERM)" if preempted else "stopped as asked"
+                    # The signal may have reached another process only: SIGTERM, as before.
+                    signame = received.name or "SIGTERM"
+                    why = (
+                        ("interrupted" if signame == "SIGINT" else "preempted") + f" ({signame})"
+                        if preempted
+                        else "stopped as asked"
+                    )
                     workdir_lib.say(
                         lead,
                         f"{why} at step {step}{where}: checkpoint saved; rerun the same command "
@@ -510,20 +686,38 @@ class _Profiler:
             jax.profiler.stop_trace()
 
 
+TRAIN_COMMAND = cli.Command(
+    cli.TRAIN.prog,
+    cli.TRAIN.description,
+    flags=(
+        cli.WORKDIR,
+        cli.Flag(
+            "restart_from",
+            "start this new workdir from another run's checkpoint (DIR/checkpoints/N) with this "
+            "config's optimiser settings, e.g. a lower learning rate after a NaN",
+            None,
+            metavar="CHECKPOINT",
+        ),
+    ),
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    try:
-        args = cli.parse(cli.TRAIN, argv)
-        result = train_and_evaluate(args.config, args.workdir)
-    except (
-        config_lib.ConfigError,
-        data_lib.DataError,
-        WorkdirBusyError,
-        NonFiniteLossError,
-        IncompatibleCheckpointError,
-    ) as e:
-        print(f"posattn.train: error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, (config_lib.ConfigError, data_lib.DataError)) else 1
-    summary = {k: v for k, v in result.items() if k in ("step", "loss", "eval_loss", "preempted")}
-    print(f"posattn.train: done {json.dumps(summary)}")
-    return 0
+
+    def body() -> int:
+        args = cli.parse(TRAIN_COMMAND, argv)
+        result = train_and_evaluate(args.config, args.workdir, restart_from=args.restart_from)
+        summary = {
+            k: v for k, v in result.items() if k in ("step", "loss", "eval_loss", "preempted")
+        }
+        print(f"posattn.train: done {json.dumps(summary)}")
+        return 0
+
+    return cli.report_errors(
+        "posattn.train",
+        argv,
+        body,
+        user_errors=(data_lib.DataError,),
+        run_errors=(WorkdirBusyError, NonFiniteLossError, IncompatibleCheckpointError),
+    )

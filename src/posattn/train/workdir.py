@@ -2,7 +2,9 @@
 
 An exclusive lock (two processes never interleave checkpoints), `config.json` (a resumed run must
 use the same config, up to `RESUMABLE_CHANGES`), `metrics.jsonl` (trimmed on resume to the steps
-the restored state has seen), the SIGTERM flag, and the progress bar.
+the restored state has seen), the SIGTERM/SIGINT flag, and the progress bar. Every file a run
+rewrites is written whole to a temporary file beside it and renamed over it (`atomic_write_text`),
+so a kill at any moment leaves the old file or the new one, never a truncated one.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import contextlib
 import dataclasses
 import fcntl
 import json
+import logging
 import math
 import os
 import pathlib
@@ -24,13 +27,19 @@ from posattn import config as config_lib
 
 __all__ = [
     "MetricsFile",
+    "atomic_write_text",
+    "check_config",
+    "config_differences",
     "RESUMABLE_CHANGES",
     "WorkdirBusyError",
+    "WorkdirError",
     "lock",
+    "make_workdir",
     "preemption_flag",
     "progress_bar",
     "require_tensorboard",
     "say",
+    "write_config",
     "write_or_check_config",
 ]
 
@@ -50,8 +59,28 @@ RESUMABLE_CHANGES = {
 }
 
 
+_log = logging.getLogger(__name__)
+
+
 class WorkdirBusyError(RuntimeError):
     """Another process is already training in this workdir."""
+
+
+def atomic_write_text(path: pathlib.Path, text: str) -> None:
+    """Replaces `path` with `text` atomically: a temporary file in the same directory, flushed to
+    disk, then renamed over `path` (a kill leaves the old content or the new, never a mix)."""
+    path = pathlib.Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with tmp.open("w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 class MetricsFile:
@@ -71,19 +100,51 @@ class MetricsFile:
         keep_through: int,
         tensorboard: bool = False,
         enabled: bool = True,
+        expect_through: bool = True,
     ):
+        """`keep_through`: the restored step (0 for a fresh run); lines of later steps are cut
+        (the atomic rewrite happens only when a line is cut). With `expect_through` (a resumed
+        run), a file whose lines end before `keep_through` is reported with the missing steps,
+        as is any unreadable line but a last one cut by a kill."""
         self._file = self._events = None
+        self.missing: tuple[int, int] | None = None  # (first, last) step with no line, if any
         if not enabled:
             return
-        lines = []
-        if path.exists():
-            for text in path.read_text().splitlines():
-                try:
-                    if json.loads(text).get("step", 0) <= keep_through:
-                        lines.append(text)
-                except json.JSONDecodeError:
-                    pass  # a line cut by a kill mid-write
-        path.write_text("".join(line + "\n" for line in lines))
+        lines, dropped, last_step = [], [], 0
+        texts = path.read_text().splitlines() if path.exists() else []
+        for i, text in enumerate(texts):
+            try:
+                step = json.loads(text).get("step", 0)
+            except json.JSONDecodeError:
+                if i < len(texts) - 1:  # a last line cut by a kill mid-write is expected
+                    dropped.append(i + 1)
+                continue
+            if step <= keep_through:
+                lines.append(text)
+                last_step = max(last_step, step)
+        if len(lines) != len(texts):
+            atomic_write_text(path, "".join(line + "\n" for line in lines))
+        if dropped:
+            _log.warning(
+                "%s: %d unreadable lines dropped (line %s%s)",
+                path,
+                len(dropped),
+                ", ".join(map(str, dropped[:5])),
+                ", ..." if len(dropped) > 5 else "",
+            )
+        if expect_through and keep_through > 0 and last_step < keep_through:
+            self.missing = (last_step + 1, keep_through)
+            _log.warning(
+                "%s ends at step %d but the run resumes from step %d: steps %d..%d have no "
+                "metrics lines (the file was lost or cut); the lines from step %d on are written "
+                "as usual",
+                path,
+                last_step,
+                keep_through,
+                last_step + 1,
+                keep_through,
+                keep_through + 1,
+            )
         self._file = path.open("a")
         if tensorboard:
             self._events = require_tensorboard().SummaryWriter(logdir=str(path.parent))
@@ -151,33 +212,68 @@ def say(lead: bool, message: str) -> None:
 
 @contextlib.contextmanager
 def preemption_flag():
-    """SIGTERM sets a flag the loop checks after each step (it then saves and exits cleanly).
+    """SIGTERM or SIGINT (Ctrl-C) sets a flag the loop checks after each step (it then saves and
+    exits cleanly); a second SIGINT raises KeyboardInterrupt at once (nothing more is saved).
 
     The flag is this process's; the loop agrees on it with the other processes
     (`posattn.train.sharding.any_process`) so that every process stops after the same step.
+    `flag()` is truthy once a signal came; `flag.name` names the first (`"SIGTERM"`).
     """
-    received = []
-    previous = None
+    received: list[int] = []
 
     def handler(signum, frame):
+        if signum == signal.SIGINT and received:
+            raise KeyboardInterrupt
         received.append(signum)
 
+    previous = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            previous[sig] = signal.signal(sig, handler)
+        except ValueError:  # not the main thread: leave signals alone
+            pass
+
+    class Flag:
+        def __call__(self) -> bool:
+            return bool(received)
+
+        @property
+        def name(self) -> str:
+            return signal.Signals(received[0]).name if received else ""
+
     try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread: leave signals alone
-        previous = None
-    try:
-        yield lambda: bool(received)
+        yield Flag()
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+class WorkdirError(config_lib.ConfigError):
+    """A --workdir that cannot hold a run (a file, an unwritable or read-only directory)."""
+
+
+def make_workdir(workdir: pathlib.Path) -> None:
+    """Creates `workdir` (and its parents), or says in one sentence why it cannot be used."""
+    if workdir.exists() and not workdir.is_dir():
+        raise WorkdirError(f"--workdir {workdir} is a file, not a directory; use another --workdir")
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise WorkdirError(
+            f"--workdir {workdir} cannot be created ({e.strerror or e}); use another --workdir"
+        ) from None
 
 
 @contextlib.contextmanager
 def lock(workdir: pathlib.Path):
     """An exclusive lock on the workdir, so two runs never interleave their checkpoints."""
     path = workdir / ".lock"
-    handle = path.open("a+")
+    try:
+        handle = path.open("a+")
+    except OSError as e:
+        raise WorkdirError(
+            f"--workdir {workdir} is not writable ({e.strerror or e}); use another --workdir"
+        ) from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -209,35 +305,81 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _normalised(config: ml_collections.ConfigDict | dict) -> dict:
+    if isinstance(config, ml_collections.ConfigDict):
+        return json.loads(config_lib.to_json(config))
+    return json.loads(json.dumps(config, default=str))
+
+
+def config_differences(
+    before: ml_collections.ConfigDict | dict, now: ml_collections.ConfigDict
+) -> list[tuple[str, Any, Any]]:
+    """`(key, before, now)` for every key that changes what a run computes (not in
+    `RESUMABLE_CHANGES`). A model key `before` lacks (added to the library since) had its
+    default then."""
+    old, new = _flatten(_normalised(before)), _flatten(_normalised(now))
+    defaults = {f"model.{f.name}": f.default for f in dataclasses.fields(config_lib.ModelConfig)}
+    added = {k: defaults[k] for k in new if k in defaults and k not in old}
+    old.update(_normalised(added))  # as JSON holds them (tuples as lists)
+    return [
+        (k, old.get(k), new.get(k))
+        for k in sorted(set(old) | set(new))
+        if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES
+    ]
+
+
+def _refuse_differences(workdir: pathlib.Path, differences, source: str) -> None:
+    changed = [k for k, _, _ in differences]
+    if "model.scan_layers" in changed:  # the checkpoints' parameter layout differs
+        was = next(old for k, old, _ in differences if k == "model.scan_layers") or False
+        raise config_lib.ConfigError(
+            f"{workdir}'s checkpoints hold parameters in the model.scan_layers={was} layout; "
+            f"resume with --config.model.scan_layers={was} (posattn.nn.model.convert_layout "
+            "converts a restored state to the other layout, for a new --workdir)"
+        )
+    if differences:
+        detail = ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in differences[:5])
+        more = f" and {len(differences) - 5} more" if len(differences) > 5 else ""
+        raise config_lib.ConfigError(
+            f"{workdir} holds a run with a different config ({source}: {detail}{more}); resume "
+            "it with the same config or use a new --workdir"
+        )
+
+
+def check_config(
+    workdir: pathlib.Path, config: ml_collections.ConfigDict, *, saved: dict | None = None
+) -> None:
+    """Refuses (ConfigError, naming the keys) to resume `workdir` with a config that computes
+    something else than the run's: `saved` (the config a checkpoint was trained with) when
+    given, else `config.json`. A damaged config.json is a ConfigError too."""
+    if saved is not None:
+        _refuse_differences(
+            workdir, config_differences(saved, config), "as saved in its checkpoints"
+        )
+        return
+    path = workdir / "config.json"
+    if not path.exists():
+        return
+    try:
+        before = json.loads(path.read_text())
+        if not isinstance(before, dict):
+            raise ValueError("not a JSON object")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise config_lib.ConfigError(
+            f"{path} is damaged ({e}); the checkpoints keep the config they were trained with "
+            f"and a resume is checked against it: move the file away (mv {path} {path}.bad) and "
+            "rerun the same command"
+        ) from None
+    _refuse_differences(workdir, config_differences(before, config), "config.json")
+
+
+def write_config(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> None:
+    """Writes `config.json` (atomically)."""
+    current = _normalised(config)
+    atomic_write_text(workdir / "config.json", json.dumps(current, indent=2, sort_keys=True) + "\n")
+
+
 def write_or_check_config(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> None:
     """Writes config.json, or refuses to resume a workdir that was started with another config."""
-    path = workdir / "config.json"
-    current = json.loads(config_lib.to_json(config))
-    if path.exists():
-        before = json.loads(path.read_text())
-        old, new = _flatten(before), _flatten(current)
-        # A model key added since the run started had its default then.
-        defaults = {  # as config.json writes them (a tuple default reads back as a list)
-            f"model.{f.name}": json.loads(json.dumps(f.default, default=str))
-            for f in dataclasses.fields(config_lib.ModelConfig)
-        }
-        old.update({k: defaults[k] for k in new if k in defaults and k not in old})
-        changed = sorted(
-            k
-            for k in set(old) | set(new)
-            if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES
-        )
-        if "model.scan_layers" in changed:  # the checkpoints' parameter layout differs
-            was = old.get("model.scan_layers", False)
-            raise config_lib.ConfigError(
-                f"{workdir}'s checkpoints hold parameters in the model.scan_layers={was} layout; "
-                f"resume with --config.model.scan_layers={was} (posattn.nn.model.convert_layout "
-                "converts a restored state to the other layout, for a new --workdir)"
-            )
-        if changed:
-            detail = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:5])
-            raise config_lib.ConfigError(
-                f"{workdir} holds a run with a different config ({detail}); resume it with the "
-                "same config or use a new --workdir"
-            )
-    path.write_text(json.dumps(current, indent=2, sort_keys=True) + "\n")
+    check_config(workdir, config)
+    write_config(workdir, config)
