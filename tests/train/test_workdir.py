@@ -173,3 +173,25 @@ def test_a_workdir_that_cannot_hold_a_run_is_one_sentence(tmp_path, monkeypatch)
     with pytest.raises(workdir_lib.WorkdirError, match="not writable .Read-only file system"):
         with workdir_lib.lock(tmp_path):
             pass
+
+
+def test_a_config_json_written_before_keys_were_added_still_resumes(config_factory):
+    """Keys added to the library since a run started (a family's, data's, train's, `plugins`)
+    had their defaults then: no difference, so old workdirs resume."""
+    import json
+
+    from posattn import config as config_lib
+    from posattn.train import workdir as workdir_lib
+
+    config = config_factory()
+    before = json.loads(config_lib.to_json(config))
+    for section, key in (
+        (None, "plugins"),
+        ("data", "induction_fraction"),
+        ("model", "layer_pattern"),
+        ("model", "rope_partial_factor"),
+    ):
+        (before if section is None else before[section]).pop(key)
+    assert workdir_lib.config_differences(before, config) == []
+    before["data"]["seq_len"] = 99
+    assert [k for k, _, _ in workdir_lib.config_differences(before, config)] == ["data.seq_len"]

@@ -10,7 +10,6 @@ so a kill at any moment leaves the old file or the new one, never a truncated on
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import json
 import logging
@@ -315,12 +314,11 @@ def config_differences(
     before: ml_collections.ConfigDict | dict, now: ml_collections.ConfigDict
 ) -> list[tuple[str, Any, Any]]:
     """`(key, before, now)` for every key that changes what a run computes (not in
-    `RESUMABLE_CHANGES`). A model key `before` lacks (added to the library since) had its
-    default then."""
+    `RESUMABLE_CHANGES`). A key `before` lacks (added to the library since: a model, family,
+    data or train key, or `plugins`) had its default then."""
     old, new = _flatten(_normalised(before)), _flatten(_normalised(now))
-    defaults = {f"model.{f.name}": f.default for f in dataclasses.fields(config_lib.ModelConfig)}
-    added = {k: defaults[k] for k in new if k in defaults and k not in old}
-    old.update(_normalised(added))  # as JSON holds them (tuples as lists)
+    defaults = _flatten(_normalised(config_lib.defaults()))  # as JSON holds them (tuples as lists)
+    old.update({k: defaults[k] for k in new if k in defaults and k not in old})
     return [
         (k, old.get(k), new.get(k))
         for k in sorted(set(old) | set(new))
