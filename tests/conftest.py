@@ -14,6 +14,18 @@ os.environ.setdefault("JAX_ENABLE_X64", "0")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `slow` run only when the marker expression names them (`-m slow`): every
+    file's slow tests, not one file's."""
+    if "slow" in (config.option.markexpr or ""):
+        return
+    skip = pytest.mark.skip(reason="slow: run with -m slow")
+    for item in items:
+        if item.get_closest_marker("slow"):
+            item.add_marker(skip)
+
+
 # configs/tiny.py shrunk further (key=value overrides): the small model most tests train.
 SMALL_OVERRIDES = (
     "model.d_model=32",

@@ -11,7 +11,7 @@ import pytest
 from posattn import config as config_lib
 from posattn import families
 from posattn.config import ConfigError, ModelConfig
-from posattn.nn import config as model_lib
+from posattn.nn import config as nn_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.py")
@@ -128,7 +128,7 @@ def test_every_default_is_written_once_in_the_settings_dataclasses():
         cfg = ModelConfig.from_keys({**defaults.model.to_dict(), "position": name})
         assert cfg.settings == families.get(name).settings()
     assert defaults.model.t5_max_distance == families.T5Settings().max_distance
-    assert set(defaults.model.keys()) == set(model_lib.config_keys())
+    assert set(defaults.model.keys()) == set(nn_config.config_keys())
 
 
 def test_model_config_reads_its_familys_keys_only():

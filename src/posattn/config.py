@@ -32,7 +32,7 @@ from typing import Any
 
 import ml_collections
 
-from posattn.nn import config as model_lib
+from posattn.nn import config as nn_config
 from posattn.nn.config import ConfigError, ModelConfig
 from posattn.validation import model_config, validate
 
@@ -135,7 +135,7 @@ def defaults() -> ml_collections.ConfigDict:
     """Every `model`, `data` and `train` key with its default: what config files start from."""
     config = ml_collections.ConfigDict()
     config.plugins = ()
-    config.model = ml_collections.ConfigDict(model_lib.defaults())
+    config.model = ml_collections.ConfigDict(nn_config.defaults())
     config.data = ml_collections.ConfigDict({k: v for k, (v, _) in DATA.items()})
     config.train = ml_collections.ConfigDict({k: v for k, (v, _) in TRAIN.items()})
     return config
@@ -143,7 +143,7 @@ def defaults() -> ml_collections.ConfigDict:
 
 def describe(config: ml_collections.ConfigDict) -> list[tuple[str, Any, str]]:
     """(dotted key, value, help) for every leaf of `config`, in section order."""
-    helps = {f"model.{k}": h for k, h in model_lib.describe().items()}
+    helps = {f"model.{k}": h for k, h in nn_config.describe().items()}
     helps |= {f"data.{k}": h for k, (_, h) in DATA.items()}
     helps |= {f"train.{k}": h for k, (_, h) in TRAIN.items()}
     helps["plugins"] = PLUGINS_HELP
@@ -155,7 +155,7 @@ def describe(config: ml_collections.ConfigDict) -> list[tuple[str, Any, str]]:
         for key in keys:
             value = node[key]
             if isinstance(value, ml_collections.ConfigDict) and not (
-                prefix == "model." and key in model_lib.config_keys()
+                prefix == "model." and key in nn_config.config_keys()
             ):
                 walk(value, f"{prefix}{key}.")
             else:

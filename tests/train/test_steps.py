@@ -218,3 +218,26 @@ def _optim(**train):
     defaults = {k: v for k, (v, _) in config_lib.TRAIN.items()}
     train = ml_collections.ConfigDict({**defaults, "steps": 10, "warmup_steps": 0, **train})
     return steps.OptimConfig.from_config(train)
+
+
+def test_hyperparams_are_found_by_type_not_by_position_in_the_chain():
+    """The learning rate and betas are read and replaced wherever `inject_hyperparams` sits."""
+    import optax
+
+    params = {"w": jnp.ones((3,))}
+    o = steps.OptimConfig(
+        learning_rate=0.1,
+        total_steps=10,
+        warmup_steps=1,
+        min_lr_ratio=0.1,
+        weight_decay=0.0,
+        grad_clip=1.0,
+        b1=0.8,
+        b2=0.9,
+    )
+    for tx in (steps.make_optimizer(o), optax.chain(optax.inject_hyperparams(optax.adam)(0.1))):
+        state = tx.init(params)
+        assert float(steps.hyperparams(state)["learning_rate"]) == pytest.approx(0.1)
+        changed = steps.with_hyperparams(state, {"learning_rate": jnp.asarray(0.5)})
+        assert float(steps.hyperparams(changed)["learning_rate"]) == 0.5
+        assert jax.tree.structure(changed) == jax.tree.structure(state)

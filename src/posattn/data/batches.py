@@ -27,7 +27,8 @@ __all__ = [
 
 
 def batch_options(data_config, *, causal: bool, vocab_size: int) -> dict:
-    """The `train_batch` keywords a config asks for (the encoder's masking, passkey mixing).
+    """The `train_batch` keywords a config asks for (the encoder's masking, probe mixing), from a
+    completed `data` section (`posattn.config.complete`).
 
     The encoder's `[MASK]` id is `vocab_size`, one past the output vocabulary (as
     `posattn.nn.model.mask_token_id`).
@@ -35,8 +36,8 @@ def batch_options(data_config, *, causal: bool, vocab_size: int) -> dict:
     if causal:
         return {
             "passkey_fraction": float(data_config.passkey_fraction),
-            "passkey_distractors": bool(data_config.get("passkey_distractors", False)),
-            "induction_fraction": float(data_config.get("induction_fraction", 0.0)),
+            "passkey_distractors": bool(data_config.passkey_distractors),
+            "induction_fraction": float(data_config.induction_fraction),
         }
     return {"mask_rate": float(data_config.mask_rate), "mask_id": vocab_size}
 

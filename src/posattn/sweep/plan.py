@@ -40,7 +40,7 @@ from typing import Any
 import ml_collections
 
 from posattn import config as config_lib
-from posattn.nn import config as model_lib
+from posattn.nn import config as nn_config
 
 __all__ = ["CONTINUOUS", "Member", "Program", "continuous_keys", "format_override", "plan"]
 
@@ -57,7 +57,7 @@ _TRAIN_CONTINUOUS = {
 
 def continuous_keys() -> dict[str, str]:
     """Every key a vmap sweep may stack -> why it leaves the compiled program alone."""
-    model = {f"model.{key}": why for key, why in model_lib.continuous_keys().items()}
+    model = {f"model.{key}": why for key, why in nn_config.continuous_keys().items()}
     return {**_TRAIN_CONTINUOUS, **model}
 
 

@@ -72,11 +72,12 @@ def run_sweep(
         resumable); the programs after it do not start.
     """
     # ---- Setup: every member validated, and the extrapolation function found, before compute. ----
+    config = config_lib.complete(config)  # every key present: its default is written once
     programs = sweep_config.plan(config, cli_overrides=cli_overrides)
     lengths = tuple(config.sweep.get("eval_lengths", ()) or ())
     loss_at_lengths = _loss_at_lengths() if lengths else None
-    sharding.maybe_initialize_distributed(bool(config.train.get("distributed", False)))
-    if config.train.get("tensorboard", False):
+    sharding.maybe_initialize_distributed(bool(config.train.distributed))
+    if config.train.tensorboard:
         workdir_lib.require_tensorboard()
     workdir = pathlib.Path(workdir)
     lead = jax.process_index() == 0
@@ -141,7 +142,7 @@ def sweep_mesh(members: int, train: ml_collections.ConfigDict) -> Mesh:
     `posattn.train.sharding.make_mesh`.
     """
     n, B = jax.device_count(), int(train.batch_size)
-    fsdp = sharding.check_fsdp(train.get("fsdp", 1), n)
+    fsdp = sharding.check_fsdp(train.fsdp, n)
     for size in sorted((d for d in range(1, n // fsdp + 1) if (n // fsdp) % d == 0), reverse=True):
         if members % size == 0 and B % (n // size) == 0:
             return jax.make_mesh(
@@ -283,7 +284,7 @@ def _run_program(
         first.config.data, causal=cfg.causal, vocab_size=cfg.vocab_size
     )
 
-    ckpt = Checkpointer(pdir / "checkpoints", max_to_keep=train_cfg.get("keep_checkpoints", 3))
+    ckpt = Checkpointer(pdir / "checkpoints", max_to_keep=train_cfg.keep_checkpoints)
     restored = restore_for_resume(ckpt, abstract, state_sh, corpus, pdir)
     if restored is not None:
         state, start = restored
@@ -294,7 +295,7 @@ def _run_program(
     metrics = workdir_lib.MetricsFile(
         pdir / "metrics.jsonl",
         keep_through=start,
-        tensorboard=bool(train_cfg.get("tensorboard", False)),
+        tensorboard=bool(train_cfg.tensorboard),
         enabled=lead,
     )
     last_loss, diverged = sweep_report.read_history(pdir / "metrics.jsonl", program)  # trimmed
@@ -307,7 +308,7 @@ def _run_program(
                 seed=s,
                 batch_size=B,
                 seq_len=T,
-                max_batches=first.config.train.get("eval_batches", 4),
+                max_batches=first.config.train.eval_batches,
                 **options,
             )
             for s in set(seeds)

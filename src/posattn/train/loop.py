@@ -109,27 +109,28 @@ def train_and_evaluate(
         settings must be the checkpoint's; the workdir must hold no checkpoint yet.
     """
     # ---- Setup: everything that can fail does so before any compute. ----
+    config = config_lib.complete(config)  # every key present: its default is written once
     cfg = config_lib.validate(config)
     train_cfg, data_cfg = config.train, config.data
-    sharding.maybe_initialize_distributed(bool(train_cfg.get("distributed", False)))
+    sharding.maybe_initialize_distributed(bool(train_cfg.distributed))
     workdir = pathlib.Path(workdir)
     lead = jax.process_index() == 0
     if lead:
         workdir_lib.make_workdir(workdir)
-    mesh = sharding.make_mesh(train_cfg.get("fsdp", 1))
+    mesh = sharding.make_mesh(train_cfg.fsdp)
     B = train_cfg.batch_size
     if B % mesh.size or B % jax.process_count():
         raise config_lib.ConfigError(
             f"config.train.batch_size={B} must be divisible by the number of devices "
             f"({mesh.size}); use a multiple of {mesh.size}"
         )
-    if train_cfg.get("tensorboard", False):
+    if train_cfg.tensorboard:
         workdir_lib.require_tensorboard()
     with workdir_lib.lock(workdir) if lead else contextlib.nullcontext():
         corpus = data_lib.load_corpus(data_cfg.corpus)
         corpus.check_vocab(cfg.vocab_size)
         data_lib.check_length(corpus, data_cfg.seq_len)
-        if train_cfg.get("eval_every", 0):
+        if train_cfg.eval_every:
             check_eval_split(corpus, seq_len=data_cfg.seq_len, batch_size=B)
         if lead:  # config.json is written once the checkpoints' own config agrees (in _train)
             workdir_lib.check_config(workdir, config)
@@ -239,13 +240,14 @@ def restart_state(
                 f"--restart_from={checkpoint} was trained with other model or data settings "
                 f"({detail}); a restart may change only train.* settings"
             )
-    hyper = dict(state["opt_state"][1].hyperparams)
-    for name in _OPTIMISER_HYPERPARAMS:
-        old = hyper[name]
-        hyper[name] = jax.device_put(np.asarray(config.train[name], dtype=old.dtype), old.sharding)
-    opt_state = list(state["opt_state"])
-    opt_state[1] = opt_state[1]._replace(hyperparams=hyper)
-    return dict(state, opt_state=type(state["opt_state"])(opt_state)), step
+    hyper = steps.hyperparams(state["opt_state"])
+    values = {
+        name: jax.device_put(
+            np.asarray(config.train[name], dtype=hyper[name].dtype), hyper[name].sharding
+        )
+        for name in _OPTIMISER_HYPERPARAMS
+    }
+    return dict(state, opt_state=steps.with_hyperparams(state["opt_state"], values)), step
 
 
 def restore_trained(
@@ -295,7 +297,7 @@ def _train(
     replicated = NamedSharding(mesh, P())
     options = data_lib.batch_options(data_cfg, causal=cfg.causal, vocab_size=cfg.vocab_size)
 
-    ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=train_cfg.get("keep_checkpoints", 3))
+    ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=train_cfg.keep_checkpoints)
     if restart_from is not None and ckpt.steps():
         ckpt.close()
         raise config_lib.ConfigError(
@@ -331,7 +333,7 @@ def _train(
     metrics = workdir_lib.MetricsFile(
         workdir / "metrics.jsonl",
         keep_through=start,
-        tensorboard=bool(train_cfg.get("tensorboard", False)),
+        tensorboard=bool(train_cfg.tensorboard),
         enabled=lead,
         expect_through=restart_from is None,
     )
@@ -348,7 +350,7 @@ def _train(
         seed=train_cfg.seed,
         batch_size=B,
         seq_len=T,
-        max_batches=train_cfg.get("eval_batches", 4),
+        max_batches=train_cfg.eval_batches,
         **options,
     )
 
@@ -456,12 +458,12 @@ class Schedule:
 
     @classmethod
     def from_config(cls, train, *, stop_after: int | None = None, eval_at_end: bool = False):
-        profile = tuple(train.get("profile_steps") or ()) or None
+        profile = tuple(train.profile_steps or ()) or None
         return cls(
             total=int(train.steps),
-            log_every=int(train.get("log_every", 10)),
+            log_every=int(train.log_every),
             checkpoint_every=int(train.checkpoint_every),
-            eval_every=int(train.get("eval_every", 0)),
+            eval_every=int(train.eval_every),
             eval_at_end=eval_at_end,
             stop_after=stop_after,
             profile_steps=None if profile is None else (int(profile[0]), int(profile[1])),

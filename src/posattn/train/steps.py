@@ -141,6 +141,32 @@ def init_train_state(
     }
 
 
+def _injected(x) -> bool:
+    return isinstance(x, (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState))
+
+
+def hyperparams(opt_state) -> dict[str, jax.Array]:
+    """The optimiser's injected hyperparameters (learning rate, b1, b2, weight decay), wherever
+    `make_optimizer` puts them in the state."""
+    found = [x for x in jax.tree.leaves(opt_state, is_leaf=_injected) if _injected(x)]
+    if len(found) != 1:
+        raise ValueError(
+            f"expected one inject_hyperparams state in the optimiser, found {len(found)}"
+        )
+    return dict(found[0].hyperparams)
+
+
+def with_hyperparams(opt_state, values: dict[str, Any]):
+    """`opt_state` with those injected hyperparameters replaced (the moments and count kept)."""
+
+    def replace(x):
+        if not _injected(x):
+            return x
+        return x._replace(hyperparams={**x.hyperparams, **values})
+
+    return jax.tree.map(replace, opt_state, is_leaf=_injected)
+
+
 def loss_fn(params, constants, graphdef, batch) -> jax.Array:
     """Mean target NLL in nats over positions of nonzero weight (as `model.cross_entropy` of the
     logits, without ever holding the whole batch's logits: `TransformerLM.nll_sums`)."""
@@ -160,7 +186,7 @@ def train_step(graphdef, optim: OptimConfig, state: dict, batch: dict) -> tuple[
     loss, grads = jax.value_and_grad(loss_fn)(state["params"], state["constants"], graphdef, batch)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = project_bounds(optax.apply_updates(state["params"], updates))
-    peak = opt_state[1].hyperparams["learning_rate"]
+    peak = hyperparams(opt_state)["learning_rate"]
     metrics = {
         "loss": loss,
         "grad_norm": _global_norm(grads),
