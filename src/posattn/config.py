@@ -100,6 +100,13 @@ TRAIN: dict[str, tuple[Any, str]] = {
         False,
         "also write TensorBoard event files (tensorboardX) beside metrics.jsonl",
     ),
+    "loggers": (
+        (),
+        "loggers besides metrics.jsonl (always written): 'tensorboard', 'wandb' "
+        "(posattn.train.loggers)",
+    ),
+    "wandb_mode": ("offline", "'wandb' logger: 'offline' (nothing leaves the machine), 'online'"),
+    "wandb_project": ("posattn", "'wandb' logger: the Weights & Biases project"),
 }
 
 

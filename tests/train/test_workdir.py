@@ -10,10 +10,12 @@ import struct
 import sys
 import time
 
+import ml_collections
 import pytest
 from conftest import small_config
 
 from posattn.config import ConfigError
+from posattn.train import loggers as loggers_lib
 from posattn.train import workdir as workdir_lib
 
 
@@ -57,7 +59,9 @@ def _events(directory):
 def test_tensorboard_events_repeat_the_numeric_values_beside_metrics_jsonl(tmp_path):
     pytest.importorskip("tensorboardX")
     path = tmp_path / "metrics.jsonl"
-    with workdir_lib.MetricsFile(path, keep_through=0, tensorboard=True) as metrics:
+    train = ml_collections.ConfigDict(dict(loggers=(), tensorboard=True, wandb_mode="offline"))
+    board = loggers_lib.open_loggers(train, tmp_path, {})
+    with workdir_lib.MetricsFile(path, keep_through=0, loggers=board) as metrics:
         metrics.write({"step": 1, "loss": 2.5, "mfu": None, "tokens_per_sec": 100.0})
         metrics.write({"step": 2, "member": 3, "loss": 2.0, "diverged": True})
         metrics.write({"step": 2, "eval_loss": 1.5, "eval_tokens": 64})
@@ -71,10 +75,38 @@ def test_tensorboard_events_repeat_the_numeric_values_beside_metrics_jsonl(tmp_p
     assert len(_lines(path)) == 3  # the source of truth
 
 
+def test_wandb_offline_logs_every_numeric_value_with_no_network(tmp_path, monkeypatch):
+    """A training run with `train.loggers=('wandb',)` in offline mode writes a W&B run under
+    WORKDIR/wandb holding the values of metrics.jsonl; nothing is sent anywhere."""
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for var in ("WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    train = ml_collections.ConfigDict(
+        dict(loggers=("wandb",), tensorboard=False, wandb_mode="offline", wandb_project="t")
+    )
+    loggers_lib.check(train)
+    path = tmp_path / "metrics.jsonl"
+    made = loggers_lib.open_loggers(train, tmp_path, {"train": {"steps": 2}})
+    run = made[0]._run
+    with workdir_lib.MetricsFile(path, keep_through=0, loggers=made) as metrics:
+        metrics.write({"step": 1, "loss": 2.5, "mfu": None})
+        metrics.write({"step": 2, "loss": 2.0, "member": 1})
+        metrics.write({"step": 3, "eval_loss": 1.5})  # W&B commits a step when the next begins
+        assert run.offline and run.config["train"] == {"steps": 2}
+        assert run.summary["loss"] == 2.5 and run.summary["member_1/loss"] == 2.0
+    files = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 1 and files[0].stat().st_size > 0
+    assert wandb.run is None  # finished when the metrics file closed
+    with pytest.raises(ConfigError, match="train.loggers names 'mlflow'"):
+        loggers_lib.check(ml_collections.ConfigDict(dict(train, loggers=("mlflow",))))
+
+
 def test_tensorboard_without_tensorboardx_is_a_config_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import fails
+    train = ml_collections.ConfigDict(dict(loggers=(), tensorboard=True, wandb_mode="offline"))
     with pytest.raises(ConfigError, match="train.tensorboard=True .* pip install tensorboardX"):
-        workdir_lib.require_tensorboard()
+        loggers_lib.check(train)
 
 
 def test_resuming_checks_the_config_but_allows_what_does_not_change_the_run(tmp_path):

@@ -44,6 +44,7 @@ from posattn import data as data_lib
 from posattn.nn.model import TransformerLM
 from posattn.sweep import plan as sweep_config
 from posattn.sweep import report as sweep_report
+from posattn.train import loggers as loggers_lib
 from posattn.train import sharding, steps
 from posattn.train import workdir as workdir_lib
 from posattn.train.checkpoint import Checkpointer, IncompatibleCheckpointError
@@ -77,8 +78,7 @@ def run_sweep(
     lengths = tuple(config.sweep.get("eval_lengths", ()) or ())
     loss_at_lengths = _loss_at_lengths() if lengths else None
     sharding.maybe_initialize_distributed(bool(config.train.distributed))
-    if config.train.tensorboard:
-        workdir_lib.require_tensorboard()
+    loggers_lib.check(config.train)
     workdir = pathlib.Path(workdir)
     lead = jax.process_index() == 0
     if lead:
@@ -295,7 +295,7 @@ def _run_program(
     metrics = workdir_lib.MetricsFile(
         pdir / "metrics.jsonl",
         keep_through=start,
-        tensorboard=bool(train_cfg.tensorboard),
+        loggers=loggers_lib.open_loggers(train_cfg, pdir, first.config.to_dict()) if lead else (),
         enabled=lead,
     )
     last_loss, diverged = sweep_report.read_history(pdir / "metrics.jsonl", program)  # trimmed

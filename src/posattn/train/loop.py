@@ -40,6 +40,7 @@ from posattn import cli
 from posattn import config as config_lib
 from posattn import data as data_lib
 from posattn.nn.model import TransformerLM
+from posattn.train import loggers as loggers_lib
 from posattn.train import sharding, steps
 from posattn.train import workdir as workdir_lib
 from posattn.train.checkpoint import (
@@ -124,8 +125,7 @@ def train_and_evaluate(
             f"config.train.batch_size={B} must be divisible by the number of devices "
             f"({mesh.size}); use a multiple of {mesh.size}"
         )
-    if train_cfg.tensorboard:
-        workdir_lib.require_tensorboard()
+    loggers_lib.check(train_cfg)
     with workdir_lib.lock(workdir) if lead else contextlib.nullcontext():
         corpus = data_lib.load_corpus(data_cfg.corpus)
         corpus.check_vocab(cfg.vocab_size)
@@ -333,7 +333,7 @@ def _train(
     metrics = workdir_lib.MetricsFile(
         workdir / "metrics.jsonl",
         keep_through=start,
-        tensorboard=bool(train_cfg.tensorboard),
+        loggers=loggers_lib.open_loggers(train_cfg, workdir, config.to_dict()) if lead else (),
         enabled=lead,
         expect_through=restart_from is None,
     )

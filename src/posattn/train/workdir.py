@@ -13,11 +13,11 @@ import contextlib
 import fcntl
 import json
 import logging
-import math
 import os
 import pathlib
 import signal
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import ml_collections
@@ -36,7 +36,6 @@ __all__ = [
     "make_workdir",
     "preemption_flag",
     "progress_bar",
-    "require_tensorboard",
     "say",
     "write_config",
     "write_or_check_config",
@@ -54,6 +53,9 @@ RESUMABLE_CHANGES = {
     "train.profile_steps",
     "train.peak_flops",
     "train.tensorboard",
+    "train.loggers",
+    "train.wandb_mode",
+    "train.wandb_project",
     "model.remat",  # recomputation in the backward pass: the same numbers, less memory
 }
 
@@ -85,11 +87,11 @@ def atomic_write_text(path: pathlib.Path, text: str) -> None:
 class MetricsFile:
     """metrics.jsonl, trimmed on resume to the lines of steps the restored state has seen.
 
-    With `tensorboard=True` every numeric value of a line is also written as a TensorBoard scalar
-    (tensorboardX event files beside metrics.jsonl; a sweep's lines under `member_<k>/`); the
-    JSON lines stay the source of truth (a resumed run's event files repeat the steps after the
-    restored checkpoint, its metrics.jsonl does not). `enabled=False` (every process but the
-    first) writes nothing. A context manager that closes the files.
+    Every line also goes to `loggers` (`posattn.train.loggers`: TensorBoard, Weights & Biases),
+    which repeat its numeric values; the JSON lines stay the source of truth (a resumed run's
+    loggers may repeat the steps after the restored checkpoint, its metrics.jsonl does not).
+    `enabled=False` (every process but the first) writes nothing. A context manager that closes
+    the files and the loggers.
     """
 
     def __init__(
@@ -97,7 +99,7 @@ class MetricsFile:
         path: pathlib.Path,
         *,
         keep_through: int,
-        tensorboard: bool = False,
+        loggers: Sequence = (),
         enabled: bool = True,
         expect_through: bool = True,
     ):
@@ -105,7 +107,8 @@ class MetricsFile:
         (the atomic rewrite happens only when a line is cut). With `expect_through` (a resumed
         run), a file whose lines end before `keep_through` is reported with the missing steps,
         as is any unreadable line but a last one cut by a kill."""
-        self._file = self._events = None
+        self._file = None
+        self._loggers = list(loggers)
         self.missing: tuple[int, int] | None = None  # (first, last) step with no line, if any
         if not enabled:
             return
@@ -145,47 +148,27 @@ class MetricsFile:
                 keep_through + 1,
             )
         self._file = path.open("a")
-        if tensorboard:
-            self._events = require_tensorboard().SummaryWriter(logdir=str(path.parent))
 
     def write(self, record: dict) -> None:
         if self._file is None:
             return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._events is not None:
-            step = int(record["step"])
-            prefix = f"member_{record['member']}/" if "member" in record else ""
-            for key, value in record.items():
-                if key in ("step", "member") or isinstance(value, bool):
-                    continue
-                if isinstance(value, (int, float)) and math.isfinite(value):
-                    self._events.add_scalar(prefix + key, value, step)
+        for logger in self._loggers:
+            logger.write(record)
 
     def close(self) -> None:
         if self._file is not None and not self._file.closed:
             self._file.close()
-        if self._events is not None:
-            self._events.close()
-            self._events = None
+        for logger in self._loggers:
+            logger.close()
+        self._loggers = []
 
     def __enter__(self) -> MetricsFile:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def require_tensorboard():
-    """The tensorboardX module (`train.tensorboard=True`), or a ConfigError saying how to get it."""
-    try:
-        import tensorboardX
-    except ImportError:
-        raise config_lib.ConfigError(
-            "config.train.tensorboard=True writes TensorBoard event files with tensorboardX, which "
-            "is not installed; pip install tensorboardX (see requirements.txt) or set it to False"
-        ) from None
-    return tensorboardX
 
 
 def progress_bar(lead: bool, total: int, start: int, name: str):
