@@ -93,7 +93,7 @@ def test_finetuning_starts_from_the_checkpoint_with_position_interpolation(tmp_p
     config = _finetune_config(data, rope_scaling=pi)
     cfg = config_lib.validate(config)
     assert cfg.d_model == 32 and cfg.mlp == "gated" and cfg.settings.scaling_dict["factor"] == 2.0
-    from posattn.train import data as data_lib
+    from posattn import data as data_lib
 
     corpus = data_lib.load_corpus(str(data))
     assert corpus.train.dtype == np.uint32 and corpus.vocab_size <= 64
