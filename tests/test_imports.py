@@ -89,7 +89,9 @@ UPPER = ("posattn.train", "posattn.sweep", "posattn.generate", "posattn.cli")
     ],
 )
 def test_layers_import_only_from_below(where, forbidden):
-    assert _offenders(_files(*where), forbidden) == []
+    # An entry point (`__main__.py`, as `python -m posattn.eval`) sits above every layer.
+    files = [f for f in _files(*where) if f.name != "__main__.py"]
+    assert _offenders(files, forbidden) == []
 
 
 @pytest.mark.parametrize(

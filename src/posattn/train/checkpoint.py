@@ -100,18 +100,28 @@ class Checkpointer:
 
     Attributes:
       set_aside: the damaged checkpoints the last `restore_latest` moved aside.
+      read_only: restore only: nothing is created, cleaned up or moved under `directory` (a
+        damaged checkpoint is skipped where it lies).
     """
 
     def __init__(
-        self, directory: str | pathlib.Path, *, max_to_keep: int = 3, async_save: bool = True
+        self,
+        directory: str | pathlib.Path,
+        *,
+        max_to_keep: int = 3,
+        async_save: bool = True,
+        read_only: bool = False,
     ):
         self.directory = pathlib.Path(directory).absolute()
         self.set_aside: list[DamagedCheckpoint] = []
+        self.read_only = read_only
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep,
-            create=True,
+            max_to_keep=None if read_only else max_to_keep,
+            save_interval_steps=0 if read_only else 1,
+            create=not read_only,
             enable_async_checkpointing=async_save,
-            cleanup_tmp_directories=True,
+            cleanup_tmp_directories=not read_only,
+            read_only=read_only,
         )
         # Handlers named up front, so that a fresh process can read a checkpoint's metadata.
         handlers = {"state": ocp.StandardCheckpointHandler(), "record": ocp.JsonCheckpointHandler()}
@@ -207,6 +217,12 @@ class Checkpointer:
                 continue
             result = state, record
             break
+        if self.read_only:
+            for step, reason in damaged:
+                _log.warning(
+                    "checkpoint %d in %s is damaged (%s); skipped", step, self.directory, reason
+                )
+            return result
         self.set_aside = [self._move_aside(step, reason) for step, reason in damaged]
         if damaged:
             self._manager.reload()

@@ -126,15 +126,16 @@ def restore_for_resume(
 
 
 def restore_trained(
-    config: ml_collections.ConfigDict, checkpoints: pathlib.Path
+    config: ml_collections.ConfigDict, checkpoints: pathlib.Path, *, read_only: bool = False
 ) -> tuple[Any, Any, int] | None:
     """(validated model config, train state, step) of the latest checkpoint in `checkpoints`, on
-    one local device (for evaluation and generation), or None when none restores."""
+    one local device (for evaluation and generation), or None when none restores; `read_only`:
+    nothing under `checkpoints` is created, cleaned up or moved."""
     cfg = config_lib.validate(config)
     tx = steps.make_optimizer(steps.OptimConfig.from_config(config.train))
     abstract = jax.eval_shape(functools.partial(steps.init_train_state, cfg, tx), jax.random.key(0))
     device = SingleDeviceSharding(jax.local_devices()[0])
-    ckpt = Checkpointer(checkpoints)
+    ckpt = Checkpointer(checkpoints, read_only=read_only)
     try:
         restored = ckpt.restore_latest(
             jax.tree.map(
