@@ -76,10 +76,10 @@ def code_files(stage: str = "training") -> list[pathlib.Path]:
     raise ValueError(f"stage={stage!r}; allowed: training, evaluation")
 
 
-@functools.lru_cache(maxsize=256)
-def _normalised(path: str, mtime_ns: int) -> bytes:
-    """The syntax tree of a Python file without docstrings (comments never reach it)."""
-    tree = ast.parse(pathlib.Path(path).read_text())
+@functools.lru_cache(maxsize=512)
+def _normalised(source: str) -> bytes:
+    """The syntax tree of Python source without docstrings (comments never reach it)."""
+    tree = ast.parse(source)
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
         if (
@@ -102,7 +102,7 @@ def source_sha256(files: Iterable[pathlib.Path]) -> str:
         except ValueError:  # an evaluator defined outside the repository (a test's)
             name = path.name
         digest.update(name.encode() + b"\0")
-        digest.update(_normalised(str(path), path.stat().st_mtime_ns) + b"\0")
+        digest.update(_normalised(path.read_text()) + b"\0")
     return digest.hexdigest()
 
 
