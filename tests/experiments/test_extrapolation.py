@@ -178,6 +178,21 @@ def test_end_to_end_files_schema_new_evaluator_and_rerun_reuses(tmp_path, capsys
     )
     np.testing.assert_allclose(summary.mean_losses(scores), rope["loss"], rtol=1e-6)
 
+    # python -m posattn.eval on the trained RoPE: the same loss, written beside, and nothing
+    # under checkpoints/ created or changed.
+    from posattn.eval import __main__ as eval_cli
+
+    ckpt = tmp_path / "rope" / "checkpoints"
+    before = sorted((str(p), p.stat().st_mtime_ns) for p in ckpt.rglob("*"))
+    argv = ["--workdir", str(tmp_path / "rope"), "--lengths", "32,64", "--max_tokens", "256"]
+    argv += ["--batch_size", "4"]
+    assert eval_cli.main([*argv, "--evaluators", "loss"]) == 0
+    assert sorted((str(p), p.stat().st_mtime_ns) for p in ckpt.rglob("*")) == before
+    (written,) = (tmp_path / "rope" / "eval").glob("*.json")
+    found = json.loads(written.read_text())
+    np.testing.assert_allclose(found["loss"]["loss"], rope["loss"], rtol=1e-6)
+    assert eval_cli.main([*argv, "--evaluators", "bogus"]) == 2
+
 
 def _read(path):
     return json.loads(path.read_text())
