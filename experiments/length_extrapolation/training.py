@@ -211,7 +211,7 @@ def finetune_params(cfg, params, corpus, config, kind: str, *, seed: int) -> tup
     if not all(np.isfinite(losses)):
         bad = next(i for i, x in enumerate(losses) if not np.isfinite(x))
         raise NonFiniteLossError(
-            f"rope+{kind}+ft: the fine-tune's loss is {losses[bad]} at step {bad}; lower "
+            f"{kind}+ft: the fine-tune's loss is {losses[bad]} at step {bad}; lower "
             "config.finetune.learning_rate or raise config.finetune.warmup_steps"
         )
     info = {
@@ -241,6 +241,7 @@ def finetuned(
     holds these settings (the finetune block, the training config, the trained parameters' hash)
     and was made by this code (or by any code, with `reuse`); else fine-tuned now and saved."""
     path = fam_dir / "finetune" / f"{kind}-seed{seed}.npz"
+    row = f"{fam_dir.name}+{kind}+ft"
     settings = _finetune_settings(config, train_config, kind, seed, params_sha256(params))
     leaves, treedef = jax.tree.flatten(params)
     if path.exists():
@@ -253,9 +254,9 @@ def finetuned(
                 ]
                 return jax.tree.unflatten(treedef, tuned), meta["info"]
         if meta.get("settings") == settings:
-            say(f"rope+{kind}+ft: {path} was made by {describe_origin(meta)}; fine-tuning again")
+            say(f"{row}: {path} was made by {describe_origin(meta)}; fine-tuning again")
     say(
-        f"rope+{kind}+ft: fine-tuning seed {seed} for {config.finetune.steps} steps at "
+        f"{row}: fine-tuning seed {seed} for {config.finetune.steps} steps at "
         f"{finetune_multiple(config) * int(config.data.seq_len)}"
     )
     tuned, info = finetune_params(cfg, params, corpus, config, kind, seed=seed)
