@@ -3,7 +3,7 @@
 `families` entries ("fire", "fire:fire_init_c=3.2"), `rope_scalings` entries ("yarn",
 "yarn:beta_fast=16"), the `finetune` block and the evaluation sections (`eval`, `passkey`,
 `induction`, `copy`); `check_experiment` validates all of them (the training sections are
-validated by `posattn.config.load_config`). `posattn.experiments` docs: experiments/README.md.
+validated by `posattn.config.load_config`). The keys and their defaults: experiments/README.md.
 """
 
 from __future__ import annotations
