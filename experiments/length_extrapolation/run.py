@@ -296,9 +296,9 @@ def run(
         for seed in seeds:
             run_dir = member_dir(workdir, head.entry, seed, seeds[0])
             tc = seed_config(head.train_config, seed)
-            say(
-                f"{head.name} seed {seed}: training ({tc.train.steps} steps at L={tc.data.seq_len})"
-            )
+            if finished_run(tc, run_dir, code, reuse=reuse) is None:
+                steps, L = tc.train.steps, tc.data.seq_len
+                say(f"{head.name} seed {seed}: training ({steps} steps at L={L})")
             info, reused = train_member(tc, run_dir, code, reuse=reuse)
             what = "reused (trained earlier" if reused else "trained (in this run"
             say(
