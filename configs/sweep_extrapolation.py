@@ -4,11 +4,11 @@
         --workdir runs/sweep_extrapolation
 
 Each family sweeps its own knob (a RoPE base means nothing to ALiBi and a slope scale nothing to
-RoPE), so the programs are listed explicitly. Every member trains at `data.seq_len` = 64 and is then
-scored by `posattn.eval.lengths.loss_at_lengths` at the `sweep.eval_lengths`, 1x to 8x the training
-length: the sweep.json records and sweep.md table carry loss@T for each. The question: does a
-larger RoPE base (slower rotations) or a smaller ALiBi slope (a weaker recency bias) trade
-in-distribution loss for extrapolation?
+RoPE), so the programs are listed explicitly. Every member trains at `data.seq_len` = 64 and is
+then scored under the experiment's loss protocol (docs/sweeps.md) at the `sweep.eval_lengths`, 1x
+to 8x the training length: the sweep.json records and sweep.md table carry loss@T for each. The
+question: does a larger RoPE base (slower rotations) or a smaller ALiBi slope (a weaker recency
+bias) trade in-distribution loss for extrapolation?
 """
 
 import ml_collections

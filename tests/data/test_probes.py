@@ -8,7 +8,7 @@ from conftest import small_config
 from posattn import config as config_lib
 from posattn import data
 from posattn.data import probes
-from posattn.eval import lengths as evaluate
+from posattn.eval import lengths as lengths_lib
 from posattn.eval import retrieval
 from posattn.train import steps
 
@@ -72,7 +72,7 @@ def test_probe_scores_are_the_models_nll_at_the_scored_positions():
             probes.induction_sample(rng, np.asarray(tokens[start : start + 33]), span=4, gap=10)
         )
     seqs = np.stack([m.tokens for m in made]).astype(np.int32)
-    nll, pred = evaluate.token_stats(*model, seqs[:, :-1], seqs[:, 1:], chunk=32)
+    nll, pred = lengths_lib.token_stats(*model, seqs[:, :-1], seqs[:, 1:], chunk=32)
     where = probes.target_positions(slice(made[0].repeat.start + 1, made[0].repeat.stop))
     expect = np.asarray(nll)[:, where].mean()
     assert ind["loss"][0, 1] == pytest.approx(expect, rel=1e-5)

@@ -8,7 +8,7 @@ from conftest import small_config
 from posattn import config as config_lib
 from posattn import data
 from posattn.eval import heldout, intervals, scoring, summary
-from posattn.eval import lengths as evaluate
+from posattn.eval import lengths as lengths_lib
 from posattn.train import steps
 
 
@@ -34,7 +34,7 @@ def test_sums_match_a_direct_forward_pass(plan_and_tokens):
     )
     for length, row in zip([16, 64], rows, strict=True):
         windows, units = plan.windows(tokens, length)
-        nll, _ = evaluate.token_stats(
+        nll, _ = lengths_lib.token_stats(
             *model, windows[:, :-1], windows[:, 1:], chunk=length
         )  # one pass, no batching
         nll = np.asarray(nll, np.float64)
@@ -51,7 +51,7 @@ def test_sums_match_a_direct_forward_pass(plan_and_tokens):
             np.testing.assert_allclose(curve["sum"].sum(), nll.sum(), rtol=1e-5)
             assert curve["count"].sum() == nll.size and curve["edges"][-1] == 64
         slide, s_units, scored = plan.sliding(tokens, length)
-        s_nll, _ = evaluate.token_stats(*model, slide[:, :-1], slide[:, 1:], chunk=length)
+        s_nll, _ = lengths_lib.token_stats(*model, slide[:, :-1], slide[:, 1:], chunk=length)
         np.testing.assert_allclose(
             row["sliding_sum"].sum(), np.asarray(s_nll, np.float64)[:, -16:].sum(), rtol=1e-5
         )

@@ -11,7 +11,7 @@ from conftest import ROOT, losses, run_python
 
 from posattn import config as config_lib
 from posattn import sweep
-from posattn.sweep import plan as sweep_config
+from posattn.sweep import plan as sweep_plan
 from posattn.train import train_and_evaluate
 
 # The shrink of conftest.small_config (one layer: compilation dominates these tests), on the
@@ -78,7 +78,7 @@ def test_member_equals_its_single_run_and_the_sweep_resumes(tmp_path):
     # Member 1 of each program is the interesting one: the program's graphdef is member 0's.
     for record in (records[1], records[3]):
         assert "--config.train.seed=" in summary["members"][record["member"]]["command"]
-        strings = [sweep_config.format_override(k, v) for k, v in record["overrides"].items()]
+        strings = [sweep_plan.format_override(k, v) for k, v in record["overrides"].items()]
         single = config_lib.load_config(
             ROOT / "configs" / "sweep_tiny.py", _SMALL + extra + strings
         )
@@ -169,7 +169,7 @@ def test_eight_devices_equal_one_and_a_diverged_member_is_frozen(tmp_path):
 )
 def test_bad_sweeps_fail_before_compute_naming_the_key(continuous, match):
     with pytest.raises(config_lib.ConfigError, match=match):
-        sweep_config.plan(sweep_config_with(continuous=continuous))
+        sweep_plan.plan(sweep_config_with(continuous=continuous))
 
 
 def test_a_member_the_model_refuses_fails_before_any_program_starts(tmp_path):
@@ -189,12 +189,12 @@ def test_rope_base_with_dynamic_scaling_is_refused_and_zip_lengths_must_agree():
         continuous={"model": {"rope_base": (1e3, 1e4)}}, extra=[f"model.rope_scaling={dynamic!r}"]
     )
     with pytest.raises(config_lib.ConfigError, match="dynamic"):
-        sweep_config.plan(config)
+        sweep_plan.plan(config)
     config = sweep_config_with(
         continuous={"train": {"seed": (0, 1), "learning_rate": (1e-3,)}}, combine="zip"
     )
     with pytest.raises(config_lib.ConfigError, match="same length"):
-        sweep_config.plan(config)
+        sweep_plan.plan(config)
 
 
 def test_plan_expands_the_grid_and_overrides_round_trip():
@@ -203,7 +203,7 @@ def test_plan_expands_the_grid_and_overrides_round_trip():
         continuous={"train": {"seed": (0, 1, 2)}},
         extra=["train.steps=7"],
     )
-    programs = sweep_config.plan(
+    programs = sweep_plan.plan(
         config, cli_overrides=["--config.train.steps=7"]
     )  # as the CLI applied it
     assert len(programs) == 4 and [len(p.members) for p in programs] == [3] * 4
@@ -215,9 +215,9 @@ def test_plan_expands_the_grid_and_overrides_round_trip():
         "model.position": "alibi",
         "train.seed": 2,
     }
-    strings = [sweep_config.format_override(k, v) for k, v in member.overrides.items()]
+    strings = [sweep_plan.format_override(k, v) for k, v in member.overrides.items()]
     assert config_lib.apply_overrides(config, strings).to_dict() == member.config.to_dict()
-    assert sweep_config.format_override("data.corpus", "1e3") == "--config.data.corpus='1e3'"
+    assert sweep_plan.format_override("data.corpus", "1e3") == "--config.data.corpus='1e3'"
 
 
 def test_cli_reports_config_errors_with_exit_code_2(tmp_path, capsys):
@@ -231,3 +231,23 @@ def test_cli_reports_config_errors_with_exit_code_2(tmp_path, capsys):
         ]
     )
     assert code == 2 and "config.sweep.combine='diagonal'" in capsys.readouterr().err
+
+
+def test_extrapolation_scores_the_experiments_text_checked_before_compute():
+    """`sweep.eval_lengths` reads the chunks the length-extrapolation experiment reads with the
+    same `eval.max_tokens` and seed (its sliding blocks are drawn after them), and a length no
+    held-out file can hold fails before any training."""
+    from posattn import data
+    from posattn.eval import heldout
+    from posattn.sweep import run as sweep_run
+
+    corpus = data.load_corpus("stdlib")
+    config = ml_collections.ConfigDict({"sweep": {"eval_max_tokens": 512}})
+    text = sweep_run._eval_text(corpus, (64, 128), config)
+    experiment = heldout.eval_text(
+        corpus, lengths=[64, 128], max_tokens=512, sliding_tokens=4096, stride=64, seed=1234
+    )
+    np.testing.assert_array_equal(text.plan.chunk_starts, experiment.plan.chunk_starts)
+    assert text.plan.block_ends.size == 0 and experiment.plan.block_ends.size > 0
+    with pytest.raises(config_lib.ConfigError, match="eval_lengths"):
+        sweep_run._eval_text(corpus, (64, 10**7), config)

@@ -1,6 +1,11 @@
-"""Evaluation of trained models: `lengths` (the jitted forward pass, loss vs length on a prefix,
-RoPE eval-time scalings), `heldout` (which held-out tokens an evaluation scores: file-aware,
+"""Evaluation of trained models.
+
+`registry` (name -> evaluator: `run(model, text, length, settings)`; loss, attention, passkey,
+induction, copy), `lengths` (the jitted forward pass every evaluator reads with, RoPE eval-time
+scalings), and the one loss protocol: `heldout` (which held-out tokens are scored: file-aware,
 the same bytes at every length), `scoring` (per-file loss sums under the non-overlapping and
-sliding protocols), `intervals` and `summary` (bootstrap by file, seeds, paired differences),
-`probes` and `retrieval` (passkey among distractors, induction by gap, copy; scored by loss and
-accuracy), `attention_stats` (entropy, distance and mass beyond L per layer and head)."""
+sliding windowings), `intervals` and `summary` (bootstrap by file, seeds, paired differences);
+`retrieval` (passkey among distractors, induction by gap, copy; scored by loss and accuracy),
+`attention_stats` (entropy, distance and mass beyond L per layer and head).
+`python -m posattn.eval` runs any evaluator on any trained workdir.
+"""

@@ -26,6 +26,8 @@ as in `TransformerLM.hidden`.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -33,9 +35,10 @@ import numpy as np
 from flax import nnx
 
 from posattn import attention as attention_lib
+from posattn.eval import lengths as lengths_lib
 from posattn.nn import layers
 
-__all__ = ["attention_probabilities", "attention_stats"]
+__all__ = ["attention_evaluator", "attention_probabilities", "attention_stats", "attention_windows"]
 
 
 def _probabilities(
@@ -135,3 +138,20 @@ def attention_stats(
     )  # (Y, 3, N)
     names = ("entropy", "distance", "mass_beyond_L")
     return {name: values[:, n].tolist() for n, name in enumerate(names)}
+
+
+def attention_windows(text, length: int, count: int) -> np.ndarray:
+    """`count` windows of `length` inputs int32[count, length] from distinct chunks of the
+    evaluation text's plan (`posattn.eval.heldout.EvalText`; the first window of each chunk)."""
+    windows, _ = text.plan.windows(text.val, length)
+    per_chunk = text.plan.max_len // length
+    return windows[::per_chunk][:count, :-1]
+
+
+def attention_evaluator(model, text, length: int, settings: Mapping[str, Any]) -> dict | None:
+    """The "attention" evaluator (`posattn.eval.registry`) at one length: `attention_stats` on
+    `attention_windows` windows of the text, None where the model cannot read the length."""
+    if not lengths_lib.can_read(lengths_lib.model_config_of(*model), int(length)):
+        return None
+    windows = attention_windows(text, int(length), int(settings["attention_windows"]))
+    return attention_stats(*model, windows, train_len=int(settings["train_len"]))

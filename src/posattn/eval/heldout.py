@@ -33,12 +33,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 from posattn import data as data_lib
 
-__all__ = ["EvalPlan", "HeldOut", "held_out_units", "make_plan"]
+__all__ = ["EvalPlan", "EvalText", "HeldOut", "eval_text", "held_out_units", "make_plan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,3 +189,42 @@ def make_plan(
         num_units=len(held.spans),
         fingerprint=digest.hexdigest()[:16],
     )
+
+
+class EvalText(NamedTuple):
+    """The held-out text every evaluator reads: the tokens, the plan drawn over their units, and
+    what a unit is ("file" or "block of <n> tokens")."""
+
+    val: np.ndarray
+    plan: EvalPlan
+    unit: str
+
+
+def eval_text(
+    corpus: data_lib.Corpus,
+    *,
+    lengths: Sequence[int],
+    max_tokens: int,
+    sliding_tokens: int,
+    stride: int,
+    seed: int,
+) -> EvalText:
+    """The evaluation text of the one loss protocol: the plan of `make_plan` over the held-out
+    units of `corpus` (blocks of 2 (max(lengths) + 1) tokens where it has no file boundaries),
+    for the longest of `lengths`.
+
+    The experiment (`eval.max_tokens`, `eval.sliding_tokens`, `eval.sliding_stride`, `eval.seed`)
+    and the sweep (`sweep.eval_max_tokens`, no sliding blocks, seed 1234) draw their text here, so
+    equal settings score equal tokens.
+    """
+    longest = max(int(x) for x in lengths)
+    held = held_out_units(corpus, block=2 * (longest + 1))
+    plan = make_plan(
+        held,
+        max_len=longest,
+        tokens=int(max_tokens),
+        sliding_tokens=int(sliding_tokens),
+        stride=int(stride),
+        seed=int(seed),
+    )
+    return EvalText(held.tokens, plan, held.unit)

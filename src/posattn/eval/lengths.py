@@ -1,29 +1,29 @@
-"""Evaluating a trained language model at any length: loss, per-position loss and memory probes.
+"""The forward pass every evaluator reads a model with, and RoPE's eval-time scalings.
 
 Shape legend: W windows, B batch (windows per forward pass), T window length, V vocabulary.
 
 Every function takes the model split at the jit boundary, `(graphdef, params, constants)` (as
 `posattn.train.steps.init_model` returns it and checkpoints restore it), plus NumPy tokens, and
-returns NumPy/Python numbers. One jitted forward pass (`token_stats`) serves them all: per-token
-negative log-likelihood and argmax prediction, with the output projection computed in chunks of
-positions so that a [B, T, V] logits array never exists (a 16k-token window of a 50k-token
-vocabulary would be 3 GiB per row). Long windows run through `posattn.attention` with the model's
+returns NumPy/Python numbers. One jitted forward pass (`token_stats`) serves every evaluator
+(`posattn.eval.registry`): per-token negative log-likelihood and argmax prediction, with the output
+projection computed in chunks of positions so that a [B, T, V] logits array never exists (a
+16k-token window of a 50k-token vocabulary would be 3 GiB per row). `forward` runs it over many
+windows in batches of one shape. Long windows run through `posattn.attention` with the model's
 `attention_impl`; "auto" takes the blockwise kernel, linear in T, once the logits get large.
 
 A model that cannot read a window of some length gives None there, decided from its config before
-any compute (`max_length`): learned absolute embeddings have no row past their table
+any compute (`max_length`, `can_read`): learned absolute embeddings have no row past their table
 (docs/conventions.md), and a number computed from a clamped or NaN lookup would be a lie.
 
-Evaluation protocol (docs/conventions.md; Press et al. 2022 §4): non-overlapping windows from the
-start of the held-out tokens, every token of a window predicted from the window's earlier tokens
-only, so at length T the first positions of each window have little context; the mean is over all
-of them.
+Which held-out text is scored, and how the loss is summarised, is the one loss protocol of
+`posattn.eval.heldout`, `scoring` and `summary`
+(docs/conventions.md#evaluating-length-extrapolation).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -32,17 +32,14 @@ import numpy as np
 from flax import nnx
 
 from posattn import rotary
-from posattn.data import eval_windows, probes
 from posattn.nn.config import ModelConfig
 from posattn.nn.model import TransformerLM
 
 __all__ = [
-    "copy_accuracy",
-    "loss_at_lengths",
+    "can_read",
+    "forward",
     "max_length",
     "model_config_of",
-    "nll_by_position",
-    "passkey_accuracy",
     "predict",
     "rope_scaling_row",
     "token_stats",
@@ -68,7 +65,8 @@ def max_length(cfg: ModelConfig) -> int | None:
     return cfg.max_len if cfg.family.embedding == "learned" else None
 
 
-def _can_read(cfg: ModelConfig, length: int) -> bool:
+def can_read(cfg: ModelConfig, length: int) -> bool:
+    """Whether the model of `cfg` can read a window of `length` positions (see `max_length`)."""
     limit = max_length(cfg)
     return limit is None or length <= limit
 
@@ -139,7 +137,7 @@ def _token_stats(
     return unchunk(nll), unchunk(pred)
 
 
-def _run(graphdef, params, constants, windows: np.ndarray, batch_size: int):
+def forward(graphdef, params, constants, windows: np.ndarray, batch_size: int):
     """Yields (nll, pred) NumPy arrays [b, T] for consecutive batches of windows int[W, T+1].
 
     Every call has the same shape [batch_size, T] (the last batch is padded with repeats of its
@@ -164,77 +162,6 @@ def _run(graphdef, params, constants, windows: np.ndarray, batch_size: int):
         yield np.asarray(nll, np.float64)[:real], np.asarray(pred)[:real]
 
 
-def nll_by_position(
-    graphdef: nnx.GraphDef,
-    params: nnx.State,
-    constants: nnx.State,
-    tokens: np.ndarray,
-    *,
-    length: int,
-    max_tokens: int,
-    batch_size: int,
-) -> np.ndarray | None:
-    """Mean NLL (nats) at each position of non-overlapping windows of `length` tokens.
-
-    Position t is the prediction of a window's token t + 1 from its tokens 0..t. The windows are
-    the first `max_tokens // length` (at least one) of `tokens`.
-
-    Returns:
-      float64[length], or None when the model cannot read `length` positions.
-    """
-    cfg = model_config_of(graphdef, params, constants)
-    if not _can_read(cfg, length):
-        return None
-    windows = eval_windows(tokens, seq_len=length, max_windows=max(1, max_tokens // length))
-    if len(windows) == 0:
-        raise ValueError(
-            f"cannot cut one window of {length} + 1 tokens from {tokens.size} evaluation tokens; "
-            "use shorter eval lengths or a larger held-out split"
-        )
-    total = np.zeros(length)
-    for nll, _ in _run(graphdef, params, constants, windows, batch_size):
-        total += nll.sum(axis=0)
-    return total / len(windows)
-
-
-def loss_at_lengths(
-    graphdef: nnx.GraphDef,
-    params: nnx.State,
-    constants: nnx.State,
-    tokens: np.ndarray,
-    *,
-    lengths: Sequence[int],
-    max_tokens: int,
-    batch_size: int,
-) -> list[float | None]:
-    """Mean next-token NLL (nats per token) over non-overlapping windows of each length.
-
-    Args:
-      graphdef, params, constants: the split model (a causal LM).
-      tokens: int[N] held-out tokens (e.g. `corpus.val`); windows are cut from its start.
-      lengths: window lengths T; each predicts T tokens per window.
-      max_tokens: at most this many predicted tokens per length (`max_tokens // T` windows, at
-        least one). A multiple of the longest length makes every length score the same tokens.
-      batch_size: windows per forward pass (memory: B * T activations; logits are chunked).
-
-    Returns:
-      One mean per length, None where the model cannot read that length (see `max_length`).
-    """
-    out = []
-    for length in lengths:
-        curve = nll_by_position(
-            graphdef,
-            params,
-            constants,
-            tokens,
-            length=int(length),
-            max_tokens=max_tokens,
-            batch_size=batch_size,
-        )
-        out.append(None if curve is None else float(curve.mean()))
-    return out
-
-
 def predict(
     graphdef: nnx.GraphDef,
     params: nnx.State,
@@ -247,92 +174,11 @@ def predict(
     sequences[:, :-1]; prediction t is its guess for sequences[:, t + 1])."""
     preds = [
         pred
-        for _, pred in _run(
+        for _, pred in forward(
             graphdef, params, constants, np.asarray(sequences, np.int32), batch_size
         )
     ]
     return np.concatenate(preds)
-
-
-def passkey_accuracy(
-    graphdef: nnx.GraphDef,
-    params: nnx.State,
-    constants: nnx.State,
-    *,
-    lengths: Sequence[int],
-    depths: Sequence[float],
-    samples: int,
-    digits: int,
-    seed: int,
-    batch_size: int,
-) -> np.ndarray:
-    """Exact-match passkey accuracy float64[len(lengths), len(depths)], NaN where the model cannot
-    read the length. Sample s of cell (length, depth) is drawn from (seed, length, depth index, s),
-    so every model sees the same probes."""
-    cfg = model_config_of(graphdef, params, constants)
-    acc = np.full((len(lengths), len(depths)), np.nan)
-    for a, length in enumerate(lengths):
-        if not _can_read(cfg, length):
-            continue
-        cells = [(d, s) for d in range(len(depths)) for s in range(samples)]
-        made = [
-            probes.passkey_sample(
-                np.random.default_rng([seed, length, d, s]),
-                length=length + 1,
-                depth=float(depths[d]),
-                digits=digits,
-            )
-            for d, s in cells
-        ]
-        pred = predict(
-            graphdef, params, constants, np.stack([m.tokens for m in made]), batch_size=batch_size
-        )
-        hits = np.array(
-            [probes.score_passkey(m, p) for m, p in zip(made, pred, strict=True)]
-        ).reshape(len(depths), samples)
-        acc[a] = hits.mean(axis=1)
-    return acc
-
-
-def copy_accuracy(
-    graphdef: nnx.GraphDef,
-    params: nnx.State,
-    constants: nnx.State,
-    tokens: np.ndarray,
-    *,
-    lengths: Sequence[int],
-    samples: int,
-    segment: int,
-    seed: int,
-    batch_size: int,
-) -> list[float | None]:
-    """Copy-task accuracy per length: the share of a repeated random-letter segment's letters
-    (all but the first) predicted correctly; the background is real text, window w of sample w
-    cut from `tokens` at a position drawn from (seed, length, w). None where the model cannot
-    read the length."""
-    cfg = model_config_of(graphdef, params, constants)
-    out: list[float | None] = []
-    for length in lengths:
-        if not _can_read(cfg, length):
-            out.append(None)
-            continue
-        made = []
-        for s in range(samples):
-            rng = np.random.default_rng([seed, length, s, 0xC0])
-            start = int(rng.integers(0, tokens.size - length - 1))
-            made.append(
-                probes.copy_sample(
-                    rng, np.asarray(tokens[start : start + length + 1], np.uint8), segment=segment
-                )
-            )
-        pred = predict(
-            graphdef, params, constants, np.stack([m.tokens for m in made]), batch_size=batch_size
-        )
-        scores = np.array(
-            [probes.score_copy(m, p) for m, p in zip(made, pred, strict=True)]
-        )  # (samples, 2)
-        out.append(float(scores[:, 0].sum() / scores[:, 1].sum()))
-    return out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ can only be answered by looking back:
 * passkey (`passkey_scores`): a key of `digits` digits at a depth of filler that holds distractor
   numbers of the same length; per (length, depth): exact match of the whole key (argmax), the
   share of digits right, and the mean NLL per digit (chance: ln 10 = 2.30 nats);
+* copy (`copy_scores`): a random-letter segment repeated inside real text; per length the share
+  of the repeat's letters (all but its first) predicted by argmax;
 * induction (`induction_scores`): a random lowercase string repeated after `gap` bytes of real
   held-out text; per (length, gap): mean NLL per letter of the repeat (all but its first letter;
   chance ln 26 = 3.26 nats) and argmax accuracy. A gap past L asks for retrieval over a distance
@@ -21,7 +23,8 @@ fit its length (gap too long) is NaN.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from flax import nnx
@@ -30,7 +33,15 @@ from posattn.data import probes
 from posattn.eval import lengths as lengths_lib
 from posattn.eval.scoring import windows_per_pass
 
-__all__ = ["induction_scores", "passkey_scores"]
+__all__ = [
+    "copy_evaluator",
+    "copy_scores",
+    "induction_evaluator",
+    "induction_gaps",
+    "induction_scores",
+    "passkey_evaluator",
+    "passkey_scores",
+]
 
 
 def _score(
@@ -41,13 +52,14 @@ def _score(
     where: list[np.ndarray],
     targets,
     batch_tokens: int,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Per sample: (mean NLL over its positions `where[i]`, share of argmax hits there)."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per sample: (mean NLL over its positions `where[i]`, share of argmax hits there, whether
+    every one of them is a hit)."""
     seqs = np.asarray(tokens, np.int32)  # (n, T + 1)
     batch = windows_per_pass(seqs.shape[1] - 1, batch_tokens)
     nll, pred = map(
         np.concatenate,
-        zip(*lengths_lib._run(graphdef, params, constants, seqs, batch), strict=True),
+        zip(*lengths_lib.forward(graphdef, params, constants, seqs, batch), strict=True),
     )  # (n, T) each
     rows = np.arange(len(seqs))
     loss = np.array([nll[r, w].mean() for r, w in zip(rows, where, strict=True)])
@@ -80,7 +92,7 @@ def passkey_scores(
     cfg = lengths_lib.model_config_of(graphdef, params, constants)
     out = {k: np.full((len(lengths), len(depths)), np.nan) for k in ("acc", "digit_acc", "loss")}
     for a, length in enumerate(lengths):
-        if not lengths_lib._can_read(cfg, int(length)):
+        if not lengths_lib.can_read(cfg, int(length)):
             continue
         made = [
             probes.passkey_sample(
@@ -141,7 +153,7 @@ def induction_scores(
     for a, length in enumerate(lengths):
         n = int(length) + 1
         fits = [g for g in range(len(gaps)) if 2 * span + int(gaps[g]) <= n]
-        if not lengths_lib._can_read(cfg, int(length)) or not fits:
+        if not lengths_lib.can_read(cfg, int(length)) or not fits:
             continue
         made = []
         for g in fits:
@@ -167,3 +179,106 @@ def induction_scores(
         out["acc"][a, fits] = hit.mean(axis=1)
         out["se"][a, fits] = loss.std(axis=1, ddof=1) / np.sqrt(samples) if samples > 1 else np.nan
     return out
+
+
+def copy_scores(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    constants: nnx.State,
+    tokens: np.ndarray,
+    *,
+    lengths: Sequence[int],
+    samples: int,
+    segment: int,
+    seed: int,
+    batch_tokens: int,
+) -> list[float | None]:
+    """Copy-task accuracy per length: the share of a repeated random-letter segment's letters
+    (all but the first) predicted correctly; the background is real text, window w of sample w
+    cut from `tokens` at a position drawn from (seed, length, w). None where the model cannot
+    read the length."""
+    cfg = lengths_lib.model_config_of(graphdef, params, constants)
+    out: list[float | None] = []
+    for length in lengths:
+        length = int(length)
+        if not lengths_lib.can_read(cfg, length):
+            out.append(None)
+            continue
+        made = []
+        for s in range(samples):
+            rng = np.random.default_rng([seed, length, s, 0xC0])
+            start = int(rng.integers(0, tokens.size - length - 1))
+            made.append(
+                probes.copy_sample(
+                    rng, np.asarray(tokens[start : start + length + 1], np.uint8), segment=segment
+                )
+            )
+        pred = lengths_lib.predict(
+            graphdef,
+            params,
+            constants,
+            np.stack([m.tokens for m in made]),
+            batch_size=windows_per_pass(length, batch_tokens),
+        )
+        scores = np.array(
+            [probes.score_copy(m, p) for m, p in zip(made, pred, strict=True)]
+        )  # (samples, 2)
+        out.append(float(scores[:, 0].sum() / scores[:, 1].sum()))
+    return out
+
+
+def induction_gaps(settings: Mapping[str, Any]) -> list[int]:
+    """`gaps` if given, else `gap_multiples` x `train_len` (bytes between the two copies)."""
+    if settings.get("gaps"):
+        return [int(x) for x in settings["gaps"]]
+    return [int(round(m * settings["train_len"])) for m in settings["gap_multiples"]]
+
+
+def _cells(grid: np.ndarray) -> list[float | None]:
+    return [None if np.isnan(x) else float(x) for x in grid]
+
+
+def passkey_evaluator(model, text, length: int, settings: Mapping[str, Any]) -> dict:
+    """The "passkey" evaluator (`posattn.eval.registry`) at one length: {"acc", "digit_acc",
+    "loss"}, each a list over `depths` (None where the model cannot read the length)."""
+    grids = passkey_scores(
+        *model,
+        lengths=[int(length)],
+        depths=list(settings["depths"]),
+        samples=int(settings["samples"]),
+        digits=int(settings["digits"]),
+        seed=int(settings["seed"]),
+        batch_tokens=int(settings["batch_tokens"]),
+        distractors=bool(settings["distractors"]),
+    )
+    return {k: _cells(v[0]) for k, v in grids.items()}
+
+
+def induction_evaluator(model, text, length: int, settings: Mapping[str, Any]) -> dict:
+    """The "induction" evaluator at one length: {"loss", "acc", "se"}, each a list over the gaps
+    of `induction_gaps(settings)` (None where the cell does not fit or cannot be read)."""
+    grids = induction_scores(
+        *model,
+        text.val,
+        lengths=[int(length)],
+        gaps=induction_gaps(settings),
+        span=int(settings["span"]),
+        samples=int(settings["samples"]),
+        seed=int(settings["seed"]),
+        batch_tokens=int(settings["batch_tokens"]),
+    )
+    return {k: _cells(v[0]) for k, v in grids.items()}
+
+
+def copy_evaluator(model, text, length: int, settings: Mapping[str, Any]) -> float | None:
+    """The "copy" evaluator at one length: the accuracy of `copy_scores` (None: cannot read)."""
+    (value,) = copy_scores(
+        *model,
+        text.val,
+        lengths=[int(length)],
+        samples=int(settings["samples"]),
+        segment=int(settings["segment"]),
+        seed=int(settings["seed"]),
+        batch_tokens=int(settings["batch_tokens"]),
+    )
+    return value

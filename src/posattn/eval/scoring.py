@@ -22,15 +22,16 @@ that rows of one experiment share the resampling and seeds can be averaged befor
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from flax import nnx
 
 from posattn.eval import lengths as lengths_lib
-from posattn.eval.heldout import EvalPlan
+from posattn.eval.heldout import EvalPlan, EvalText
 
-__all__ = ["curve_edges", "score_lengths", "windows_per_pass"]
+__all__ = ["curve_edges", "loss_evaluator", "score_lengths", "to_json", "windows_per_pass"]
 
 
 def windows_per_pass(length: int, batch_tokens: int) -> int:
@@ -47,7 +48,7 @@ def curve_edges(length: int, bins: int) -> np.ndarray:
 def _nll(graphdef, params, constants, windows: np.ndarray, batch_tokens: int) -> np.ndarray:
     """NLL float64[W, T] of windows int32[W, T + 1]."""
     batch = windows_per_pass(windows.shape[1] - 1, batch_tokens)
-    parts = [nll for nll, _ in lengths_lib._run(graphdef, params, constants, windows, batch)]
+    parts = [nll for nll, _ in lengths_lib.forward(graphdef, params, constants, windows, batch)]
     return np.concatenate(parts)
 
 
@@ -98,7 +99,7 @@ def score_lengths(
     curve_length = max(int(x) for x in lengths) if curve_length is None else int(curve_length)
     for length in lengths:
         length = int(length)
-        if not lengths_lib._can_read(cfg, length):
+        if not lengths_lib.can_read(cfg, length):
             out.append(None)
             continue
         windows, units = plan.windows(tokens, length)
@@ -131,3 +132,35 @@ def score_lengths(
             row["sliding_sum"] = row["sliding_count"] = row["sliding_block_sums"] = None
         out.append(row)
     return out
+
+
+def to_json(value: Any) -> Any:
+    """`value` with NumPy arrays and scalars turned into lists and Python numbers (recursively)."""
+    if isinstance(value, dict):
+        return {k: to_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [to_json(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def loss_evaluator(model, text: EvalText, length: int, settings: Mapping[str, Any]) -> dict | None:
+    """The "loss" evaluator (`posattn.eval.registry`): the per-unit sums of `score_lengths` at one
+    length (both protocols; the per-position `curve` at the longest of `settings["lengths"]`), or
+    None where the model cannot read `length`. Settings: `per_position_bins`,
+    `sliding_max_tokens` and the shared `train_len`, `lengths`, `batch_tokens`."""
+    (row,) = score_lengths(
+        *model,
+        text.val,
+        text.plan,
+        lengths=[int(length)],
+        train_len=int(settings["train_len"]),
+        batch_tokens=int(settings["batch_tokens"]),
+        curve_bins=int(settings["per_position_bins"]),
+        curve_length=max(int(x) for x in settings["lengths"]),
+        sliding_max_tokens=int(settings["sliding_max_tokens"]),
+    )
+    return None if row is None else to_json(row)

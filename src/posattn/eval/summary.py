@@ -21,7 +21,19 @@ import numpy as np
 
 from posattn.eval import intervals
 
-__all__ = ["paired_difference", "summarize_curve", "summarize_row"]
+__all__ = ["mean_losses", "paired_difference", "summarize_curve", "summarize_row"]
+
+
+def mean_losses(scores: Sequence[dict | None], key: str = "") -> list[float | None]:
+    """One model's mean loss per length from its `score_lengths` dicts (no interval): the summed
+    NLL over the summed count of protocol `key` ("", "beyond_" or "sliding_"); None where the
+    model cannot read the length or the protocol has nothing there."""
+    return [
+        None
+        if s is None or s.get(f"{key}sum") is None
+        else float(np.sum(s[f"{key}sum"]) / np.sum(s[f"{key}count"]))
+        for s in scores
+    ]
 
 
 def _stack(scores: Sequence[dict], key: str) -> tuple[np.ndarray, np.ndarray] | None:

@@ -16,14 +16,14 @@ from typing import Any
 
 import numpy as np
 
-from posattn.sweep import plan as sweep_config
+from posattn.sweep import plan as sweep_plan
 
 __all__ = ["finite", "read_history", "write", "write_step"]
 
 
 def write(
     workdir: pathlib.Path,
-    programs: Sequence[sweep_config.Program],
+    programs: Sequence[sweep_plan.Program],
     records: list[dict[str, Any]],
     *,
     complete: bool,

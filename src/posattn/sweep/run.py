@@ -41,8 +41,9 @@ from jax.sharding import PartitionSpec as P
 from posattn import cli
 from posattn import config as config_lib
 from posattn import data as data_lib
+from posattn.eval import heldout, scoring, summary
 from posattn.nn.model import TransformerLM
-from posattn.sweep import plan as sweep_config
+from posattn.sweep import plan as sweep_plan
 from posattn.sweep import report as sweep_report
 from posattn.train import loggers as loggers_lib
 from posattn.train import sharding, steps
@@ -74,9 +75,8 @@ def run_sweep(
     """
     # ---- Setup: every member validated, and the extrapolation function found, before compute. ----
     config = config_lib.complete(config)  # every key present: its default is written once
-    programs = sweep_config.plan(config, cli_overrides=cli_overrides)
-    lengths = tuple(config.sweep.get("eval_lengths", ()) or ())
-    loss_at_lengths = _loss_at_lengths() if lengths else None
+    programs = sweep_plan.plan(config, cli_overrides=cli_overrides)
+    lengths = tuple(int(x) for x in config.sweep.get("eval_lengths", ()) or ())
     sharding.maybe_initialize_distributed(bool(config.train.distributed))
     loggers_lib.check(config.train)
     workdir = pathlib.Path(workdir)
@@ -85,6 +85,7 @@ def run_sweep(
         workdir_lib.make_workdir(workdir)
     with workdir_lib.lock(workdir) if lead else contextlib.nullcontext():
         corpus = data_lib.load_corpus(config.data.corpus)
+        text = _eval_text(corpus, lengths, config) if lengths else None
         for program in programs:
             for member in program.members:
                 corpus.check_vocab(member.cfg.vocab_size)
@@ -109,7 +110,7 @@ def run_sweep(
                 lead,
                 stop_after,
                 lengths,
-                loss_at_lengths,
+                text,
                 config,
             )
             if result is None:
@@ -121,18 +122,6 @@ def run_sweep(
                 workdir, programs, records, complete=complete, config_path=config_path
             )
     return records
-
-
-def _loss_at_lengths():
-    try:
-        from posattn.eval.lengths import loss_at_lengths
-    except ImportError as e:
-        raise config_lib.ConfigError(
-            "config.sweep.eval_lengths asks for extrapolation losses, but "
-            f"posattn.eval.lengths.loss_at_lengths is not available ({e}); "
-            "set config.sweep.eval_lengths=()"
-        ) from None
-    return loss_at_lengths
 
 
 def sweep_mesh(members: int, train: ml_collections.ConfigDict) -> Mesh:
@@ -215,7 +204,7 @@ def _put(host_tree, shardings) -> Any:
     )
 
 
-def _initial_members(program: sweep_config.Program) -> list[dict]:
+def _initial_members(program: sweep_plan.Program) -> list[dict]:
     """Each member's initial state, as its single run builds it (`steps.init_train_state`).
 
     Run eagerly, op by op: bitwise the same values as the jitted init of `posattn.train` (checked
@@ -235,7 +224,7 @@ def _initial_members(program: sweep_config.Program) -> list[dict]:
     return states
 
 
-def _warn_duplicates(program: sweep_config.Program, states: list[dict]) -> None:
+def _warn_duplicates(program: sweep_plan.Program, states: list[dict]) -> None:
     """Says so when two members start identical and see the same batches (a swept key with no
     effect here)."""
     seen = {}
@@ -254,7 +243,7 @@ def _warn_duplicates(program: sweep_config.Program, states: list[dict]) -> None:
 
 
 def _run_program(
-    program, corpus, pdir: pathlib.Path, lead: bool, stop_after, lengths, loss_at_lengths, config
+    program, corpus, pdir: pathlib.Path, lead: bool, stop_after, lengths, text, config
 ) -> list[dict] | None:
     """Trains one program's members together; returns their records, or None if it stopped early."""
     first = program.members[0]
@@ -392,9 +381,7 @@ def _run_program(
     if step != total:
         return None
     extrapolation = (
-        _extrapolate(program, state, graphdef, corpus, lengths, loss_at_lengths, config)
-        if lengths
-        else None
+        _extrapolate(program, state, graphdef, text, lengths, config) if lengths else None
     )
     records = []
     for k, member in enumerate(program.members):
@@ -422,10 +409,10 @@ def _run_program(
     return records
 
 
-def _abstract_member(program: sweep_config.Program):
+def _abstract_member(program: sweep_plan.Program):
     """One member's abstract train state, after checking that every member's has the same layout.
 
-    A second guard behind `sweep_config.CONTINUOUS`: a swept key that changed shapes, dtypes or
+    A second guard behind `sweep_plan.CONTINUOUS`: a swept key that changed shapes, dtypes or
     the state's structure would make the members unstackable.
     """
     layouts = []
@@ -461,26 +448,56 @@ def _stacked(per_seed: dict[int, list[dict]], seeds: list[int]) -> list[dict]:
     ]
 
 
-def _extrapolate(program, state, graphdef, corpus, lengths, loss_at_lengths, config) -> list[list]:
-    """posattn.eval.lengths.loss_at_lengths for each member, on its own (unstacked) parameters."""
-    sweep = config.sweep
-    batch_size = int(sweep.get("eval_batch_size", 0) or program.members[0].config.train.batch_size)
-    max_tokens = int(sweep.get("eval_max_tokens", 0) or 16384)
+# The experiment's default `eval.seed`: the sweep scores the text the experiment scores.
+EVAL_SEED = 1234
+
+
+def _eval_text(corpus, lengths, config) -> heldout.EvalText:
+    """The held-out text of the experiment's loss protocol for `sweep.eval_lengths`: chunks of
+    the longest length drawn round-robin over the held-out files, `sweep.eval_max_tokens` target
+    tokens a length (default 16384), seed `EVAL_SEED`; checked before any compute."""
+    max_tokens = int(config.sweep.get("eval_max_tokens", 0) or 16384)
+    if min(lengths) < 1:
+        raise config_lib.ConfigError(
+            f"config.sweep.eval_lengths={tuple(lengths)!r} must be positive lengths"
+        )
+    try:
+        return heldout.eval_text(
+            corpus,
+            lengths=lengths,
+            max_tokens=max_tokens,
+            sliding_tokens=0,
+            stride=min(lengths),
+            seed=EVAL_SEED,
+        )
+    except ValueError as e:
+        raise config_lib.ConfigError(f"config.sweep.eval_lengths={tuple(lengths)!r}: {e}") from None
+
+
+def _extrapolate(program, state, graphdef, text, lengths, config) -> list[list]:
+    """Each member's loss at `lengths` under the experiment's loss protocol
+    (`posattn.eval.scoring.score_lengths` on `_eval_text`: non-overlapping windows, every
+    position scored), on each member's own (unstacked) parameters."""
+    first = program.members[0].config
+    batch_size = int(config.sweep.get("eval_batch_size", 0) or first.train.batch_size)
     host = jax.device_get(
         {"params": state["members"]["params"], "constants": state["members"]["constants"]}
     )
     out = []
     for k in range(len(program.members)):
         params, constants = jax.tree.map(lambda x, k=k: x[k], (host["params"], host["constants"]))
-        values = loss_at_lengths(
+        scores = scoring.score_lengths(
             graphdef,
             params,
             constants,
-            corpus.val,
+            text.val,
+            text.plan,
             lengths=list(lengths),
-            max_tokens=max_tokens,
-            batch_size=batch_size,
+            train_len=int(first.data.seq_len),
+            batch_tokens=batch_size * max(lengths),
+            curve_bins=1,
         )
+        values = summary.mean_losses(scores)
         out.append([None if v is None else sweep_report.finite(v) for v in values])
     return out
 

@@ -1,0 +1,101 @@
+"""The experiment's rows, built once from the config.
+
+A row is one model read at every eval length; three kinds, none of them tied to a family's name:
+
+* a trained entry of `families` ("alibi", "fire:fire_init_c=3.2"): the trained model as it is;
+* an eval-time RoPE scaling (`rope_scalings`) of any RoPE entry: row `<entry>+<scaling>`
+  ("rope+yarn", "rope:rope_base=5e5+yarn"): the entry's trained parameters under the Hugging
+  Face `rope_scaling` {type, factor = T / L, original_max_position_embeddings = L} at T > L
+  (`posattn.eval.lengths.rope_scaling_row`), the trained model itself at T <= L;
+* a fine-tune (`finetune`) of any RoPE entry: row `<entry>+<kind>+ft`: the entry's parameters
+  fine-tuned at `finetune.multiple` x L under the fixed scaling of factor `finetune.multiple`,
+  read with that scaling at every length (<= L included).
+
+`Row.reads(length)` says which model a row reads at a length (`ModelKey`): rows that read the
+same model there (a scaling row at T <= L and its trained row) share one evaluation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import ml_collections
+
+from posattn.eval import lengths as lengths_lib
+
+from .settings import (
+    family_config,
+    finetune_enabled,
+    finetune_scaling,
+    is_rotary,
+    rope_scaling_entry,
+)
+
+__all__ = ["ModelKey", "Row", "build_rows"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelKey:
+    """Which model a row reads at one length: the trained entry, its fine-tune kind (None: the
+    trained parameters) and the rope_scaling it is read with (JSON; "null": its own)."""
+
+    entry: str
+    finetune: str | None
+    scaling: str
+
+    def scaling_dict(self) -> dict[str, Any] | None:
+        return json.loads(self.scaling)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One row of the results.
+
+    Attributes:
+      name: its key in results.json's `families`.
+      entry: the `families` entry whose trained models it reads (one per seed).
+      train_config: that entry's training config (validated once, shared by its rows).
+      scaling: the eval-time `rope_scalings` entry ("yarn:beta_fast=16"), or None.
+      finetune: the fine-tune kind ("yarn"), or None.
+    """
+
+    name: str
+    entry: str
+    train_config: ml_collections.ConfigDict = dataclasses.field(compare=False, repr=False)
+    scaling: str | None = None
+    finetune: str | None = None
+
+    def reads(self, config: ml_collections.ConfigDict, length: int) -> ModelKey:
+        """The model this row reads at `length`."""
+        L = int(config.data.seq_len)
+        scaling = None
+        if self.finetune is not None:
+            scaling = finetune_scaling(config, self.finetune)
+        elif self.scaling is not None:
+            kind, options = rope_scaling_entry(self.scaling)
+            scaling = lengths_lib.rope_scaling_row(kind, train_len=L, eval_len=length, **options)
+        return ModelKey(self.entry, self.finetune, json.dumps(scaling, sort_keys=True))
+
+    def settings(self) -> dict[str, Any]:
+        """What identifies the row's numbers besides the code, the text and the parameters."""
+        return {"entry": self.entry, "scaling": self.scaling, "finetune": self.finetune}
+
+
+def build_rows(config: ml_collections.ConfigDict) -> list[Row]:
+    """Every row of the experiment, in results order: each entry of `families`, then for a RoPE
+    entry its `rope_scalings` rows and its fine-tune rows."""
+    rows = []
+    tune = finetune_enabled(config)
+    for entry in config.families:
+        train_config = family_config(config, entry)
+        rows.append(Row(str(entry), str(entry), train_config))
+        if not is_rotary(entry):
+            continue
+        for scaling in config.rope_scalings:
+            rows.append(Row(f"{entry}+{scaling}", str(entry), train_config, scaling=str(scaling)))
+        if tune:
+            for kind in config.finetune.kinds:
+                rows.append(Row(f"{entry}+{kind}+ft", str(entry), train_config, finetune=kind))
+    return rows

@@ -1,0 +1,376 @@
+"""The run: for each row, train or reuse each seed, then every enabled evaluator at every length.
+
+Caches: a row's evaluator output for one seed lives in
+`<seed dir>/evaluations/<row>.<evaluator>.json` and is reused when it holds the same key (the
+row's settings, the evaluator's settings, the evaluation text's fingerprint, the parameters'
+content hash, the training config) and was made by the same code
+(`provenance.evaluator_code_sha256`; with `reuse`, by any code). Rows that read the same model at
+a length (a RoPE scaling row at T <= L and its trained row) share one evaluation in the run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import time
+from typing import Any
+
+import ml_collections
+import numpy as np
+
+from posattn import config as config_lib
+from posattn import data as data_lib
+from posattn.eval import heldout, registry
+from posattn.eval import lengths as lengths_lib
+
+from . import provenance as prov_lib
+from . import report, results
+from .rows import ModelKey, Row, build_rows
+from .settings import (
+    check_experiment,
+    eval_lengths,
+    finetune_enabled,
+    finetune_multiple,
+)
+from .training import (
+    finetuned,
+    finished_run,
+    member_dir,
+    params_sha256,
+    restore_model,
+    say,
+    seed_config,
+    train_member,
+)
+
+__all__ = ["eval_settings_sha", "evaluators_of", "run", "seed_list"]
+
+# Shared settings that change how numbers are computed (batching), not what they are.
+_NOT_IN_KEY = ("batch_tokens",)
+
+
+def seed_list(config: ml_collections.ConfigDict) -> list[int]:
+    """The training seeds of every entry: `seeds` consecutive ones from `train.seed`."""
+    return [int(config.train.seed) + k for k in range(int(config.get("seeds", 1)))]
+
+
+def evaluators_of(config) -> list[tuple[registry.Evaluator, dict]]:
+    """(evaluator, its own settings) of every registered evaluator the config enables."""
+    sections = {k: config[k].to_dict() for k in config if hasattr(config[k], "to_dict")}
+    out = []
+    for name in registry.names():
+        evaluator = registry.get(name)
+        own = registry.settings_of(evaluator, sections)
+        if own is not None:
+            out.append((evaluator, own))
+    return out
+
+
+def eval_settings_sha(config) -> str:
+    """A hash of the evaluation sections (`eval`, `passkey`, `induction`, `copy`,
+    `rope_scalings`): results of other evaluation settings are written beside, never over."""
+    keys = ("eval", "passkey", "induction", "copy")
+    settings = {k: config[k].to_dict() for k in keys if k in config}
+    settings["rope_scalings"] = list(config.rope_scalings)
+    text = json.dumps(json.loads(json.dumps(settings)), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _safe(name: str) -> str:
+    return name.replace(":", "@").replace("/", "_")
+
+
+def _write_json(path: pathlib.Path, value: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(value) + "\n")
+    os.replace(tmp, path)
+
+
+class _Seed:
+    """One trained seed of one entry: its restored model, and the models its rows read."""
+
+    def __init__(self, config, row: Row, seed: int, run_dir, entry_dir, corpus, code, reuse):
+        self.config, self.seed, self.run_dir, self.entry_dir = config, seed, run_dir, entry_dir
+        self.corpus, self.code, self.reuse = corpus, code, reuse
+        self.train_config = seed_config(row.train_config, seed)
+        self.cfg, self.graphdef, self.params, self.constants = restore_model(
+            self.train_config, run_dir, attention_impl=config.eval.attention_impl
+        )
+        self._models: dict[ModelKey, tuple] = {}
+        self._params: dict[str | None, tuple[Any, str]] = {}
+        self.finetune_info: dict[str, dict] = {}
+
+    def params_of(self, kind: str | None) -> tuple[Any, str]:
+        """(params, content hash) of the trained model (kind None) or of its fine-tune."""
+        if kind not in self._params:
+            params = self.params
+            if kind is not None:
+                params, info = finetuned(
+                    self.config,
+                    self.cfg,
+                    self.params,
+                    self.corpus,
+                    kind,
+                    self.seed,
+                    self.entry_dir,
+                    self.train_config,
+                    self.code,
+                    reuse=self.reuse,
+                )
+                self.finetune_info[kind] = info
+            self._params[kind] = (params, params_sha256(params))
+        return self._params[kind]
+
+    def model(self, key: ModelKey) -> tuple:
+        """The split model `key` names."""
+        if key not in self._models:
+            params, _ = self.params_of(key.finetune)
+            scaling = key.scaling_dict()
+            if scaling is None and key.finetune is None:
+                graphdef, constants = self.graphdef, self.constants
+            else:
+                graphdef, constants = lengths_lib.with_rope_scaling(self.cfg, scaling)
+            self._models[key] = (graphdef, params, constants)
+        return self._models[key]
+
+
+def _evaluate_row(row, member, evaluators, shared, text, memo, lengths, prov, corpus_sha, reuse):
+    """{evaluator: [value per length]} of one row on one seed, and {evaluator: code record}."""
+    config = member.config
+    out, by = {}, {}
+    trained = json.loads(config_lib.to_json(member.train_config))
+    for evaluator, own in evaluators:
+        settings = {**own, **shared}
+        key = {
+            "row": row.settings(),
+            "evaluator": evaluator.name,
+            "settings": {k: v for k, v in settings.items() if k not in _NOT_IN_KEY},
+            "text": text.plan.fingerprint,
+            "params": member.params_of(row.finetune)[1],
+            "trained": trained,
+        }
+        key = json.loads(json.dumps(key))
+        code = prov_lib.code_record(prov, corpus_sha, prov_lib.evaluator_code_sha256(evaluator))
+        path = member.run_dir / "evaluations" / f"{_safe(row.name)}.{evaluator.name}.json"
+        if path.exists():
+            saved = json.loads(path.read_text())
+            if saved.get("key") == key and (prov_lib.same_origin(saved, code) or reuse):
+                out[evaluator.name], by[evaluator.name] = saved["values"], saved.get("code") or {}
+                continue
+            if saved.get("key") == key:
+                say(
+                    f"{row.name} {evaluator.name}: {path.name} was made by "
+                    f"{prov_lib.describe_origin(saved)}; evaluating again"
+                )
+        values = []
+        for length in lengths:
+            model_key = row.reads(config, length)
+            slot = (model_key, evaluator.name, length)
+            if slot not in memo:
+                memo[slot] = evaluator.run(member.model(model_key), text, length, settings)
+            values.append(memo[slot])
+        _write_json(path, {"key": key, "code": code, "values": values})
+        out[evaluator.name], by[evaluator.name] = values, code
+    return out, by
+
+
+def _combine(evaluator: registry.Evaluator, per_seed: list) -> Any:
+    if evaluator.combine == "all":
+        return per_seed
+    if evaluator.combine == "first":
+        return per_seed[0]
+    return results.mean_over_seeds(per_seed)
+
+
+def _training_record(infos: list[dict], seeds: list[int]) -> dict:
+    """results.json's `training` entry of one row: one seed's record, or the seeds' merged."""
+    plain = [{k: v for k, v in i.items() if k not in ("config", "code")} for i in infos]
+    if len(plain) == 1:
+        return plain[0]
+    return {
+        "seconds": round(sum(i["seconds"] for i in plain), 1),
+        "final_train_loss": float(np.mean([i["final_train_loss"] for i in plain])),
+        "final_train_loss_seeds": [i["final_train_loss"] for i in plain],
+        "seeds": seeds,
+        "steps": plain[0]["steps"],
+    }
+
+
+def _finetune_record(config, row, infos: list[dict], seeds: list[int]) -> dict:
+    base = {"row": row.name, "steps": int(config.finetune.steps)}
+    base["multiple"] = finetune_multiple(config)
+    if len(infos) == 1:
+        return {**base, "seed": seeds[0], **infos[0]}
+    return {
+        **base,
+        "seconds": round(sum(i["seconds"] for i in infos), 1),
+        "final_train_loss": float(np.mean([i["final_train_loss"] for i in infos])),
+        "final_train_loss_seeds": [i["final_train_loss"] for i in infos],
+        "seeds": seeds,
+    }
+
+
+def _output_dir(workdir: pathlib.Path, config) -> pathlib.Path:
+    """Where results.json goes: the workdir, unless a results.json of other evaluation settings is
+    there (then `results-<settings hash>/` beside it)."""
+    sha = eval_settings_sha(config)
+    existing = workdir / "results.json"
+    if existing.exists():
+        try:
+            old = json.loads(existing.read_text())
+            old_sha = old.get("eval_settings_sha256") or eval_settings_sha(
+                ml_collections.ConfigDict(old["config"])
+            )
+        except (ValueError, KeyError, TypeError):
+            old_sha = None
+        if old_sha != sha:
+            out = workdir / f"results-{sha}"
+            say(f"{existing} holds other evaluation settings; writing these results in {out}")
+            return out
+    return workdir
+
+
+def run(
+    config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, reuse: bool = False
+) -> dict[str, Any]:
+    """Trains (or reuses) every seed of every entry, evaluates every row with every enabled
+    evaluator, writes results.json, results.md and the plots; returns the results.
+
+    Args:
+      config: the experiment config (configs/extrapolation.py).
+      workdir: one subdirectory per entry, plus results.json, results.md and the plots.
+      reuse: report finished runs and evaluations made by other code (or on another corpus)
+        instead of refusing them; each row of results.json names its own provenance.
+    """
+    check_experiment(config)
+    workdir = pathlib.Path(workdir)
+    lengths = eval_lengths(config)
+    corpus = data_lib.load_corpus(config.data.corpus)
+    data_lib.check_length(corpus, max(lengths), split="val")
+    evaluators = evaluators_of(config)
+    probing = [e.section for e, _ in evaluators if e.section in ("passkey", "induction", "copy")]
+    if probing and corpus.val.dtype != np.uint8:
+        raise config_lib.ConfigError(
+            f"config.{probing[0]}.enabled: the probes are bytes, corpus {corpus.name!r} holds "
+            "token ids; set config.passkey.enabled, config.induction.enabled and "
+            "config.copy.enabled to False"
+        )
+    if finetune_enabled(config):
+        data_lib.check_length(
+            corpus, finetune_multiple(config) * int(config.data.seq_len), split="train"
+        )
+    rows = build_rows(config)
+    seeds = seed_list(config)
+    ev = config.eval
+    text = heldout.eval_text(
+        corpus,
+        lengths=lengths,
+        max_tokens=ev.max_tokens,
+        sliding_tokens=ev.sliding_tokens,
+        stride=ev.sliding_stride,
+        seed=ev.seed,
+    )
+    prov = prov_lib.provenance()  # the code as the run starts, not as it is when it ends
+    code = prov_lib.code_record(prov, corpus.sha256)
+    trained_rows = [r for r in rows if r.scaling is None and r.finetune is None]
+    rotary_entries = {r.entry for r in rows if r.finetune is not None}
+    for row in trained_rows:  # refuse runs made by other code before any training
+        for seed in seeds:
+            run_dir = member_dir(workdir, row.entry, seed, seeds[0])
+            finished_run(seed_config(row.train_config, seed), run_dir, code, reuse=reuse)
+    workdir.mkdir(parents=True, exist_ok=True)
+    shared = {
+        "train_len": int(config.data.seq_len),
+        "lengths": lengths,
+        "batch_tokens": int(ev.batch_size) * max(lengths),
+        "seed": int(ev.seed),
+    }
+    begin = time.perf_counter()
+    outputs, training, origins, seconds, tuned = {}, {}, {}, {}, {}
+    for head in trained_rows:
+        entry_rows = [r for r in rows if r.entry == head.entry]
+        infos, members = [], []
+        for seed in seeds:
+            run_dir = member_dir(workdir, head.entry, seed, seeds[0])
+            tc = seed_config(head.train_config, seed)
+            if finished_run(tc, run_dir, code, reuse=reuse) is None:
+                steps, L = tc.train.steps, tc.data.seq_len
+                say(f"{head.name} seed {seed}: training ({steps} steps at L={L})")
+            info, reused = train_member(tc, run_dir, code, reuse=reuse)
+            what = "reused (trained earlier" if reused else "trained (in this run"
+            say(
+                f"{head.name} seed {seed}: {what}, {info['seconds']} s, by "
+                f"{prov_lib.describe_origin(info)}), last step's train loss "
+                f"{info['final_train_loss']:.4f}; evaluating at {lengths}"
+            )
+            infos.append(info)
+            members.append((seed, run_dir))
+        training[head.name] = _training_record(infos, seeds)
+        per_row = {r.name: [] for r in entry_rows}
+        by_row = {r.name: None for r in entry_rows}
+        spent = dict.fromkeys(per_row, 0.0)
+        for seed, run_dir in members:
+            base = member_dir(workdir, head.entry, seeds[0], seeds[0])
+            member = _Seed(config, head, seed, run_dir, base, corpus, code, reuse)
+            memo: dict = {}
+            for row in entry_rows:
+                start = time.perf_counter()
+                values, by = _evaluate_row(
+                    row,
+                    member,
+                    evaluators,
+                    shared,
+                    text,
+                    memo,
+                    lengths,
+                    prov,
+                    corpus.sha256,
+                    reuse,
+                )
+                spent[row.name] += time.perf_counter() - start
+                per_row[row.name].append(values)
+                by_row[row.name] = by_row[row.name] or by
+            for kind, info in member.finetune_info.items():
+                tuned.setdefault(kind, []).append(info)
+        for row in entry_rows:
+            outputs[row.name] = {
+                e.name: _combine(e, [s[e.name] for s in per_row[row.name]]) for e, _ in evaluators
+            }
+            seconds[row.name] = round(spent[row.name], 1)
+            evaluated = by_row[row.name] or {}
+            origins[row.name] = {
+                "trained": infos[0].get("code") or {},
+                "evaluated": evaluated.get("loss") or next(iter(evaluated.values()), {}),
+            }
+            if row.finetune is not None and row.finetune in tuned:
+                # Keyed by kind; by <entry>+<kind> when several RoPE entries are fine-tuned.
+                name = row.finetune if len(rotary_entries) == 1 else f"{row.entry}+{row.finetune}"
+                training.setdefault("finetune", {})[name] = _finetune_record(
+                    config, row, tuned.pop(row.finetune), seeds
+                )
+            line = results.describe_row(outputs[row.name])
+            say(f"{row.name}: {line} (eval {seconds[row.name]} s)")
+    out_dir = _output_dir(workdir, config)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    found = results.assemble(
+        config,
+        corpus,
+        lengths,
+        text,
+        outputs,
+        training,
+        timing={"total_seconds": round(time.perf_counter() - begin, 1), "eval_seconds": seconds},
+        provenance=prov,
+        origins=origins,
+    )
+    found["eval_settings_sha256"] = eval_settings_sha(config)
+    (out_dir / "results.json").write_text(json.dumps(found, indent=1) + "\n")
+    report.write(found, out_dir)
+    say(
+        f"wrote {out_dir / 'results.json'}, results.md and plots in "
+        f"{found['timing']['total_seconds']:.0f} s"
+    )
+    return found

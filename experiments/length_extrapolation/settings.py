@@ -1,0 +1,342 @@
+"""The experiment's config: its rows' entries parsed and every setting checked before compute.
+
+`families` entries ("fire", "fire:fire_init_c=3.2"), `rope_scalings` entries ("yarn",
+"yarn:beta_fast=16"), the `finetune` block and the evaluation sections (`eval`, `passkey`,
+`induction`, `copy`); `check_experiment` validates all of them (the training sections are
+validated by `posattn.config.load_config`). The keys and their defaults: experiments/README.md.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import ml_collections
+
+from posattn import config as config_lib
+from posattn import families, rotary
+from posattn.attention import IMPLEMENTATIONS
+from posattn.data import probes
+from posattn.eval import lengths as lengths_lib
+from posattn.eval import retrieval
+from posattn.nn import pattern
+
+__all__ = [
+    "FINETUNE_KINDS",
+    "ROPE_KINDS",
+    "ROPE_OPTIONS",
+    "check_experiment",
+    "entry_dir",
+    "eval_lengths",
+    "family_config",
+    "family_entry",
+    "finetune_batch_size",
+    "finetune_enabled",
+    "finetune_multiple",
+    "finetune_scaling",
+    "induction_gaps",
+    "is_rotary",
+    "rope_scaling_entry",
+]
+
+ROPE_KINDS = ("linear", "ntk", "dynamic", "yarn")
+
+
+def eval_lengths(config: ml_collections.ConfigDict) -> list[int]:
+    """`eval.lengths` if given, else `eval.multiples` x the training length."""
+    if config.eval.lengths:
+        return [int(x) for x in config.eval.lengths]
+    return [int(m * config.data.seq_len) for m in config.eval.multiples]
+
+
+def induction_gaps(config: ml_collections.ConfigDict) -> list[int]:
+    """`induction.gaps` if given, else `induction.gap_multiples` x the training length."""
+    return retrieval.induction_gaps(
+        {**config.induction.to_dict(), "train_len": int(config.data.seq_len)}
+    )
+
+
+def check_evaluation(config: ml_collections.ConfigDict, lengths: list[int]) -> None:
+    """Validates the evaluation keys (`eval`, `passkey`, `induction`) before any compute."""
+    fail = config_lib.ConfigError
+    ev = config.eval
+    for key in ("max_tokens", "batch_size", "per_position_bins", "bootstrap", "sliding_stride"):
+        if not (isinstance(ev[key], int) and ev[key] > 0):
+            raise fail(f"config.eval.{key}={ev[key]!r} must be a positive integer")
+    for key in ("sliding_tokens", "sliding_max_tokens", "attention_windows"):
+        if not (isinstance(ev[key], int) and ev[key] >= 0):
+            raise fail(f"config.eval.{key}={ev[key]!r} must be an integer >= 0")
+    if ev.sliding_stride > min(config.data.seq_len, lengths[0]):
+        raise fail(
+            f"config.eval.sliding_stride={ev.sliding_stride} must be at most the training length "
+            f"and the shortest eval length ({min(config.data.seq_len, lengths[0])}): the sliding "
+            "protocol scores the last `stride` positions of each window"
+        )
+    if config.induction.enabled:
+        ind = config.induction
+        gaps = induction_gaps(config)
+        if not (isinstance(ind.span, int) and ind.span >= 2):
+            raise fail(f"config.induction.span={ind.span!r} must be an integer >= 2")
+        if not (isinstance(ind.samples, int) and ind.samples >= 1):
+            raise fail(f"config.induction.samples={ind.samples!r} must be a positive integer")
+        if not gaps or any(g < 0 for g in gaps) or 2 * ind.span + gaps[0] > lengths[-1] + 1:
+            raise fail(
+                f"induction gaps {gaps} (config.induction.gaps / gap_multiples) must be >= 0 and "
+                f"the smallest must fit the longest length: 2 * span + gap <= {lengths[-1] + 1}"
+            )
+    if config.passkey.enabled and not (
+        isinstance(config.passkey.samples, int) and config.passkey.samples >= 1
+    ):
+        raise fail(f"config.passkey.samples={config.passkey.samples!r} must be a positive integer")
+
+
+def check_experiment(config: ml_collections.ConfigDict) -> None:
+    """Validates the experiment's own sections (the training sections are validated by
+    load_config)."""
+    fail = config_lib.ConfigError
+    if not config.families:
+        raise fail("config.families is empty; name at least one family")
+    for e in config.families:
+        family_entry(e, config, fail)
+    if len(set(config.families)) != len(config.families):
+        raise fail(f"config.families={tuple(config.families)!r} repeats an entry")
+    for entry in config.families:
+        try:
+            family_config(config, entry)  # validated there
+        except config_lib.ConfigError as err:
+            raise fail(f"config.families entry {entry!r}: {err}") from None
+    scalings = [rope_scaling_entry(e, fail) for e in config.rope_scalings]
+    if len(set(config.rope_scalings)) != len(config.rope_scalings):
+        raise fail(f"config.rope_scalings={tuple(config.rope_scalings)!r} repeats an entry")
+    L = config.data.seq_len
+    for entry, (kind, options) in zip(config.rope_scalings, scalings, strict=True):
+        try:  # the dict at 2L, as the model will check it
+            rotary.validate_rope_scaling(
+                lengths_lib.rope_scaling_row(kind, train_len=L, eval_len=2 * L, **options),
+                config.model.d_model // config.model.num_heads,
+            )
+        except ValueError as err:
+            raise fail(f"config.rope_scalings entry {entry!r}: {err}") from None
+    if config.rope_scalings and not any(is_rotary(e) for e in config.families):
+        raise fail(
+            "config.rope_scalings needs a RoPE entry in config.families (e.g. 'rope'; the rows "
+            "rescale each trained RoPE model)"
+        )
+    lengths = eval_lengths(config)
+    if not lengths or any(x < 2 for x in lengths) or lengths != sorted(set(lengths)):
+        raise fail(
+            f"eval lengths {lengths} (config.eval.lengths / eval.multiples) must be distinct, "
+            "increasing, >= 2"
+        )
+    if config.eval.attention_impl not in IMPLEMENTATIONS:
+        raise fail(
+            f"config.eval.attention_impl={config.eval.attention_impl!r}; "
+            f"allowed: {', '.join(IMPLEMENTATIONS)}"
+        )
+    check_evaluation(config, lengths)
+    check_finetune(config)
+    seeds = config.get("seeds", 1)
+    if not (isinstance(seeds, int) and seeds >= 1):
+        raise fail(f"config.seeds={seeds!r} must be a positive integer (seeds per family)")
+    if config.passkey.enabled:
+        need = probes.passkey_min_length(config.passkey.digits) - 1
+        if lengths[0] < need:
+            raise fail(
+                f"config.passkey.digits={config.passkey.digits} needs eval lengths >= {need}, "
+                f"got {lengths[0]}; use fewer digits or set config.passkey.enabled=False"
+            )
+        if not config.passkey.depths or any(not 0 <= d <= 1 for d in config.passkey.depths):
+            raise fail(
+                f"config.passkey.depths={tuple(config.passkey.depths)!r} must be numbers in [0, 1]"
+            )
+    if config.copy.enabled and not 2 <= config.copy.segment <= lengths[0] // 2:
+        raise fail(
+            f"config.copy.segment={config.copy.segment} must lie in [2, shortest eval length / 2 = "
+            f"{lengths[0] // 2}]"
+        )
+
+
+# Options an entry of config.rope_scalings may set per kind ("yarn:beta_fast=16,beta_slow=2"),
+# and the defaults. "dynamic" keeps Hugging Face's meaning: a configured factor (2, as in HF's
+# documentation), the base recomputed from the length the model reads; linear / ntk / yarn take the
+# factor eval_len / L.
+ROPE_OPTIONS = {
+    "linear": {},
+    "ntk": {},
+    "dynamic": {"factor": 2.0},
+    "yarn": {"beta_fast": 32.0, "beta_slow": 1.0},
+}
+
+
+def rope_scaling_entry(entry: str, fail=ValueError) -> tuple[str, dict[str, float]]:
+    """(kind, options) of an entry of config.rope_scalings: "kind" or "kind:key=value,...".
+
+    The options are the kind's defaults (`ROPE_OPTIONS`) updated by the entry's, so "dynamic" is
+    {"factor": 2.0} and "yarn:beta_fast=16" is {"beta_fast": 16.0, "beta_slow": 1.0}.
+    """
+    kind, _, rest = str(entry).partition(":")
+    if kind not in ROPE_KINDS:
+        raise fail(
+            f"config.rope_scalings has {entry!r}; allowed: {', '.join(ROPE_KINDS)}, optionally "
+            "with options as 'yarn:beta_fast=16,beta_slow=2' or 'dynamic:factor=4'"
+        )
+    options = dict(ROPE_OPTIONS[kind])
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key not in ROPE_OPTIONS[kind]:
+            allowed = ", ".join(ROPE_OPTIONS[kind]) or "none"
+            raise fail(
+                f"config.rope_scalings entry {entry!r}: {item!r} is not key=value with a key of "
+                f"{kind!r} (allowed: {allowed})"
+            )
+        try:
+            options[key] = float(value)
+        except ValueError:
+            raise fail(
+                f"config.rope_scalings entry {entry!r}: {key}={value!r} is not a number"
+            ) from None
+    return kind, options
+
+
+def family_entry(
+    entry: str, config: ml_collections.ConfigDict | None = None, fail=ValueError
+) -> tuple[str, dict[str, Any]]:
+    """(family, {model key: value}) of an entry of config.families: "fire", or a family with
+    settings of its own, "fire:fire_init_c=3.2,fire_init_L=64" (keys of the `model` section).
+
+    Such an entry is a row of its own, trained in its own directory (`entry_dir`): a settings
+    sweep is an experiment whose families are one family under several settings.
+    """
+    try:  # the package's one parser of "family:key=value,..." (model.layer_pattern's too)
+        name, values = pattern.parse_entry(str(entry), where="config.families")
+    except ValueError as err:
+        raise fail(f"{err}") from None
+    overrides = {}
+    for key, value in values.items():
+        known = config is None or key in config.model
+        if not known or key in ("position",):
+            raise fail(
+                f"config.families entry {entry!r}: {key!r} is not a key of the "
+                "model section (e.g. fire_init_c=3.2; the family is the part before ':')"
+            )
+        if key in families.keys() and name not in families.owners(key):
+            raise fail(
+                f"config.families entry {entry!r}: model.{key} is a setting of "
+                f"{', '.join(families.owners(key))}, not of {name}"
+            )
+        overrides[key] = value
+    return name, overrides
+
+
+def entry_dir(workdir: pathlib.Path, entry: str) -> pathlib.Path:
+    """Where an entry of config.families trains: WORKDIR/<family>, or WORKDIR/<family>@<k=v,...>."""
+    return workdir / str(entry).replace(":", "@")
+
+
+FINETUNE_KINDS = ("linear", "ntk", "yarn")  # "dynamic" rescales per window: nothing fixed to tune
+
+
+def finetune_enabled(config: ml_collections.ConfigDict) -> bool:
+    """Whether the config asks for `rope+<kind>+ft` rows (a missing block is off)."""
+    ft = config.get("finetune")
+    return bool(ft is not None and ft.enabled and ft.kinds)
+
+
+def finetune_multiple(config: ml_collections.ConfigDict) -> int:
+    return int(config.finetune.multiple)
+
+
+def finetune_batch_size(config: ml_collections.ConfigDict) -> int:
+    """`finetune.batch_size`, or when 0 the training's tokens per step: train.batch_size //
+    multiple windows (at least 1)."""
+    ft = config.finetune
+    if ft.batch_size:
+        return int(ft.batch_size)
+    return max(1, int(config.train.batch_size) // finetune_multiple(config))
+
+
+def finetune_scaling(config: ml_collections.ConfigDict, kind: str) -> dict[str, Any]:
+    """The fixed Hugging Face `rope_scaling` a `rope+<kind>+ft` row is fine-tuned and evaluated
+    under: factor = finetune.multiple at every length."""
+    L = int(config.data.seq_len)
+    return {
+        "rope_type": kind,
+        "factor": float(finetune_multiple(config)),
+        "original_max_position_embeddings": L,
+    }
+
+
+def check_finetune(config: ml_collections.ConfigDict) -> None:
+    """Validates the `finetune` block (the rope+<kind>+ft rows) before any compute."""
+    if not finetune_enabled(config):
+        return
+    fail = config_lib.ConfigError
+    ft = config.finetune
+    bad = [k for k in ft.kinds if k not in FINETUNE_KINDS]
+    if bad:
+        why = (
+            " ('dynamic' recomputes its factor from each window's length, so there is no fixed "
+            "scaling to fine-tune under)"
+            if "dynamic" in bad
+            else ""
+        )
+        raise fail(
+            f"config.finetune.kinds has {bad[0]!r}{why}; allowed: {', '.join(FINETUNE_KINDS)} "
+            "(or set config.finetune.enabled=False)"
+        )
+    if len(set(ft.kinds)) != len(ft.kinds):
+        raise fail(f"config.finetune.kinds={tuple(ft.kinds)!r} repeats a kind")
+    rotary_entries = [e for e in config.families if is_rotary(e)]
+    if not rotary_entries:
+        raise fail(
+            "config.finetune needs a RoPE entry in config.families (e.g. 'rope'; the rows "
+            "fine-tune each trained RoPE model); add one or set config.finetune.enabled=False"
+        )
+    m = ft.multiple
+    if isinstance(m, bool) or not isinstance(m, int | float) or m != int(m) or m < 2:
+        raise fail(
+            f"config.finetune.multiple={m!r} must be an integer >= 2 (the fine-tune length is "
+            "multiple x data.seq_len)"
+        )
+    for key in ("steps",):
+        if not (isinstance(ft[key], int) and ft[key] >= 1):
+            raise fail(f"config.finetune.{key}={ft[key]!r} must be a positive integer")
+    for key in ("warmup_steps", "batch_size"):
+        if not (isinstance(ft[key], int) and ft[key] >= 0):
+            raise fail(
+                f"config.finetune.{key}={ft[key]!r} must be an integer >= 0"
+                + (" (0: train.batch_size // multiple)" if key == "batch_size" else "")
+            )
+    if not (isinstance(ft.learning_rate, int | float) and ft.learning_rate > 0):
+        raise fail(f"config.finetune.learning_rate={ft.learning_rate!r} must be a number > 0")
+    length = finetune_multiple(config) * int(config.data.seq_len)
+    if config.data.passkey_fraction and length < probes.passkey_min_length(probes.TRAIN_DIGITS):
+        raise fail(
+            f"config.finetune.multiple={m}: fine-tune windows of {length} cannot hold the "
+            "training passkeys; raise it"
+        )
+    head_dim = config_lib.validate(family_config(config, rotary_entries[0])).head_dim
+    for kind in ft.kinds:
+        try:
+            rotary.validate_rope_scaling(finetune_scaling(config, kind), head_dim)
+        except ValueError as e:
+            raise fail(f"config.finetune.kinds: {kind!r} at factor {m}: {e}") from None
+
+
+def family_config(config: ml_collections.ConfigDict, entry: str) -> ml_collections.ConfigDict:
+    """The training config of one entry of config.families: the shared model/data/train sections,
+    its position and its own settings."""
+    out = ml_collections.ConfigDict({k: config[k].to_dict() for k in ("model", "data", "train")})
+    name, overrides = family_entry(entry, config)
+    out.model.position = name
+    for key, value in overrides.items():
+        out.model[key] = value
+    config_lib.validate(out)
+    return out
+
+
+def is_rotary(entry: str) -> bool:
+    """Whether an entry of config.families is a RoPE family (its family registers a rotary
+    position signal), so that eval-time scalings and fine-tunes apply to it."""
+    name, _, _ = str(entry).partition(":")
+    return bool(families.get(name).rotary)

@@ -1,0 +1,216 @@
+"""The evaluators (`posattn.eval.registry`): each built-in one against the function it wraps, the
+probes they read, the shared forward pass, RoPE's eval-time rows, and the registry itself."""
+
+import jax
+import numpy as np
+import pytest
+from conftest import small_config
+
+from posattn import config as config_lib
+from posattn import data
+from posattn.data import probes
+from posattn.eval import heldout, registry, retrieval, scoring, summary
+from posattn.eval import lengths as lengths_lib
+from posattn.train import steps
+
+# ----------------------------------------------------------------------------------------------
+# Probes.
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.3, 1.0])
+def test_passkey_sample_layout(depth):
+    sample = probes.passkey_sample(np.random.default_rng(3), length=80, depth=depth, digits=5)
+    text = sample.tokens.tobytes()
+    assert len(text) == 80 and text.count(probes.NEEDLE_PREFIX) == 2
+    key = text[sample.answer]
+    assert key.isdigit() and len(key) == 5 and text.endswith(probes.NEEDLE_PREFIX + key)
+    assert text[sample.needle_at :].startswith(probes.NEEDLE_PREFIX + key + b". ")
+    assert sum(c.isdigit() for c in text.decode()) == 10  # the filler holds no digit
+    filler = 80 - 2 * (len(probes.NEEDLE_PREFIX) + 5) - 2
+    assert sample.needle_at == round(depth * filler)
+
+
+def test_passkey_scoring_is_exact_match():
+    sample = probes.passkey_sample(np.random.default_rng(0), length=64, depth=0.5)
+    perfect = sample.tokens[1:].astype(np.int32)  # predictions[t] = tokens[t + 1]
+    assert probes.score_passkey(sample, perfect)
+    wrong = perfect.copy()
+    wrong[sample.answer.stop - 2] = ord("x")  # the last digit is predicted at position n - 2
+    assert not probes.score_passkey(sample, wrong)
+    with pytest.raises(ValueError, match="length >= 28"):
+        probes.passkey_sample(np.random.default_rng(0), length=27, depth=0.5)
+
+
+def test_copy_sample_and_score():
+    background = np.frombuffer(b"x = 1\n" * 20, np.uint8)
+    sample = probes.copy_sample(np.random.default_rng(1), background, segment=10)
+    tokens = sample.tokens
+    assert tokens.size == background.size
+    assert np.array_equal(tokens[sample.source], tokens[sample.repeat])
+    assert tokens[sample.repeat].tobytes().isalpha()
+    assert probes.score_copy(sample, tokens[1:]) == (9, 9)
+    assert probes.score_copy(sample, np.zeros(tokens.size - 1, np.int32)) == (0, 9)
+
+
+# ----------------------------------------------------------------------------------------------
+# Passkey rows in training batches.
+
+
+def test_passkey_mixing_is_pure_and_split_by_process():
+    corpus = data.load_corpus("stdlib")
+    kw = dict(seed=7, step=11, batch_size=8, seq_len=48)
+    plain = data.train_batch(corpus, **kw)
+    assert all(
+        np.array_equal(plain[k], data.train_batch(corpus, **kw, passkey_fraction=0.0)[k])
+        for k in plain
+    )
+    mixed = data.train_batch(corpus, **kw, passkey_fraction=0.5)
+    again = data.train_batch(corpus, **kw, passkey_fraction=0.5)
+    assert np.array_equal(mixed["inputs"], again["inputs"])
+    halves = [
+        data.train_batch(corpus, **kw, passkey_fraction=0.5, process_index=i, process_count=2)
+        for i in (0, 1)
+    ]
+    assert np.array_equal(np.concatenate([h["inputs"] for h in halves]), mixed["inputs"])
+    changed = [
+        not np.array_equal(a, b) for a, b in zip(mixed["inputs"], plain["inputs"], strict=True)
+    ]
+    assert 0 < sum(changed) < 8
+    for row, was_changed in zip(mixed["inputs"], changed, strict=True):
+        assert (probes.NEEDLE_PREFIX in row.astype(np.uint8).tobytes()) == was_changed
+    every = data.train_batch(corpus, **kw, passkey_fraction=1.0)
+    for inputs, targets in zip(every["inputs"], every["targets"], strict=True):
+        text = np.concatenate([inputs, targets[-1:]]).astype(np.uint8).tobytes()
+        key = text.rsplit(b"=", 1)[1]
+        assert (
+            text.count(probes.NEEDLE_PREFIX) == 2
+            and key.isdigit()
+            and 1 <= len(key) <= probes.TRAIN_DIGITS
+        )
+        assert probes.NEEDLE_PREFIX + key + b". " in text
+    with pytest.raises(data.DataError, match="passkey_fraction"):
+        data.train_batch(corpus, **kw, passkey_fraction=1.5)
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation functions.
+
+
+def _model(position, **overrides):
+    config = small_config(model__position=position, model__max_len=32, **overrides)
+    cfg = config_lib.validate(config)
+    return cfg, *steps.init_model(cfg, jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def text():
+    return heldout.eval_text(
+        data.load_corpus("stdlib"),
+        lengths=[16, 32, 64],
+        max_tokens=128,
+        sliding_tokens=64,
+        stride=16,
+        seed=0,
+    )
+
+
+def _settings(name, **own):
+    evaluator = registry.get(name)
+    shared = {"train_len": 32, "lengths": [16, 32, 64], "batch_tokens": 4 * 64, "seed": 0}
+    return evaluator, {**evaluator.defaults, **own, **shared}
+
+
+def test_loss_evaluator_matches_eval_step_and_learned_is_null_past_its_table(text):
+    cfg, *model = _model("learned")
+    evaluator, settings = _settings("loss", per_position_bins=4)
+    assert evaluator.run(model, text, 64, settings) is None  # past the learned table
+    got = evaluator.run(model, text, 32, settings)
+    windows, _ = text.plan.windows(text.val, 32)
+    nll, count = steps.eval_step(*model, {"inputs": windows[:, :-1], "targets": windows[:, 1:]})
+    assert summary.mean_losses([got])[0] == pytest.approx(float(nll / count), rel=1e-5)
+    assert "curve" not in got  # the curve is kept at the longest length only
+    direct = scoring.score_lengths(
+        *model,
+        text.val,
+        text.plan,
+        lengths=[32],
+        train_len=32,
+        batch_tokens=256,
+        curve_bins=4,
+        curve_length=64,
+    )[0]
+    np.testing.assert_allclose(got["sum"], direct["sum"])
+
+
+def test_probe_evaluators_wrap_their_scores_and_give_none_where_unreadable(text):
+    cfg, *model = _model("learned")
+    evaluator, settings = _settings("passkey", samples=2, digits=3)
+    got = evaluator.run(model, text, 32, settings)
+    grids = retrieval.passkey_scores(
+        *model, lengths=[32], depths=[0.0, 1.0], samples=2, digits=3, seed=0, batch_tokens=256
+    )
+    assert got["acc"] == [float(x) for x in grids["acc"][0]]
+    assert evaluator.run(model, text, 64, settings)["loss"] == [None, None]
+    evaluator, settings = _settings("induction", samples=2, span=4, gap_multiples=[0, 1])
+    got = evaluator.run(model, text, 32, settings)
+    assert len(got["loss"]) == 2 and got["loss"][1] is None  # 2 * 4 + 32 > 33: does not fit
+    evaluator, settings = _settings("copy", samples=2, segment=4)
+    assert isinstance(evaluator.run(model, text, 32, settings), float)
+    assert evaluator.run(model, text, 64, settings) is None
+    evaluator, settings = _settings("attention", attention_windows=2)
+    stats = evaluator.run(model, text, 32, settings)
+    assert set(stats) == {"entropy", "distance", "mass_beyond_L"} and len(stats["entropy"]) == 2
+    assert evaluator.run(model, text, 64, settings) is None
+
+
+def test_registry_settings_names_and_a_new_evaluator():
+    assert registry.names()[:5] == ["loss", "attention", "passkey", "induction", "copy"]
+    assert registry.settings_of(registry.get("copy"), None) is None  # off by default
+    config = {"copy": {"enabled": True, "samples": 3, "segment": 5, "other": 1}}
+    assert registry.settings_of(registry.get("copy"), config) == {
+        "samples": 3,
+        "segment": 5,
+        "enabled": True,
+    }
+    assert (
+        registry.settings_of(registry.get("attention"), {"eval": {"attention_windows": 0}}) is None
+    )
+    with pytest.raises(KeyError, match="known: loss"):
+        registry.get("bogus")
+    mine = registry.Evaluator("ones", lambda model, text, length, settings: 1.0)
+    registry.register(mine)
+    try:
+        assert "ones" in registry.names()
+        with pytest.raises(ValueError, match="already"):
+            registry.register(mine)
+    finally:
+        registry.unregister("ones")
+    with pytest.raises(ValueError, match="combine"):
+        registry.Evaluator("x", print, combine="sum")
+
+
+def test_chunked_output_projection_is_exact():
+    _, graphdef, params, constants = _model("alibi")
+    tokens = np.asarray(data.load_corpus("stdlib").val[:200], np.int32)
+    inputs, targets = tokens[None, :-1], tokens[None, 1:]  # T = 199: not a multiple of the chunk
+    whole = lengths_lib.token_stats(graphdef, params, constants, inputs, targets, chunk=199)
+    chunked = lengths_lib.token_stats(graphdef, params, constants, inputs, targets, chunk=16)
+    np.testing.assert_allclose(chunked[0], whole[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(chunked[1], whole[1])
+
+
+def test_rope_rows_change_only_the_frequencies(text):
+    cfg, graphdef, params, constants = _model("rope")
+    assert lengths_lib.rope_scaling_row("linear", train_len=32, eval_len=32) is None
+    scaling = lengths_lib.rope_scaling_row("linear", train_len=32, eval_len=64)
+    assert scaling == {"rope_type": "linear", "factor": 2.0, "original_max_position_embeddings": 32}
+    graphdef2, constants2 = lengths_lib.with_rope_scaling(cfg, scaling)
+    leaves, leaves2 = jax.tree.leaves(constants), jax.tree.leaves(constants2)
+    assert len(leaves) == len(leaves2) == 1
+    np.testing.assert_allclose(leaves2[0], leaves[0] / 2.0, rtol=1e-6)  # linear PI: theta / s
+    evaluator, settings = _settings("loss")
+    plain = evaluator.run((graphdef, params, constants), text, 64, settings)
+    scaled = evaluator.run((graphdef2, params, constants2), text, 64, settings)
+    assert summary.mean_losses([plain]) != summary.mean_losses([scaled])
+    with pytest.raises(ValueError, match="RoPE"):
+        lengths_lib.with_rope_scaling(_model("alibi")[0], scaling)
