@@ -1,4 +1,4 @@
-"""results.md and the plots, from results.json alone (`write(results, out_dir)`)."""
+"""results.md and the plots (`plots.py`), from results.json alone (`write(results, out_dir)`)."""
 
 from __future__ import annotations
 
@@ -6,13 +6,15 @@ import pathlib
 
 import numpy as np
 
-__all__ = ["markdown", "plots", "write"]
+from . import plots
+
+__all__ = ["markdown", "write"]
 
 
 def write(results: dict, out_dir: pathlib.Path) -> None:
     """results.md and the PNGs of `results` in `out_dir`."""
     (out_dir / "results.md").write_text(markdown(results))
-    plots(results, out_dir)
+    plots.plots(results, out_dir)
 
 
 def _table(title: str, lengths, rows: dict[str, list], fmt: str) -> list[str]:
@@ -280,193 +282,3 @@ def _other_code_lines(results: dict) -> list[str]:
     if not lines:
         return []
     return ["Rows produced by other code than this run's:", "", *lines, ""]
-
-
-def plots(results: dict, workdir: pathlib.Path) -> None:
-    """loss_vs_length.png (three panels: non-overlapping, positions >= L, sliding; 95%
-    intervals), per_position.png (with interval bands), passkey_heatmap.png, induction.png,
-    attention_stats.png (and copy_vs_length.png)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    L, fams = results["train_len"], results["families"]
-    lengths = next(iter(fams.values()))["eval_len"]
-    # A fine-tuned row <entry>+<kind>+ft takes the colour of its eval-time row <entry>+<kind>.
-    base = {
-        n: n[: -len("+ft")] if n.endswith("+ft") and n[: -len("+ft")] in fams else n for n in fams
-    }
-    palette = list(dict.fromkeys(base.values()))
-    colors = {name: plt.cm.tab20(palette.index(base[name]) % 20) for name in fams}
-
-    def style(name):
-        if name.endswith("+ft"):  # fine-tuned: dash-dot, square markers
-            return dict(ls="-.", marker="s", ms=3, color=colors[name])
-        return dict(ls="--" if "+" in name else "-", marker="o", ms=3, color=colors[name])
-
-    finite = [v for f in fams.values() for v in f["loss"][:1] if v is not None]
-    top = 2.5 * max(finite) if finite else None
-
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8), sharey=True)
-    panels = (
-        ("loss", "loss_ci", "non-overlapping windows"),
-        ("loss_beyond_L", "loss_beyond_L_ci", f"positions >= L = {L} only"),
-        ("loss_sliding", "loss_sliding_ci", "sliding windows"),
-    )
-    for ax, (key, ci_key, title) in zip(axes, panels, strict=True):
-        for name, f in fams.items():
-            pts = [
-                (x, y, c)
-                for x, y, c in zip(f["eval_len"], f[key], f[ci_key], strict=True)
-                if y is not None
-            ]
-            if not pts:
-                continue
-            xs, ys, cis = zip(*pts, strict=True)
-            ax.errorbar(
-                xs,
-                ys,
-                yerr=[
-                    [y - c[0] for y, c in zip(ys, cis, strict=True)],
-                    [c[1] - y for y, c in zip(ys, cis, strict=True)],
-                ],
-                label=name,
-                capsize=2,
-                **style(name),
-            )
-        ax.set(xscale="log", xlabel="eval length (tokens)", title=title, ylim=(None, top))
-        ax.set_xticks(lengths, [str(x) for x in lengths])
-        ax.set_xticks([], minor=True)
-        ax.axvline(L, color="gray", lw=0.8)
-    axes[0].set_ylabel(f"loss ({results['loss_unit']}), 95% interval")
-    axes[0].legend(fontsize=7, ncol=2)
-    fig.suptitle(f"Held-out loss vs length, trained at L = {L}")
-    fig.tight_layout(), fig.savefig(workdir / "loss_vs_length.png", dpi=120), plt.close(fig)
-
-    pp = results["per_position"]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, c in pp["curves"].items():
-        x = np.add(c["position"], 1)
-        ax.plot(x, c["loss"], label=name, **style(name))
-        lo, hi = zip(*c["ci"], strict=True)
-        ax.fill_between(x, lo, hi, color=colors[name], alpha=0.15, lw=0)
-    ax.set(
-        xscale="log",
-        xlabel="tokens of context (position + 1; log-spaced bins)",
-        ylabel="mean loss in bin (95% interval)",
-        ylim=(None, top),
-        title=f"Per-position loss, windows of {pp['eval_len']} (L = {L})",
-    )
-    ax.axvline(L, color="gray", lw=0.8)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout(), fig.savefig(workdir / "per_position.png", dpi=120), plt.close(fig)
-
-    if results["induction"]:
-        ind = results["induction"]
-        fig, axes = plt.subplots(
-            1, len(lengths), figsize=(3.2 * len(lengths), 3.6), sharey=True, squeeze=False
-        )
-        for a, (ax, length) in enumerate(zip(axes[0], lengths, strict=True)):
-            for name, grid in ind["loss"].items():
-                pts = [
-                    (g + 1, y) for g, y in zip(ind["gaps"], grid[a], strict=True) if y is not None
-                ]
-                if pts:
-                    ax.plot(*zip(*pts, strict=True), label=name, **style(name))
-            ax.axhline(ind["chance_loss"], color="gray", lw=0.8, ls=":")
-            ax.axvline(L + 1, color="gray", lw=0.8)
-            ax.set(xscale="log", xlabel="gap + 1 (bytes)", title=f"length {length}")
-        axes[0, 0].set_ylabel("loss on the repeat (nats/letter)")
-        axes[0, -1].legend(fontsize=6, ncol=2)
-        fig.suptitle(
-            f"Induction: random {ind['span']}-letter string repeated after a gap (L = {L})"
-        )
-        fig.tight_layout(), fig.savefig(workdir / "induction.png", dpi=120), plt.close(fig)
-
-    if results["attention_stats"]:
-        attention_figure(results, workdir / "attention_stats.png", style)
-
-    if results["passkey"]:
-        grids = results["passkey"]["acc"]
-        cols = 5
-        fig, axes = plt.subplots(
-            -(-len(grids) // cols),
-            cols,
-            figsize=(2.8 * cols, 2.6 * -(-len(grids) // cols)),
-            squeeze=False,
-            layout="constrained",
-        )
-        # More axes than grids: the spare ones are turned off below.
-        for ax, (name, grid) in zip(axes.flat, grids.items(), strict=False):
-            img = np.array(
-                [[np.nan if v is None else v for v in row] for row in grid]
-            ).T  # (depths, lengths)
-            im = ax.imshow(img, vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="lower")
-            ax.set_title(name, fontsize=8)
-            ax.set_xticks(range(len(lengths)), [str(x) for x in lengths], fontsize=6)
-            ax.set_yticks(
-                range(len(results["passkey"]["depths"])), results["passkey"]["depths"], fontsize=6
-            )
-        for ax in axes.flat[len(grids) :]:
-            ax.axis("off")
-        fig.colorbar(im, ax=axes, shrink=0.6, label="exact-match accuracy")
-        fig.suptitle(f"Passkey: length (x) by depth (y), trained at L = {L}")
-        fig.savefig(workdir / "passkey_heatmap.png", dpi=120), plt.close(fig)
-
-    if results["copy_acc"]:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for name, acc in results["copy_acc"].items():
-            pts = [(x, y) for x, y in zip(lengths, acc, strict=True) if y is not None]
-            if pts:
-                ax.plot(*zip(*pts, strict=True), label=name, **style(name))
-        ax.set(
-            xscale="log",
-            xlabel="eval length",
-            ylabel="copy accuracy",
-            ylim=(0, 1),
-            title=f"Copy task vs length, trained at L = {L}",
-        )
-        ax.set_xticks(lengths, [str(x) for x in lengths])
-        ax.axvline(L, color="gray", lw=0.8)
-        ax.legend(fontsize=7, ncol=2)
-        fig.tight_layout(), fig.savefig(workdir / "copy_vs_length.png", dpi=120), plt.close(fig)
-
-
-def attention_figure(results: dict, path: pathlib.Path, style) -> None:
-    """attention_stats.png: entropy, mean distance and mass beyond L (mean over heads) vs length,
-    one column per layer."""
-    import matplotlib.pyplot as plt
-
-    block, L = results["attention_stats"], results["train_len"]
-    lengths = next(iter(results["families"].values()))["eval_len"]
-    first = next(s for r in block["rows"].values() for s in r if s is not None)
-    layers_ = len(first["entropy"])
-    names = (
-        ("entropy", "entropy (nats)"),
-        ("distance", "mean distance (tokens)"),
-        ("mass_beyond_L", f"mass on keys >= {L} away"),
-    )
-    fig, axes = plt.subplots(3, layers_, figsize=(4.5 * layers_, 9), squeeze=False, sharex=True)
-    for m, (key, label) in enumerate(names):
-        for layer in range(layers_):
-            ax = axes[m, layer]
-            for name, per_length in block["rows"].items():
-                pts = [
-                    (x, float(np.mean(s[key][layer])))
-                    for x, s in zip(lengths, per_length, strict=True)
-                    if s is not None
-                ]
-                if pts:
-                    ax.plot(*zip(*pts, strict=True), label=name, **style(name))
-            ax.set(xscale="log", ylabel=label if layer == 0 else None)
-            ax.axvline(L, color="gray", lw=0.8)
-            if m == 0:
-                ax.set_title(f"layer {layer} (mean over heads)")
-            ax.set_xticks(lengths, [str(x) for x in lengths])
-            ax.set_xticks([], minor=True)
-            if m == 2:
-                ax.set_xlabel("eval length")
-    axes[0, -1].legend(fontsize=6, ncol=2)
-    fig.suptitle(f"Attention per layer, last min(T, L) queries of {block['windows']} windows")
-    fig.tight_layout(), fig.savefig(path, dpi=110), plt.close(fig)
