@@ -204,13 +204,22 @@ def family_entry(
     """(family, {model key: value}) of an entry of config.families: "fire", or a family with
     settings of its own, "fire:fire_init_c=3.2,fire_init_L=64" (keys of the `model` section).
 
+    An entry is also a layer pattern (`model.layer_pattern`, docs/training.md): entries joined by
+    "|" are cycled over the layers ("rope:window=32|nope": a sliding-window RoPE layer, then a
+    global NoPE one), and an entry with a per-layer key ("nope:ssmax=True", "rope:window=32")
+    puts that layer on every layer. The row's family is then its first entry's.
+
     Such an entry is a row of its own, trained in its own directory (`entry_dir`): a settings
     sweep is an experiment whose families are one family under several settings.
     """
+    parts = str(entry).split("|")
     try:  # the package's one parser of "family:key=value,..." (model.layer_pattern's too)
-        name, values = pattern.parse_entry(str(entry), where="config.families")
+        parsed = [pattern.parse_entry(part, where="config.families") for part in parts]
     except ValueError as err:
         raise fail(f"{err}") from None
+    name, values = parsed[0]
+    if len(parts) > 1 or any(key in pattern.LAYER_KEYS for _, v in parsed for key in v):
+        return name, {"layer_pattern": tuple(parts)}  # validated with the model's config
     overrides = {}
     for key, value in values.items():
         known = config is None or key in config.model

@@ -16,7 +16,7 @@ from posattn.eval import registry
 
 sys.path.insert(0, str(ROOT / "experiments"))
 import length_extrapolation as experiment  # noqa: E402
-from length_extrapolation import provenance  # noqa: E402
+from length_extrapolation import provenance, settings  # noqa: E402
 
 
 def _experiment():
@@ -64,6 +64,26 @@ def test_family_entries_carry_their_own_settings_and_directories(tmp_path):
         experiment.check_experiment(
             config_lib.load_config(f"{ROOT / 'configs' / 'extrapolation_settings.py'}:{arg}", [])
         )
+
+
+def test_an_entry_may_be_a_layer_pattern(tmp_path):
+    """ "a|b" cycles entries over the layers; a per-layer key puts its layer on every layer."""
+    experiment = _experiment()
+    config = config_lib.load_config(ROOT / "configs" / "extrapolation.py", [])
+    hybrid = experiment.family_config(config, "rope:window=32|nope")
+    assert hybrid.model.position == "rope"
+    assert tuple(hybrid.model.layer_pattern) == ("rope:window=32", "nope")
+    ssmax = experiment.family_config(config, "nope:ssmax=True")
+    assert tuple(ssmax.model.layer_pattern) == ("nope:ssmax=True",)
+    assert settings.is_rotary("rope:window=32|nope")  # its eval-time scalings apply
+    for entry, words in (
+        ("rope:window=0|nope", ["window", "0"]),
+        ("rope|bogus", ["bogus", "unknown"]),
+    ):
+        config.families = ("alibi", entry)
+        with pytest.raises(config_lib.ConfigError) as err:
+            experiment.check_experiment(config)
+        assert all(w in str(err.value) for w in words), str(err.value)
 
 
 def test_rope_scaling_entries_keep_hugging_face_meanings():
