@@ -5,7 +5,7 @@ and how long does it take next to reading the same file with safetensors alone?
 
 Run (from the repository root):
     PYTHONPATH=src python benchmarks/hf_load.py             # --size small (40 MB): a smoke run
-    PYTHONPATH=src python benchmarks/hf_load.py --size 1b   # 1.1B params, 2.2 GB (quiet machine)
+    PYTHONPATH=src python benchmarks/hf_load.py --size 1b   # 886M params, 1.7 GiB (quiet machine)
 
 Writes a synthetic Llama-shaped bfloat16 checkpoint (config.json + model.safetensors, random
 values) under --dir, then in two fresh processes: (1) safetensors alone reads every tensor into
