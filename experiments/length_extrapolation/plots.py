@@ -160,6 +160,8 @@ def _per_position_figure(plt, results, style, path) -> None:
     L, pp = results["train_len"], results["per_position"]
     groups = [(g, [n for n in names if n in pp["curves"]]) for g, names in _groups(pp["curves"])]
     groups = [(g, names) for g, names in groups if names]
+    if not groups:  # no row has a per-position curve
+        return
     fig, axes = plt.subplots(1, len(groups), figsize=(7.5 * len(groups), 4.6), squeeze=False)
     for ax, (group, names) in zip(axes[0], groups, strict=True):
         shown = []

@@ -180,7 +180,7 @@ def test_end_to_end_files_schema_new_evaluator_and_rerun_reuses(tmp_path, capsys
 
     # python -m posattn.eval on the trained RoPE: the same loss, written beside, and nothing
     # under checkpoints/ created or changed.
-    from posattn.eval import __main__ as eval_cli
+    from posattn import evaluate as eval_cli
 
     ckpt = tmp_path / "rope" / "checkpoints"
     before = sorted((str(p), p.stat().st_mtime_ns) for p in ckpt.rglob("*"))
