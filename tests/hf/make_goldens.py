@@ -123,6 +123,27 @@ def cases() -> dict[str, tuple[str, dict, dict]]:
             ),
             {},
         ),
+        # MPT: ALiBi (4 heads, and 6: a head count that is no power of two), no biases,
+        # LayerNorm without bias, tied embeddings; T = 24 <= max_seq_len (transformers' MPT
+        # builds its ALiBi bias for max_seq_len positions and cannot read more).
+        "mpt": (
+            "MptConfig",
+            dict(vocab_size=64, d_model=32, n_heads=4, n_layers=2, max_seq_len=32),
+            {},
+        ),
+        "mpt_six_heads": (
+            "MptConfig",
+            dict(
+                vocab_size=64,
+                d_model=36,
+                n_heads=6,
+                n_layers=2,
+                max_seq_len=24,
+                layer_norm_epsilon=1e-6,
+                attn_config={"alibi": True, "alibi_bias_max": 8},
+            ),
+            {},
+        ),
         "llama_sharded": ("LlamaConfig", dict(LLAMA, tie_word_embeddings=False), {"shard": "8KB"}),
         "llama_bf16": ("LlamaConfig", dict(LLAMA, tie_word_embeddings=False), {"bf16": True}),
         "llama_legacy": (

@@ -117,7 +117,62 @@ def test_tensors_are_checked_both_ways_and_by_shape(tmp_path):
         hf.from_pretrained(path)
 
 
-@pytest.mark.parametrize("case", ["qwen2", "gpt2", "bloom", "llama_mqa_tied", "neox_sequential"])
+@pytest.mark.parametrize(
+    "changes, named",
+    [
+        (dict(attn_config={"clip_qkv": 8.0}), "attn_config.clip_qkv=8.0"),
+        (dict(attn_config={"qk_ln": True}), "attn_config.qk_ln=True"),
+        (dict(attn_config={"alibi": False}), "attn_config.alibi=False"),
+        (dict(attn_config={"alibi_bias_max": 16}), "attn_config.alibi_bias_max=16"),
+        (dict(attn_config={"softmax_scale": 0.5}), "attn_config.softmax_scale=0.5"),
+        (dict(attn_config={"prefix_lm": True}), "attn_config.prefix_lm=True"),
+        (dict(attn_config={"attn_type": "multiquery_attention"}), "attn_config.attn_type"),
+        (dict(no_bias=False), "no_bias=False"),
+        (dict(expansion_ratio=2), "expansion_ratio=2"),
+        (dict(logit_scale=0.5), "logit_scale=0.5"),
+        (dict(norm_type="rmsnorm"), "norm_type='rmsnorm'"),
+    ],
+)
+def test_unsupported_mpt_options_are_refused_naming_the_key(tmp_path, changes, named):
+    path = _copy(tmp_path, "mpt")
+    _edit_config(path, **changes)
+    with pytest.raises(HfConfigError, match=named):
+        hf.from_pretrained(path)
+
+
+def _mpt_slopes(num_heads: int, alibi_bias_max: float = 8.0) -> np.ndarray:
+    """transformers' `modeling_mpt.build_mpt_alibi_tensor` slopes, in numpy (float32 as torch)."""
+    n = 2 ** int(np.ceil(np.log2(num_heads)))
+    base = np.arange(1, n + 1, dtype=np.float32) * np.float32(alibi_bias_max / n)
+    slopes = np.float32(1.0) / np.power(np.float32(2.0), base)
+    if n != num_heads:
+        slopes = np.concatenate([slopes[1::2], slopes[::2]])[:num_heads]
+    return slopes
+
+
+@pytest.mark.parametrize("num_heads", list(range(1, 33)) + [48, 71, 96])
+def test_mpt_alibi_slopes_are_press_slopes_for_any_head_count(num_heads):
+    # MPT pads to the next power of two P and interleaves (slopes of P/2, then the odd ones of
+    # P); Press et al. take the largest power below N, then every other slope of twice it: the
+    # same slopes in the same head order whenever alibi_bias_max is 8.
+    from posattn import positions
+
+    ours = np.asarray(positions.alibi_slopes(num_heads))
+    np.testing.assert_allclose(ours, _mpt_slopes(num_heads), rtol=1e-7, atol=0)
+
+
+def test_mpt_slope_formula_is_transformers_own():
+    pytest.importorskip("transformers")
+    from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
+
+    for num_heads in (1, 3, 4, 6, 12, 20):
+        bias = build_mpt_alibi_tensor(num_heads, 5).numpy()  # [N, 1, 5]: slope * (j - 4)
+        np.testing.assert_allclose(-bias[:, 0, 0] / 4, _mpt_slopes(num_heads), rtol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "case", ["qwen2", "gpt2", "bloom", "llama_mqa_tied", "neox_sequential", "mpt_six_heads"]
+)
 def test_save_then_load_gives_the_same_parameters(tmp_path, case):
     model = hf.from_pretrained(GOLDENS / case)
     hf.save_pretrained(model, tmp_path / "out")
@@ -165,7 +220,7 @@ def test_a_model_without_a_hugging_face_twin_is_not_saved(tmp_path):
 # ---- Live tests: transformers in this process (skipped where it is absent, as on CI). ----
 
 
-@pytest.mark.parametrize("case", ["qwen2", "gpt2", "bloom", "neox_parallel", "gemma"])
+@pytest.mark.parametrize("case", ["qwen2", "gpt2", "bloom", "neox_parallel", "gemma", "mpt"])
 def test_transformers_reads_save_pretrained_to_the_same_logits(tmp_path, case):
     pytest.importorskip("transformers")
     import torch

@@ -316,11 +316,15 @@ def model_type_of(cfg: ModelConfig) -> str:
     if cfg.position == "alibi" and arch == ("layer", True, "plain", "one", False):
         if cfg.bias == "all" and cfg.embed_norm and cfg.activation == "gelu_tanh":
             return "bloom"
+    if cfg.position == "alibi" and arch == ("layer", False, "plain", "one", False):
+        plain = cfg.bias == "none" and not cfg.embed_norm and cfg.activation == "gelu"
+        if plain and cfg.ff_dim == 4 * cfg.d_model and cfg.settings.slope_scale == 1:
+            return "mpt"
     raise ValueError(
         "this model has no Hugging Face architecture that computes the same function; "
         "save_pretrained writes Llama/Qwen2/Gemma (rope, half layout, RMSNorm, gated MLP), "
-        "GPT-NeoX (rope, LayerNorm, biases), GPT-2 (learned positions) and BLOOM "
-        "(ALiBi) models"
+        "GPT-NeoX (rope, LayerNorm, biases), GPT-2 (learned positions), BLOOM "
+        "(ALiBi, biases) and MPT (ALiBi, no biases) models"
     )
 
 

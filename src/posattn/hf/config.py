@@ -35,7 +35,7 @@ TRAINING_KEYS = (
     "init_from",
 )
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma", "gpt2", "bloom", "gpt_neox")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma", "gpt2", "bloom", "gpt_neox", "mpt")
 
 # Hugging Face `hidden_act` / `activation_function` -> model.activation.
 _ACTIVATIONS = {
@@ -253,6 +253,52 @@ def _neox(hf: dict) -> dict[str, Any]:
     )
 
 
+# MPT `attn_config` keys and the values posattn computes exactly as transformers' MptForCausalLM.
+_MPT_ATTN = {
+    "attn_type": (("multihead_attention",), "multi-head attention (Wqkv holds q, k, v of N heads)"),
+    "alibi": ((True,), "ALiBi attention (MPT without ALiBi has no transformers model)"),
+    # transformers builds the slopes with alibi_bias_max=8 whatever the config says, and MPT's
+    # own code uses the config's value: another value would be two different functions.
+    "alibi_bias_max": ((8,), "8, the value transformers computes the slopes with"),
+    "clip_qkv": ((None,), "null (no clamping of q, k, v)"),
+    "softmax_scale": ((None,), "null (logits scaled by 1/sqrt(head dim))"),
+    "qk_ln": ((False,), "false (no LayerNorm on q and k; transformers' MPT has none)"),
+    "prefix_lm": ((False,), "false (causal attention)"),
+}
+
+
+def _mpt(hf: dict) -> dict[str, Any]:
+    """MPT (MosaicML; transformers' `MptForCausalLM`): ALiBi, LayerNorm without bias, no biases,
+    exact GELU, a 4 x d_model MLP, tied embeddings. Options transformers ignores but MPT's own
+    code computes (`expansion_ratio`, `no_bias=false`, `logit_scale`, `alibi_bias_max`, `qk_ln`)
+    are refused at any value but the one both compute."""
+    attn = dict(hf.get("attn_config") or {})
+    for key, (allowed, why) in _MPT_ATTN.items():
+        if key in attn and attn[key] not in allowed:
+            raise _refuse(f"attn_config.{key}", attn[key], f"only {allowed[0]!r}: {why}")
+    _expect(hf, "no_bias", (True,), "no biases: transformers' MPT has none")
+    _expect(hf, "expansion_ratio", (4,), "an MLP of 4 x d_model, as transformers computes")
+    _expect(hf, "logit_scale", (None,), "no scaling of the logits")
+    _expect(hf, "norm_type", ("low_precision_layernorm", "layernorm"), "LayerNorm")
+    d, n = hf["d_model"], hf["n_heads"]
+    return dict(
+        position="alibi",
+        vocab_size=hf["vocab_size"],
+        d_model=d,
+        num_layers=hf["n_layers"],
+        num_heads=n,
+        num_kv_heads=n,
+        d_ff=4 * d,
+        norm="layer",
+        norm_bias=False,
+        norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+        activation="gelu",  # nn.GELU(approximate="none")
+        bias="none",
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        embed_scale="one",
+    )
+
+
 _PARSERS = {
     "llama": _llama,
     "mistral": _llama,
@@ -261,6 +307,7 @@ _PARSERS = {
     "bloom": _bloom,
     "gpt_neox": _neox,
     "gemma": _gemma,
+    "mpt": _mpt,
 }
 
 
@@ -387,5 +434,18 @@ def hf_config(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
             n_layer=cfg.num_layers,
             n_head=cfg.num_heads,
             layer_norm_epsilon=cfg.norm_eps,
+        )
+    if model_type == "mpt":
+        return dict(
+            common,
+            architectures=["MptForCausalLM"],
+            d_model=cfg.d_model,
+            n_heads=cfg.num_heads,
+            n_layers=cfg.num_layers,
+            expansion_ratio=4,
+            max_seq_len=2048,  # transformers' MPT reads up to this many positions
+            layer_norm_epsilon=cfg.norm_eps,
+            no_bias=True,
+            attn_config={"alibi": True, "alibi_bias_max": 8, "attn_type": "multihead_attention"},
         )
     raise ValueError(f"model_type {model_type!r}: supported " + ", ".join(ARCHITECTURES))

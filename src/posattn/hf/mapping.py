@@ -2,7 +2,8 @@
 
 A `Rule` ties one or more file tensors to one or more parameters: `load` turns the file's arrays
 into the parameters' (transposes, GPT-2's Conv1D [in, out] weights, the fused qkv of BLOOM and
-GPT-NeoX with their head-interleaved [N, 3, H] rows), `save` is its inverse. posattn layouts:
+GPT-NeoX with their head-interleaved [N, 3, H] rows, MPT's stacked q | k | v rows), `save` is its
+inverse. posattn layouts:
 embed/head [V, D], wq [D, N, H], wk/wv [D, K, H], wo [N, H, D], biases flat, w1/w3 [D, F],
 w2 [F, D], norms scale/bias [D]. torch `nn.Linear` weights are [out, in].
 """
@@ -95,9 +96,25 @@ def _conv_qkv_out(q, k, v):
     return [np.concatenate(flat, axis=-1)]
 
 
+def _stacked_qkv_in(N, H):  # MPT Wqkv: torch [3 N H, D], rows q | k | v (each head-major)
+    def load(w):
+        return [part.T.reshape(w.shape[1], N, H) for part in np.split(w, 3, axis=0)]
+
+    return load
+
+
+def _stacked_qkv_out(q, k, v):
+    return [np.concatenate([x.reshape(x.shape[0], -1).T for x in (q, k, v)], axis=0)]
+
+
 def base_prefix(model_type: str) -> str:
     """The prefix of the base model's tensors (files of the bare base model may lack it)."""
-    prefixes = {"gpt2": "transformer.", "bloom": "transformer.", "gpt_neox": "gpt_neox."}
+    prefixes = {
+        "gpt2": "transformer.",
+        "bloom": "transformer.",
+        "gpt_neox": "gpt_neox.",
+        "mpt": "transformer.",
+    }
     return prefixes.get(model_type, "model.")
 
 
@@ -231,5 +248,21 @@ def rules(cfg: ModelConfig, model_type: str) -> list[Rule]:
             bias(f"{L}mlp.dense_4h_to_h", (*b, "mlp", "b2"))
         if not cfg.tie_embeddings:
             out.append(_copy("embed_out.weight", ("head",)))
+        return out
+    if model_type == "mpt":
+        out.append(_copy(f"{p}wte.weight", ("embed",)))
+        norm(f"{p}norm_f", ("final_norm",))
+        for i in range(cfg.num_layers):
+            L, b = f"{p}blocks.{i}.", ("blocks", i)
+            norm(f"{L}norm_1", (*b, "attn_norm"))
+            norm(f"{L}norm_2", (*b, "mlp_norm"))
+            qkv = tuple((*b, "attn", w) for w in ("wq", "wk", "wv"))
+            wqkv = (f"{L}attn.Wqkv.weight",)
+            out.append(Rule(wqkv, qkv, _stacked_qkv_in(N, H), _stacked_qkv_out))
+            out.append(_out_proj(f"{L}attn.out_proj.weight", (*b, "attn", "wo"), N, H))
+            out.append(_linear(f"{L}ffn.up_proj.weight", (*b, "mlp", "w1")))
+            out.append(_linear(f"{L}ffn.down_proj.weight", (*b, "mlp", "w2")))
+        if not cfg.tie_embeddings:
+            out.append(_copy("lm_head.weight", ("head",)))
         return out
     raise ValueError(f"no tensor mapping for model_type {model_type!r}")
