@@ -9,6 +9,7 @@ from posattn import config as config_lib
 from posattn import data as data_lib
 from posattn.train import NonFiniteLossError, WorkdirBusyError
 
+from . import pretrained
 from .provenance import ROOT, ProducedByOtherCode
 from .run import run
 from .training import Interrupted
@@ -38,7 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         args = cli.parse(COMMAND, argv)
-        run(args.config, args.workdir, reuse=args.reuse)
+        # A config with pretrained.path set evaluates that checkpoint's rows (pretrained.py).
+        runner = pretrained.run if pretrained.enabled(args.config) else run
+        runner(args.config, args.workdir, reuse=args.reuse)
     except (config_lib.ConfigError, data_lib.DataError) as e:
         print(f"length_extrapolation: error: {e}", file=sys.stderr)
         return 2

@@ -114,6 +114,44 @@ def plots(results: dict, out_dir: pathlib.Path) -> None:
         _attention_figure(plt, results, style, out_dir / "attention_stats.png")
     if results.get("copy_acc"):
         _copy_figure(plt, results, style, out_dir / "copy_vs_length.png")
+    if any("bits_per_byte" in f for f in fams.values()):
+        _bits_figure(plt, results, style, out_dir / "bits_per_byte_vs_length.png")
+
+
+def _bits_figure(plt, results, style, path) -> None:
+    """Bits per byte vs length (both windowings), the rows that report it (`pretrained` rows)."""
+    L, fams = results["train_len"], results["families"]
+    lengths = next(iter(fams.values()))["eval_len"]
+    names = [n for n, f in fams.items() if "bits_per_byte" in f]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), squeeze=False)
+    for ax, (key, title) in zip(
+        axes[0],
+        (("bits_per_byte", "non-overlapping windows"), ("bits_per_byte_sliding", "sliding")),
+        strict=True,
+    ):
+        shown = []
+        for name in names:
+            f = fams[name]
+            pts = [
+                (x, y, c)
+                for x, y, c in zip(f["eval_len"], f[key], f[f"{key}_ci"], strict=True)
+                if y is not None
+            ]
+            if not pts:
+                continue
+            xs, ys, cis = zip(*pts, strict=True)
+            low = [y - c[0] for y, c in zip(ys, cis, strict=True)]
+            high = [c[1] - y for y, c in zip(ys, cis, strict=True)]
+            ax.errorbar(xs, ys, yerr=[low, high], label=name, capsize=2, **style(name))
+            shown += [c[0] for c in cis] + [c[1] for c in cis]
+        _fit(ax, shown)
+        _length_axis(ax, lengths)
+        _mark_L(ax, L)
+        ax.set_title(title, fontsize=9)
+        ax.set_ylabel("bits per UTF-8 byte, 95% interval")
+    axes[0, 0].legend(fontsize=7)
+    fig.suptitle(f"Held-out bits per byte vs length, L = {L}")
+    fig.tight_layout(), fig.savefig(path, dpi=120), plt.close(fig)
 
 
 def _loss_figure(plt, results, style, path) -> None:

@@ -101,6 +101,7 @@ def markdown(results: dict) -> str:
         "",
     ]
     out += _other_code_lines(results)
+    out += _pretrained_lines(results, lengths)
     out += _ci_table(
         "Loss (nats), non-overlapping windows (every position of a window read from scratch)",
         lengths,
@@ -186,6 +187,8 @@ def markdown(results: dict) -> str:
             "Copy accuracy (repeated random-letter segment)", lengths, results["copy_acc"], ".2f"
         )
     out += _attention_table(results, lengths)
+    if not results["training"]:  # rows of published checkpoints: nothing trained here
+        return "\n".join(out) + "\n"
     out += [
         "### Training",
         "",
@@ -216,6 +219,40 @@ def markdown(results: dict) -> str:
             for kind, t in tuned.items()
         ]
     return "\n".join(out) + "\n"
+
+
+def _pretrained_lines(results: dict, lengths) -> list[str]:
+    """The checkpoint of `pretrained` rows: where it came from, its training length, tokenizer
+    and BOS rule, the evaluators skipped, and the loss in bits per byte."""
+    info = results.get("pretrained")
+    if not info:
+        return []
+    fams, text = results["families"], info["text"]
+    bos = "no BOS" if info["bos"] is None else f"BOS {info['bos_token']!r} (id {info['bos']})"
+    out = [
+        f"Checkpoint `{info['path']}` ({info['model_type']}, {info['position']} positions, "
+        f"{info['dtype']}), L = {info['train_len']} from {info['train_len_from']}; its tokenizer "
+        f"reads the {text['files']} held-out files as {text['tokens']} tokens of "
+        f"{text['bytes']} UTF-8 bytes ({text['bytes_per_token']:.2f} bytes a token); windows "
+        f"start with {bos}: {info['bos_rule']}.",
+        "",
+    ]
+    for name, why in info["skipped"].items():
+        out += [f"- `{name}` skipped: {why}."]
+    if info["skipped"]:
+        out += [""]
+    out += _ci_table(
+        "Bits per byte, non-overlapping windows (summed NLL / (ln 2 x UTF-8 bytes of the scored "
+        "tokens' text); compares across tokenizers)",
+        lengths,
+        {n: (f["bits_per_byte"], f["bits_per_byte_ci"]) for n, f in fams.items()},
+    )
+    out += _ci_table(
+        "Bits per byte, sliding windows",
+        lengths,
+        {n: (f["bits_per_byte_sliding"], f["bits_per_byte_sliding_ci"]) for n, f in fams.items()},
+    )
+    return out
 
 
 def _attention_table(results: dict, lengths) -> list[str]:

@@ -11,6 +11,13 @@ A row is one model read at every eval length; three kinds, none of them tied to 
   fine-tuned at `finetune.multiple` x L under the fixed scaling of factor `finetune.multiple`,
   read with that scaling at every length (<= L included).
 
+A fourth kind, `pretrained`, is a published checkpoint (`config.pretrained.path`,
+`build_pretrained_rows`): row `<name>` reads it as it is, rows `<name>+<scaling>` under each
+eval-time `rope_scalings` entry when it is a RoPE model (the factor T / L against the checkpoint's
+training length L, as for a trained entry). Its fine-tune rows are not built yet: a
+`finetune` kind on a pretrained row is where they go (`Row.finetune`, read by
+`pretrained.Checkpoint.params_of`).
+
 `Row.reads(length)` says which model a row reads at a length (`ModelKey`): rows that read the
 same model there (a scaling row at T <= L and its trained row) share one evaluation.
 """
@@ -33,7 +40,7 @@ from .settings import (
     rope_scaling_entry,
 )
 
-__all__ = ["ModelKey", "Row", "build_rows"]
+__all__ = ["ModelKey", "Row", "build_pretrained_rows", "build_rows"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +66,7 @@ class Row:
       train_config: that entry's training config (validated once, shared by its rows).
       scaling: the eval-time `rope_scalings` entry ("yarn:beta_fast=16"), or None.
       finetune: the fine-tune kind ("yarn"), or None.
+      checkpoint: the Hugging Face checkpoint directory of a `pretrained` row (None: trained).
     """
 
     name: str
@@ -66,6 +74,16 @@ class Row:
     train_config: ml_collections.ConfigDict = dataclasses.field(compare=False, repr=False)
     scaling: str | None = None
     finetune: str | None = None
+    checkpoint: str | None = None
+
+    @property
+    def kind(self) -> str:
+        """ "pretrained", "finetune", "scaling" or "trained"."""
+        if self.checkpoint is not None:
+            return "pretrained"
+        if self.finetune is not None:
+            return "finetune"
+        return "scaling" if self.scaling is not None else "trained"
 
     def reads(self, config: ml_collections.ConfigDict, length: int) -> ModelKey:
         """The model this row reads at `length`."""
@@ -80,7 +98,10 @@ class Row:
 
     def settings(self) -> dict[str, Any]:
         """What identifies the row's numbers besides the code, the text and the parameters."""
-        return {"entry": self.entry, "scaling": self.scaling, "finetune": self.finetune}
+        out = {"entry": self.entry, "scaling": self.scaling, "finetune": self.finetune}
+        if self.checkpoint is not None:  # trained rows keep the keys their caches were made with
+            out["checkpoint"] = self.checkpoint
+        return out
 
 
 def build_rows(config: ml_collections.ConfigDict) -> list[Row]:
@@ -98,4 +119,16 @@ def build_rows(config: ml_collections.ConfigDict) -> list[Row]:
         if tune:
             for kind in config.finetune.kinds:
                 rows.append(Row(f"{entry}+{kind}+ft", str(entry), train_config, finetune=kind))
+    return rows
+
+
+def build_pretrained_rows(config: ml_collections.ConfigDict, name: str, rotary: bool) -> list[Row]:
+    """The rows of the checkpoint `config.pretrained.path` (named `name`): the checkpoint as it
+    is, then, for a RoPE checkpoint (`rotary`), one row per `rope_scalings` entry. `config` is the
+    resolved one (`data.seq_len` = the checkpoint's training length)."""
+    path = str(config.pretrained.path)
+    rows = [Row(name, name, None, checkpoint=path)]
+    if rotary:
+        for scaling in config.rope_scalings:
+            rows.append(Row(f"{name}+{scaling}", name, None, scaling=str(scaling), checkpoint=path))
     return rows

@@ -56,6 +56,8 @@ class Evaluator:
       defaults: its own settings and their values when the config does not set them.
       enabled: whether `settings` (its own) turn it on; default: `settings.get("enabled", True)`.
       combine: how the values of several seeds make one row's: "mean", "first" or "all".
+      byte_level: whether its probes are byte sequences (digits, letters as byte ids), so that it
+        reads only a byte-level model (vocabulary 256); a model with a tokenizer skips it.
     """
 
     name: str
@@ -64,6 +66,7 @@ class Evaluator:
     defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     enabled: Callable[[Mapping[str, Any]], bool] = _enabled_flag
     combine: str = "mean"
+    byte_level: bool = False
 
     def __post_init__(self):
         if self.combine not in ("mean", "first", "all"):
@@ -146,6 +149,7 @@ register(
             "distractors": True,
             "enabled": True,
         },
+        byte_level=True,
     )
 )
 register(
@@ -154,6 +158,7 @@ register(
         retrieval.induction_evaluator,
         section="induction",
         defaults={"gap_multiples": [0.5, 4], "gaps": [], "span": 8, "samples": 32, "enabled": True},
+        byte_level=True,
     )
 )
 register(
@@ -162,5 +167,6 @@ register(
         retrieval.copy_evaluator,
         section="copy",
         defaults={"samples": 8, "segment": 12, "enabled": False},
+        byte_level=True,
     )
 )
