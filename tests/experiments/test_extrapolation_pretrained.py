@@ -77,7 +77,7 @@ def _direct(path, tok, text_dir, length, *, bos):
     file's text, the tokenizer's offsets and the model's logits."""
     corpus = data.load_corpus(str(text_dir))
     model = hf.from_pretrained(path)
-    nll = count = nbytes = 0.0
+    windows, nbytes = [], 0
     for a, b in corpus.val_spans:
         text = corpus.val[a:b].tobytes().decode()
         enc = tok.encode(text, add_special_tokens=False)
@@ -89,12 +89,15 @@ def _direct(path, tok, text_dir, length, *, bos):
                 window = ids[s : s + length + 1].copy()
                 if bos is not None:
                     window[0] = bos
-                logits = np.asarray(model(jnp.asarray(window[None, :-1])), np.float64)[0]
-                m = logits.max(-1, keepdims=True)
-                logp = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
-                nll -= logp[np.arange(length), window[1:]].sum()
-                count += length
+                windows.append(window)
                 nbytes += len(text[ends[s] : ends[s + length]].encode("utf-8"))
+    windows = np.stack(windows)
+    logits = np.asarray(model(jnp.asarray(windows[:, :-1])), np.float64)  # (W, T, V)
+    m = logits.max(-1, keepdims=True)
+    logp = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
+    targets = windows[:, 1:]
+    nll = -np.take_along_axis(logp, targets[..., None], axis=-1).sum()
+    count = targets.size
     return nll, count, nbytes
 
 
