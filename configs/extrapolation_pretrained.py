@@ -22,6 +22,8 @@ What the numbers are:
     hold a few thousand tokens each (its longest a few tens of thousands), so for a long-context
     checkpoint give `eval.lengths` or a corpus of long documents (`data.corpus=DIR`).
   * passkey, induction and copy are byte-level probes: skipped, with a note in results.json.
+    The attention statistics hold a float32 [heads, L, T] softmax per layer and window: for a
+    large model at long T set `eval.attention_windows=0`.
   * `finetune` stays off: fine-tuning a checkpoint is not part of these rows yet.
 """
 

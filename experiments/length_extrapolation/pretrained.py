@@ -40,6 +40,7 @@ from posattn.nn.model import TransformerLM
 from . import provenance as prov_lib
 from . import report, results
 from .rows import ModelKey, Row, build_pretrained_rows
+from .run import eval_settings_sha, evaluators_of
 from .settings import check_evaluation, eval_lengths, rope_scaling_entry
 from .training import say
 
@@ -313,7 +314,6 @@ def run(config: ml_collections.ConfigDict, workdir, *, reuse: bool = False) -> d
     reads tokens, every length); writes results.json, results.md and the plots in `workdir`."""
     config, info = check_pretrained(config)
     tokenizer, cfg = info.pop("_tokenizer"), info.pop("_cfg")
-    from .run import eval_settings_sha, evaluators_of
 
     workdir = pathlib.Path(workdir)
     lengths = eval_lengths(config)

@@ -175,3 +175,28 @@ def test_rope_scalings_of_a_checkpoint_without_rope_are_refused(tmp_path, capsys
     found = json.loads((tmp_path / "run" / "results.json").read_text())
     assert found["pretrained"]["train_len"] == 8 and found["pretrained"]["bos"] == 1
     assert found["families"]["tiny-llama"]["bits_per_byte"][1] is not None
+
+
+def test_bos_rule_and_bos_windows(tmp_path):
+    from posattn.eval import heldout, tokenized
+
+    text_dir = _text_dir(tmp_path)
+    path, tok = _checkpoint(tmp_path, text_dir)
+    bos = tok.token_to_id("<s>")
+    assert tokenized.bos_token(path, tok)[0] == bos  # the post-processor's <s>
+    (path / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False}))
+    assert tokenized.bos_token(path, tok)[0] is None  # tokenizer_config.json decides first
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"add_bos_token": True, "bos_token": {"content": "<unk>"}})
+    )
+    assert tokenized.bos_token(path, tok)[0] == tok.token_to_id("<unk>")
+
+    text = tokenized.tokenize_held_out(data.load_corpus(str(text_dir)), tok, name="t")
+    assert text.token_bytes.sum() == text.info["bytes"] > text.info["tokens"]
+    held = heldout.held_out_units(text.corpus, block=64)
+    plan = heldout.make_plan(held, max_len=16, tokens=64, sliding_tokens=32, stride=8, seed=0)
+    with_bos = tokenized.with_bos(plan, bos)
+    assert with_bos.fingerprint != plan.fingerprint
+    for method, args in (("windows", (text.corpus.val, 8)), ("sliding", (text.corpus.val, 16))):
+        a, b = getattr(plan, method)(*args)[0], getattr(with_bos, method)(*args)[0]
+        assert (b[:, 0] == bos).all() and (a[:, 1:] == b[:, 1:]).all()

@@ -238,7 +238,7 @@ def test_transformers_reads_save_pretrained_to_the_same_logits(tmp_path, case):
     assert err < TOL, err
 
 
-@pytest.mark.parametrize("case", ["rope_yarn", "llama_head_dim"])
+@pytest.mark.parametrize("case", ["rope_yarn", "llama_head_dim", "mpt_six_heads"])
 def test_goldens_rebuilt_in_process_still_match(tmp_path, case):
     pytest.importorskip("transformers")
     import make_goldens
