@@ -64,6 +64,7 @@ def _args(path, workdir, *extra):
         "--config.eval.max_tokens=1000000",  # every chunk of every held-out file
         "--config.eval.sliding_tokens=64",
         "--config.eval.bootstrap=20",
+        "--config.eval.batch_size=16",
         "--config.eval.attention_windows=1",
         "--config.eval.per_position_bins=4",
         "--config.rope_scalings=('yarn',)",
@@ -131,7 +132,14 @@ def test_a_checkpoint_is_evaluated_per_token_and_per_byte_with_bos(tmp_path, cap
 
     # Without BOS the windows start in the text: a different loss, again the direct one.
     plain = tmp_path / "plain"
-    argv = _args(path, plain, f"--config.data.corpus={text_dir}", "--config.pretrained.bos=never")
+    argv = _args(
+        path,
+        plain,
+        f"--config.data.corpus={text_dir}",
+        "--config.pretrained.bos=never",
+        "--config.rope_scalings=()",
+        "--config.eval.attention_windows=0",
+    )
     assert experiment.main(argv) == 0
     again = json.loads((plain / "results.json").read_text())["families"]["tiny-llama"]
     nll, count, _ = _direct(path, tok, text_dir, 8, bos=None)
@@ -170,7 +178,7 @@ def test_rope_scalings_of_a_checkpoint_without_rope_are_refused(tmp_path, capsys
     argv = _args(path, tmp_path / "run", f"--config.data.corpus={text_dir}")
     assert experiment.main(argv) == 2
     assert "not RoPE; set config.rope_scalings=()" in capsys.readouterr().err
-    argv = [*argv, "--config.rope_scalings=()"]
+    argv = [*argv, "--config.rope_scalings=()", "--config.eval.attention_windows=0"]
     assert experiment.main(argv) == 0
     found = json.loads((tmp_path / "run" / "results.json").read_text())
     assert found["pretrained"]["train_len"] == 8 and found["pretrained"]["bos"] == 1
