@@ -14,7 +14,9 @@ Run (from the repository root):
 with their machine: docs/benchmarks.md and docs/attention.md.)
 
 Configs (both built from configs/tiny.py through the command-line override path):
-  tiny   configs/tiny.py as it is: d_model 64, 2 layers, 4 query / 2 key-value heads, T 64, batch 8.
+  tiny   the length-extrapolation experiment's shape (configs/extrapolation.py): configs/tiny.py
+         with 4 / 4 heads and batch 32: d_model 64, 2 layers, 4 heads of 16, T 64 (2048 tokens
+         per step).
   small  d_model 128, 4 layers, 4 / 4 heads (head dim 32), d_ff 512, T 256, batch 16 (4096
          tokens per step): the goal's shape and benchmarks/xtransformers_baseline.py's defaults.
 
@@ -78,7 +80,7 @@ from posattn.train import steps
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = {
-    "tiny": [],
+    "tiny": ["model.num_kv_heads=4", "train.batch_size=32"],
     "small": [
         "model.d_model=128",
         "model.num_layers=4",

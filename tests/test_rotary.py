@@ -6,6 +6,7 @@ Run: .venv/bin/python -m pytest tests/test_rotary.py -q
 
 import collections
 import math
+import re
 
 import chex
 import jax
@@ -1065,6 +1066,38 @@ def test_jit_vmap_and_eval_shape():
         jax.ShapeDtypeStruct((64,), jnp.float32),
     )
     assert big.shape == (8, 8192, 32, 128) and big.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "half"])
+def test_compiled_rotation_evaluates_cos_and_sin_once_per_position_and_frequency(layout):
+    # The gradient of a rotation of q [B, T, N, H], compiled: every cosine and sine XLA runs has
+    # at most T x F elements (the table), never one per element of q. XLA:CPU fuses an elementwise
+    # table into its consumers otherwise, which made RoPE a quarter of a training step.
+    B, T, N, H = 4, 32, 3, 16
+    x = pseudo_random((B, T, N, H), seed=12)
+    inv_freq = rope_frequencies(H)[0]
+
+    def loss(x):
+        return jnp.sum(apply_rope(x, jnp.arange(T), inv_freq, layout=layout) ** 2)
+
+    text = jax.jit(jax.grad(loss)).lower(x).compile().as_text()
+    # A fused computation is a loop over its outputs' elements: one holding a cosine or a sine
+    # evaluates it once per output element, so its outputs must be table-sized.
+    outputs = [
+        header
+        for header, body in re.findall(
+            r"\n(%?[\w.-]+ \([^\n]*\) -> [^\n]*) \{\n(.*?)\n\}", text, re.S
+        )
+        if re.search(r" (?:cosine|sine)\(", body)
+    ]
+    assert outputs, "no cosine or sine found in the compiled program"
+    for header in outputs:
+        result = header.split(" -> ", 1)[1]
+        sizes = [
+            math.prod(int(d) for d in dims.split(",") if d)
+            for dims in re.findall(r"f32\[([\d,]*)\]", result)
+        ]
+        assert max(sizes) <= T * (H // 2), header
 
 
 def test_bad_arguments_are_refused():

@@ -574,6 +574,21 @@ def rope_angles(positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------------------------
 # Rotation.
 # ----------------------------------------------------------------------------------------------
+def _rotation_table(angles: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) of `angles` [..., T, 1, F], computed once per (position, frequency).
+
+    Both tables are read back through a gather (an identity index over F) so that XLA keeps them
+    as arrays: without it, XLA:CPU fuses `rope_angles` and the two transcendentals into every
+    elementwise loop that reads the rotation (the forward of q and k, their transposes in the
+    backward), evaluating them once per element of [B, T, N, F] instead of once per [T, F]. At the
+    experiment's shape (d_model 64, 2 layers, 4 heads of 16, T 64, batch 32) those loops were a
+    quarter of a training step (`benchmarks/step_profile.py`, docs/benchmarks.md). The values are
+    the same either way.
+    """
+    index = jnp.arange(angles.shape[-1])
+    return tuple(jnp.take(f(angles), index, axis=-1) for f in (jnp.cos, jnp.sin))
+
+
 def apply_rope(
     x: jax.Array,
     positions: jax.Array,
@@ -627,7 +642,7 @@ def apply_rope(
             f"{x.shape[:-2]}."
         )
     angles = rope_angles(positions, inv_freq)[..., None, :]  # (..., T, 1, F)
-    rotation = jax.lax.complex(jnp.cos(angles), jnp.sin(angles)) * attention_factor
+    rotation = jax.lax.complex(*_rotation_table(angles)) * attention_factor
     x32 = x.astype(jnp.float32)
     rotated = x32[..., : 2 * freqs]  # the whole head unless partial
     if layout == "interleaved":

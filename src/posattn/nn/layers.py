@@ -18,6 +18,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from posattn import attention as attention_lib
@@ -329,23 +330,51 @@ class Attention(nnx.Module):
     def _bias(self, shared) -> PositionBias | None:
         return self.bias if self.bias is not None or shared is None else shared[1]
 
+    def _projections(self, x: jax.Array, names: str) -> list[jax.Array]:
+        """x[B, T, D] through the projections `names` (of "q", "k", "v"), [B, T, heads, H] each,
+        plus their biases, by one matrix product.
+
+        The weights are concatenated into one [D, sum of heads x H] matrix for the product (the
+        parameters stay separate), so q, k and v cost one GEMM forward and two backward instead of
+        three and six: at the training shapes of docs/benchmarks.md, separate narrow products ran
+        well below the rate of one wide one. Each output is the same dot product either way.
+        """
+        dt = self.dtype
+        weights = [getattr(self, f"w{n}")[...] for n in names]  # (D, heads, H) each
+        flat = [w.reshape(w.shape[0], -1) for w in weights]
+        w = flat[0] if len(flat) == 1 else jnp.concatenate(flat, axis=1)
+        y = dense(x, w.astype(dt))  # (B, T, sum of heads x H)
+        splits = np.cumsum([f.shape[1] for f in flat])[:-1].tolist()
+        return [
+            _bias(part.reshape(*part.shape[:-1], *wt.shape[1:]), self, f"b{n}", dt)
+            for part, wt, n in zip(jnp.split(y, splits, axis=-1), weights, names, strict=True)
+        ]
+
     def project_kv(
         self, x: jax.Array, positions: jax.Array, *, seq_len, rotate: bool = True, shared=None
     ) -> tuple[jax.Array, jax.Array]:
         """Keys and values of x[B, S, D] at `positions` (keys rotated for RoPE when `rotate`)."""
-        k = _bias(dense(x, self.wk[...].astype(self.dtype)), self, "bk", self.dtype)  # (B, S, K, H)
-        v = _bias(dense(x, self.wv[...].astype(self.dtype)), self, "bv", self.dtype)  # (B, S, K, H)
+        k, v = self._projections(x, "kv")  # (B, S, K, H) each
         rotary_module = self._rotary(shared)
         if rotary_module is not None and rotate:
             k = rotary_module(k, positions, seq_len=seq_len)
         return k, v
 
     def project_q(self, x: jax.Array, positions: jax.Array, *, seq_len, shared=None) -> jax.Array:
-        q = _bias(dense(x, self.wq[...].astype(self.dtype)), self, "bq", self.dtype)  # (B, T, N, H)
+        (q,) = self._projections(x, "q")  # (B, T, N, H)
         rotary_module = self._rotary(shared)
         if rotary_module is not None:
             q = rotary_module(q, positions, seq_len=seq_len)
         return q
+
+    def project_qkv(self, x: jax.Array, positions: jax.Array, *, seq_len, shared=None):
+        """(q, k, v) of x[B, T, D] at `positions`, as `project_q` and `project_kv` give them, by
+        one matrix product."""
+        q, k, v = self._projections(x, "qkv")
+        rotary_module = self._rotary(shared)
+        if rotary_module is not None:
+            q, k = (rotary_module(t, positions, seq_len=seq_len) for t in (q, k))
+        return q, k, v
 
     def _temper(self, q, positions, kv_len):
         return q if self.temperature is None else self.temperature(q, positions, kv_len=kv_len)
@@ -402,8 +431,10 @@ class Attention(nnx.Module):
         positions = token_positions(0, x.shape[1])
         seq_len = x.shape[1] if kv_lengths is None else kv_lengths
         if self.owns_kv:
-            kv = self.project_kv(x, positions, seq_len=seq_len, shared=shared)
-        q = self.project_q(x, positions, seq_len=seq_len, shared=shared)
+            q, *kv = self.project_qkv(x, positions, seq_len=seq_len, shared=shared)
+            kv = tuple(kv)
+        else:
+            q = self.project_q(x, positions, seq_len=seq_len, shared=shared)
         q = self._temper(q, positions, x.shape[1] if kv_lengths is None else kv_lengths)
         log_forget = None if self.forget is None else self.forget(x)  # (B, T, N)
         out = self.attend(
