@@ -214,9 +214,8 @@ class Rotary(nnx.Module):
             None if scaling is None else tuple(sorted(scaling.items())),
             settings.layout,
         )
-        self.dynamic = (
-            rotary.rope_kind(scaling) in rotary.LENGTH_DEPENDENT
-        )  # frequencies follow the current length
+        # Frequencies that follow the current length (dynamic NTK, LongRoPE).
+        self.dynamic = rotary.rope_kind(scaling) in rotary.LENGTH_DEPENDENT
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, *, seq_len: jax.Array | int
