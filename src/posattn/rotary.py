@@ -145,7 +145,8 @@ def validate_rope_scaling(scaling: Mapping | None, head_dim: int) -> dict[str, A
     if kind is not None and alias is not None and kind != alias:
         raise _refuse("type", alias, f"it is an alias of 'rope_type', which says {kind!r}")
     kind = rope_kind(cfg)
-    cfg.pop("rope_type", None), cfg.pop("type", None)
+    for name in ("rope_type", "type"):
+        cfg.pop(name, None)
     if kind not in _KEYS:
         raise _refuse("rope_type", kind, f"known types are {', '.join(ROPE_TYPES)}")
     _check_head_dim(head_dim, kind)

@@ -88,7 +88,8 @@ def _rope(
             f"only 1.0 for model_type {hf['model_type']!r} (its attention rotates the whole head)",
         )
     kind = rotary.rope_kind(params)
-    params.pop("rope_type", None), params.pop("type", None)
+    for name in ("rope_type", "type"):
+        params.pop(name, None)
     if kind == "proportional":
         raise _refuse(f"{key}.rope_type", kind, "proportional RoPE is Gemma 4's, not this model's")
     m_l = hf.get("max_position_embeddings")
