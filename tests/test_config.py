@@ -134,10 +134,15 @@ def test_every_default_is_written_once_in_the_settings_dataclasses():
 def test_model_config_reads_its_familys_keys_only():
     cfg = config_lib.validate(load("model.position=t5", "model.t5_max_distance=64"))
     assert cfg.settings == families.T5Settings(num_buckets=32, max_distance=64)
-    assert cfg.t5_max_distance == 64 and cfg.keys()["t5_max_distance"] == 64
+    assert cfg.settings.max_distance == 64 and cfg.keys()["t5_max_distance"] == 64
     assert "rope_base" not in cfg.keys()
-    with pytest.raises(AttributeError, match="position='t5' reads .*t5_num_buckets"):
-        cfg.rope_base  # noqa: B018
+    # A family's keys are read through `settings` only: no attribute forwarding on the config.
+    assert "__getattr__" not in vars(ModelConfig)
+    for name in ("t5_max_distance", "rope_base", "max_len"):
+        assert not hasattr(cfg, name), name
+    assert cfg.max_positions is None
+    learned = config_lib.validate(load("model.position=learned", "model.max_len=96"))
+    assert learned.max_positions == learned.settings.max_len == 96
     moved = cfg.replace(position="alibi", alibi_slope_scale=0.5, d_model=32)
     assert moved.settings == families.AlibiSettings(slope_scale=0.5) and moved.d_model == 32
     assert hash(moved) == hash(cfg.replace(position="alibi", alibi_slope_scale=0.5, d_model=32))

@@ -15,6 +15,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+from posattn import rotary
 from posattn.rotary import (
     ROPE_TYPES,
     apply_rope,
@@ -1129,3 +1130,14 @@ def test_decay_bound_starts_at_half_the_pairs_and_falls_slower_for_a_larger_base
     assert all(np.diff(windows) < 0), windows  # measured 21.5, 12.8, 8.9, 6.3, 5.0
     assert np.any(np.diff(small) > 0)  # with ripples, not monotone
     assert bounds[1e6][64:4096].mean() > small[64:4096].mean()  # a larger base stretches the decay
+
+
+def test_rope_kind_reads_rope_type_then_its_alias():
+    """The one reader of a rope_scaling dict's kind (the layers, the decoder and the settings ask
+    it): "rope_type", else Hugging Face's older "type", else plain RoPE."""
+    assert rotary.rope_kind(None) == rotary.rope_kind({}) == "default"
+    assert rotary.rope_kind({"type": "dynamic", "factor": 2.0}) == "dynamic"
+    assert rotary.rope_kind({"rope_type": "yarn", "type": None}) == "yarn"
+    assert rotary.rope_kind({"rope_type": None, "type": "linear"}) == "linear"
+    for kind in rotary.LENGTH_DEPENDENT:
+        assert rotary.rope_kind({"rope_type": kind}) == kind

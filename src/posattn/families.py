@@ -125,6 +125,11 @@ class Settings:
         """Raises ValueError naming the config key, the value and what is allowed."""
         del ctx
 
+    @property
+    def max_positions(self) -> int | None:
+        """The most positions this family gives a signal (0..max_positions-1); None: any."""
+        return None
+
     def check_length(self, length: int) -> None:
         """Raises ValueError if this family cannot give positions 0..length-1 a signal."""
         del length
@@ -237,7 +242,7 @@ class RopeSettings(Settings):
                 "{'rope_type': 'linear', 'factor': 4.0, 'original_max_position_embeddings': 512}",
             )
         scaling = self.scaling_dict or {}
-        kind = scaling.get("rope_type", scaling.get("type"))
+        kind = rotary.rope_kind(self.scaling_dict)
         for name in ("partial_factor", "proportion"):
             value = getattr(self, name)
             if value == 1 and not isinstance(value, bool):
@@ -266,7 +271,7 @@ class RopeSettings(Settings):
                 "with rope_scaling type 'proportional' the fraction is proportional RoPE's: use "
                 f"model.{self._key('proportion')}",
             )
-        if self.proportion != 1 and kind not in (None, "default", "proportional"):
+        if self.proportion != 1 and kind not in ("default", "proportional"):
             raise _invalid(
                 self._key("proportion"),
                 self.proportion,
@@ -285,9 +290,8 @@ class RopeSettings(Settings):
                 raise ValueError(f"{where}: {e}") from None
 
     def not_continuous(self) -> dict[str, str]:
-        params = self.rope_parameters or {}
-        kind = params.get("rope_type", params.get("type"))
-        if kind in ("dynamic", "longrope"):
+        kind = rotary.rope_kind(self.rope_parameters)
+        if kind in rotary.LENGTH_DEPENDENT:
             return {
                 self._key("base"): f"with rope_scaling type {kind!r}, the frequencies are "
                 "recomputed from the base and the current length inside the program"
@@ -303,6 +307,10 @@ class LearnedSettings(Settings):
 
     def validate(self, ctx: Context) -> None:
         self._positive_int("max_len")
+
+    @property
+    def max_positions(self) -> int:
+        return self.max_len
 
     def check_length(self, length: int) -> None:
         if length > self.max_len:

@@ -68,6 +68,20 @@ _KEYS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "proportional": ((), {"factor": 1.0}),
 }
 PARTIAL_KEY = _PARTIAL = "partial_rotary_factor"  # HF's key, in every kind's dict
+# Kinds whose frequencies follow the current length (dynamic NTK; LongRoPE's long factors past m_l).
+LENGTH_DEPENDENT = ("dynamic", "longrope")
+
+
+def rope_kind(scaling: Mapping | None) -> str:
+    """The kind of a Hugging Face `rope_scaling` dict: its "rope_type", else its older alias
+    "type", else "default" (also for None: plain RoPE). Every reader of the kind asks here;
+    `validate_rope_scaling` refuses a dict whose two keys disagree."""
+    if scaling is None:
+        return "default"
+    kind = scaling.get("rope_type")
+    if kind is None:
+        kind = scaling.get("type")
+    return "default" if kind is None else kind
 
 
 # ----------------------------------------------------------------------------------------------
@@ -127,10 +141,12 @@ def validate_rope_scaling(scaling: Mapping | None, head_dim: int) -> dict[str, A
             f"rope_scaling = {scaling!r} is not allowed: it must be None or a dict such as "
             "{'rope_type': 'linear', 'factor': 2.0}."
         )
-    kind, alias = cfg.pop("rope_type", None), cfg.pop("type", None)
+    kind, alias = cfg.get("rope_type"), cfg.get("type")
     if kind is not None and alias is not None and kind != alias:
         raise _refuse("type", alias, f"it is an alias of 'rope_type', which says {kind!r}")
-    kind = kind if kind is not None else (alias if alias is not None else "default")
+    kind = rope_kind(cfg)
+    for name in ("rope_type", "type"):
+        cfg.pop(name, None)
     if kind not in _KEYS:
         raise _refuse("rope_type", kind, f"known types are {', '.join(ROPE_TYPES)}")
     _check_head_dim(head_dim, kind)

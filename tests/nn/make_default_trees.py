@@ -3,7 +3,10 @@ values) of a freshly initialised TransformerLM for every family, unrolled and sc
 
 Made from the code before `model.layer_pattern` existed, so that `test_pattern.py` can check that
 the default model (an empty pattern) keeps that tree path by path, and its initial values too:
-checkpoints written before it still restore.
+checkpoints written before it still restore. The scanned entries' values ("-scan1") were
+written again when the scanned layout started drawing its initial values as the unrolled layout
+does (its blocks are the per-layer blocks, stacked): each of their sums is the sum of the unrolled
+entry's layers, and the unrolled entries did not change.
 
     git archive 4616777 src | tar -x -C /tmp/base
     PYTHONPATH=/tmp/base/src python tests/nn/make_default_trees.py

@@ -46,7 +46,9 @@ VARIANTS = {
 
 def _record():
     """Parameter paths, shapes and dtypes and the first two training losses of two default
-    models (as tests/nn/data/default_model_baseline.json was recorded before the switches)."""
+    models (as tests/nn/data/default_model_baseline.json was recorded before the switches; its
+    scanned entry's losses were recorded again when the scanned layout started from the unrolled
+    layout's initial values, stacked)."""
     out = {}
     scan = {"position": "alibi", "num_kv_heads": 2, "scan_layers": True}
     cases = {"rope": {}, "alibi_gqa_scan": scan}

@@ -224,6 +224,34 @@ def test_scan_layers_gives_the_loops_loss_and_gradients(position, extra):
     assert_trees_close(convert_layout(scan_grads, cfg, scan_layers=False), grads)
 
 
+@pytest.mark.parametrize(
+    "position, extra",
+    [
+        ("rope", {}),
+        ("alibi", {}),
+        ("t5", {}),  # one table for the stack: the model's shared_bias
+        ("kerple_log", {}),  # shared (r1, r2)
+        ("kerple_power", {"kerple_per_layer": True}),
+        ("fire", {}),  # an MLP per layer, drawn before its block
+        ("learned", {"max_len": 64}),
+        ("fox", {}),  # a forget gate per layer
+        ("rope", {"tie_embeddings": False, "mlp": "gated", "bias": "all", "kind": "encoder"}),
+    ],
+)
+def test_one_seed_gives_one_model_in_both_layer_layouts(position, extra):
+    """The scanned layout's initial state is the unrolled layout's, stacked, bit for bit (its
+    blocks draw their values in the unrolled order), so both start from the same loss."""
+    common = dict(position=position, d_model=32, num_layers=3, **extra)
+    cfg, scan_cfg = make_cfg(**common), make_cfg(scan_layers=True, **common)
+    _, params, constants = steps.init_model(cfg, jax.random.key(3))
+    _, scan_params, scan_constants = steps.init_model(scan_cfg, jax.random.key(3))
+    stacked = convert_layout((params, constants), cfg, scan_layers=True)
+    assert_trees_close(stacked, (scan_params, scan_constants), rtol=0, atol=0)
+    loss, _ = loss_and_grads(cfg, seed=3)
+    scan_loss, _ = loss_and_grads(scan_cfg, seed=3)
+    np.testing.assert_allclose(scan_loss, loss, rtol=1e-6)
+
+
 def test_convert_layout_round_trips_and_refuses_a_converted_state():
     cfg = make_cfg(position="t5", d_model=32, num_layers=3)
     _, params, _ = steps.init_model(cfg, jax.random.key(0))

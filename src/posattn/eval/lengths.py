@@ -62,7 +62,7 @@ def max_length(cfg: ModelConfig) -> int | None:
     Learned absolute embeddings stop at their table (`model.max_len`); every other family computes
     its position signal for any position (whether it is any good there is what we measure).
     """
-    return cfg.max_len if cfg.family.embedding == "learned" else None
+    return cfg.max_positions
 
 
 def can_read(cfg: ModelConfig, length: int) -> bool:

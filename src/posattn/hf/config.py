@@ -87,8 +87,9 @@ def _rope(
             partial,
             f"only 1.0 for model_type {hf['model_type']!r} (its attention rotates the whole head)",
         )
-    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    params.pop("type", None)
+    kind = rotary.rope_kind(params)
+    for name in ("rope_type", "type"):
+        params.pop(name, None)
     if kind == "proportional":
         raise _refuse(f"{key}.rope_type", kind, "proportional RoPE is Gemma 4's, not this model's")
     m_l = hf.get("max_position_embeddings")
@@ -368,7 +369,7 @@ def hf_config(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
     common["tie_word_embeddings"] = cfg.tie_embeddings
     if model_type in ("llama", "mistral", "qwen2", "gemma"):
         params = {"rope_type": "default", **(cfg.settings.scaling_dict or {})}
-        params["rope_theta"] = cfg.rope_base
+        params["rope_theta"] = cfg.settings.base
         arch = {
             "llama": "LlamaForCausalLM",
             "mistral": "MistralForCausalLM",
@@ -405,13 +406,15 @@ def hf_config(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
             n_layer=cfg.num_layers,
             n_head=cfg.num_heads,
             n_inner=cfg.ff_dim,
-            n_positions=cfg.max_len,
+            n_positions=cfg.settings.max_len,
             layer_norm_epsilon=cfg.norm_eps,
             activation_function={"gelu_tanh": "gelu_new"}.get(cfg.activation, cfg.activation),
         )
     if model_type == "gpt_neox":
         params = {"rope_type": "default", **(cfg.settings.scaling_dict or {})}
-        params.update(rope_theta=cfg.rope_base, partial_rotary_factor=cfg.rope_partial_factor)
+        params.update(
+            rope_theta=cfg.settings.base, partial_rotary_factor=cfg.settings.partial_factor
+        )
         return dict(
             common,
             architectures=["GPTNeoXForCausalLM"],

@@ -39,7 +39,7 @@ class ModelConfig:
 
     Shape letters: V vocab, D d_model, N query heads, K key/value heads, H head dim, F d_ff.
     Every field but `settings` is the config key `model.<field>`; the family's own keys are read
-    through `settings` (or as attributes: `cfg.t5_max_distance` of a T5 model).
+    through `settings` (`cfg.settings.max_distance` is `model.t5_max_distance` of a T5 model).
     """
 
     position: str = _key("rope", "the position family (posattn.families)")
@@ -162,18 +162,10 @@ class ModelConfig:
             init_scale=self.init_scale,
         )
 
-    def __getattr__(self, name: str) -> Any:
-        # Only reached when normal lookup fails: the family's keys read as attributes.
-        settings = self.__dict__.get("settings")
-        if settings is None or name.startswith("_"):
-            raise AttributeError(name)
-        fields = type(settings).keys()
-        if name in fields:
-            return getattr(settings, fields[name].name)
-        raise AttributeError(
-            f"ModelConfig has no {name!r}: not a model key, nor one that model.position="
-            f"{self.position!r} reads ({', '.join(fields) or 'it has no settings'})"
-        )
+    @property
+    def max_positions(self) -> int | None:
+        """The most positions the family gives a signal (a learned table's rows), None: any."""
+        return self.settings.max_positions
 
     # ---- Flat config keys. ----
     @classmethod

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from posattn import rotary
 from posattn.nn import layers
 from posattn.nn.config import ModelConfig
 
@@ -140,8 +141,8 @@ def _dynamic_layout(cfg: ModelConfig, dynamic_ntk: str) -> tuple[bool, int | Non
 
 def _dynamic_scaling(spec) -> dict | None:
     """The layer's rope_scaling dict when it is dynamic NTK, else None."""
-    scaling = (spec.settings.scaling_dict if spec.family.rotary else None) or {}
-    return scaling if scaling.get("rope_type", scaling.get("type")) == "dynamic" else None
+    scaling = spec.settings.scaling_dict if spec.family.rotary else None
+    return scaling if rotary.rope_kind(scaling) == "dynamic" else None
 
 
 def _cache_rows(cfg: ModelConfig, spec, capacity: int) -> int:
@@ -164,13 +165,13 @@ def check_generation(cfg: ModelConfig, capacity: int) -> None:
         raise ValueError(
             f"cache capacity {capacity!r} must be a positive integer (prompt + new tokens - 1)"
         )
-    if cfg.family.embedding == "learned" and capacity > cfg.max_len:
+    try:
+        cfg.settings.check_length(capacity)  # a learned table has no row past its size
+    except ValueError as e:
         raise ValueError(
-            f"decoding {capacity} positions needs learned position embeddings for positions "
-            f"0..{capacity - 1}, but model.max_len={cfg.max_len} rows exist "
-            f"(positions 0..{cfg.max_len - 1}); a learned table has "
-            "nothing past its size: shorten the prompt or max_new_tokens, or use a relative family"
-        )
+            f"cannot decode {capacity} positions (prompt + new tokens - 1): {e} (or shorten "
+            "the prompt or max_new_tokens, or use a relative family)"
+        ) from None
 
 
 def init_cache(

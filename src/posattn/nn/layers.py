@@ -215,8 +215,8 @@ class Rotary(nnx.Module):
             None if scaling is None else tuple(sorted(scaling.items())),
             settings.layout,
         )
-        kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
-        self.dynamic = kind in ("dynamic", "longrope")  # frequencies follow the current length
+        # Frequencies that follow the current length (dynamic NTK, LongRoPE).
+        self.dynamic = rotary.rope_kind(scaling) in rotary.LENGTH_DEPENDENT
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, *, seq_len: jax.Array | int
@@ -367,13 +367,17 @@ class Attention(nnx.Module):
             q = rotary_module(q, positions, seq_len=seq_len)
         return q
 
-    def project_qkv(self, x: jax.Array, positions: jax.Array, *, seq_len, shared=None):
+    def project_qkv(
+        self, x: jax.Array, positions: jax.Array, *, seq_len, rotate_keys: bool = True, shared=None
+    ):
         """(q, k, v) of x[B, T, D] at `positions`, as `project_q` and `project_kv` give them, by
-        one matrix product."""
+        one matrix product (keys rotated for RoPE when `rotate_keys`)."""
         q, k, v = self._projections(x, "qkv")
         rotary_module = self._rotary(shared)
         if rotary_module is not None:
-            q, k = (rotary_module(t, positions, seq_len=seq_len) for t in (q, k))
+            q = rotary_module(q, positions, seq_len=seq_len)
+            if rotate_keys:
+                k = rotary_module(k, positions, seq_len=seq_len)
         return q, k, v
 
     def _temper(self, q, positions, kv_len):
@@ -415,119 +419,108 @@ class Attention(nnx.Module):
         )  # (B, T, D)
         return _bias(out, self, "bo", self.dtype)
 
-    def __call__(self, x: jax.Array, *, kv_lengths=None, kv=None, shared=None):
-        """Self-attention of x[B, T, D] at positions 0..T-1 (the KV-cache path is `extend`).
-
-        Args:
-          x: the normalised residual stream.
-          kv_lengths: optional int[B] number of valid (unpadded) keys; it is also each row's length
-            for dynamic NTK, so a right-padded row gives the logits it would give alone.
-          kv: keys/values of a lower layer, for a layer that does not own its own.
-          shared: (rotary, bias) modules of a scanned stack's model (see the class docstring).
-
-        Returns:
-          (output[B, T, D], (k, v)) — the keys/values this layer used, for the layers above.
-        """
-        positions = token_positions(0, x.shape[1])
-        seq_len = x.shape[1] if kv_lengths is None else kv_lengths
-        if self.owns_kv:
-            q, *kv = self.project_qkv(x, positions, seq_len=seq_len, shared=shared)
-            kv = tuple(kv)
-        else:
-            q = self.project_q(x, positions, seq_len=seq_len, shared=shared)
-        q = self._temper(q, positions, x.shape[1] if kv_lengths is None else kv_lengths)
-        log_forget = None if self.forget is None else self.forget(x)  # (B, T, N)
-        out = self.attend(
-            q, *kv, q_offset=0, kv_lengths=kv_lengths, shared=shared, log_forget=log_forget
-        )
-        return out, kv
-
-    def extend(
+    def __call__(
         self,
         x: jax.Array,
-        kv: tuple[jax.Array, jax.Array],
         *,
-        q_offset,
-        kv_lengths,
-        seq_len,
+        kv=None,
+        cache=None,
+        q_offset=0,
+        kv_lengths=None,
+        seq_len=None,
         keys_rotated: bool = True,
         attend_len: int | None = None,
         shared=None,
     ):
-        """Attention of a chunk x[B, T, D] at positions q_offset + t over a KV cache
-        (posattn.nn.decode).
+        """Self-attention of x[B, T, D] at positions q_offset + t, with or without a KV cache.
+
+        The one attention path: training and evaluation pass no cache (positions 0..T-1, keys
+        and values of the chunk itself); decoding (posattn.nn.decode, `TransformerLM.extend`)
+        passes this layer group's cache, which the chunk's keys/values are written into and
+        read from. Both run `project_qkv` (`project_q` in a layer that reads a lower layer's keys),
+        the temperature and `attend`.
 
         Args:
-          x: the normalised residual stream of the chunk.
-          kv: this layer group's cache (k, v), [B, S, K, H] each. A layer that owns its keys/values
-            first writes the chunk's into rows q_offset + t (rows past S are dropped, never
-            clamped: the caller checks capacity); a sharing layer reads what its owner wrote.
-          q_offset: int or int[B], the position of the chunk's first token (the cached length).
-          kv_lengths: int[B], valid cache rows once the chunk is written.
-          seq_len: int[B], each row's current length (dynamic NTK's base).
+          x: the normalised residual stream.
+          kv: without a cache, the keys/values of a lower layer, for a layer that does not own
+            its own (cross-layer sharing); None otherwise.
+          cache: None (nothing kept), or this layer group's cache (k, v), [B, S, K, H] each,
+            plus FoX's log f [B, S, N] for a layer with forget gates. A layer that owns its
+            keys/values first writes the chunk's into rows q_offset + t (rows past S are
+            dropped, never clamped: the caller checks capacity); a sharing layer reads what its
+            owner wrote. A sliding-window layer's cache may be a ring buffer of `window` rows
+            (posattn.nn.window).
+          q_offset: int or int[B], the position of the chunk's first token (the cached length);
+            0 without a cache.
+          kv_lengths: optional int[B], the valid (unpadded) keys, the cache rows included; it is
+            also each row's length for dynamic NTK, so a right-padded row gives the logits it
+            would give alone.
+          seq_len: int or int[B], each row's current length (dynamic NTK's base); None: the
+            `kv_lengths`, or T.
           keys_rotated: True caches keys rotated at their own positions (exact whenever the
             frequencies do not depend on the length); False caches them as projected and rotates
             every cached key at each use with the current frequencies (dynamic NTK:
-            docs/decoding.md).
-          attend_len: static; attend over the first `attend_len` rows only (a prefill of an empty
-            cache passes T: no later row is visible to a causal query).
-          shared: as `__call__`.
+            docs/decoding.md). Without a cache the keys are always rotated.
+          attend_len: static; attend over the first `attend_len` cache rows only (a prefill of
+            an empty cache passes T: no later row is visible to a causal query).
+          shared: (rotary, bias) modules of a scanned stack's model (see the class docstring).
 
         Returns:
-          (output[B, T, D], the updated (k, v)).
+          (output[B, T, D], kv): without a cache, the keys/values (k, v) this layer used, for
+          the layers above; with one, the updated cache.
         """
-        positions = token_positions(q_offset, x.shape[1])  # (T,) or (B, T)
-        if self.owns_kv and self.window is not None and kv[0].shape[1] == self.window:
-            return self._extend_ring(x, kv, positions, q_offset, kv_lengths, seq_len, shared)
+        T = x.shape[1]
+        positions = token_positions(q_offset, T)  # (T,) or (B, T)
+        kv_len = T if kv_lengths is None else kv_lengths
+        seq_len = kv_len if seq_len is None else seq_len
+        # A ring's rows are renumbered at every step, so its keys are cached rotated (a layer
+        # whose frequencies follow the length never gets a ring: posattn.nn.decode).
+        ring = (
+            cache is not None
+            and self.owns_kv
+            and self.window is not None
+            and cache[0].shape[1] == self.window
+        )
+        rotate = keys_rotated or ring or cache is None
         if self.owns_kv:
-            k_new, v_new = self.project_kv(
-                x, positions, seq_len=seq_len, rotate=keys_rotated, shared=shared
+            q, *new = self.project_qkv(
+                x, positions, seq_len=seq_len, rotate_keys=rotate, shared=shared
             )
-            new = (k_new, v_new) if self.forget is None else (k_new, v_new, self.forget(x))
-            kv = tuple(write_rows(c, n, q_offset) for c, n in zip(kv, new, strict=True))
-        kv_read = kv if attend_len is None else tuple(c[:, :attend_len] for c in kv)
-        k, v = kv_read[:2]
-        rotary_module = self._rotary(shared)
-        if rotary_module is not None and not keys_rotated:
-            k = rotary_module(k, token_positions(0, k.shape[1]), seq_len=seq_len)
-        q = self.project_q(x, positions, seq_len=seq_len, shared=shared)
-        q = self._temper(q, positions, kv_lengths)
-        log_forget = kv_read[2] if self.forget is not None else None
-        out = self.attend(
-            q,
-            k,
-            v,
-            q_offset=q_offset,
-            kv_lengths=kv_lengths,
-            shared=shared,
-            log_forget=log_forget,
-        )
-        return out, kv
-
-    def _extend_ring(self, x, kv, positions, q_offset, kv_lengths, seq_len, shared):
-        """`extend` over a sliding window's ring buffer (posattn.nn.window): [B, W, ...] rows."""
-        new = self.project_kv(x, positions, seq_len=seq_len, shared=shared)
-        if self.forget is not None:
-            new = (*new, self.forget(x))  # (k, v, log f)
-        if isinstance(q_offset, int) and q_offset == 0:  # a prefill: no earlier key
-            live, offset, lengths = new, 0, kv_lengths
+            new = tuple(new)
+            if self.forget is not None:
+                new = (*new, self.forget(x))  # (k, v, log f [B, T, N])
         else:
-            parts = [window_lib.assemble(c, n, q_offset) for c, n in zip(kv, new, strict=True)]
-            live, shift = tuple(p[0] for p in parts), parts[0][1]  # row r: position shift + r
-            offset, lengths = jnp.asarray(q_offset, jnp.int32) - shift, kv_lengths - shift
-        q = self.project_q(x, positions, seq_len=seq_len, shared=shared)
-        q = self._temper(q, positions, kv_lengths)
+            q = self.project_q(x, positions, seq_len=seq_len, shared=shared)
+        offset, lengths = q_offset, kv_lengths
+        if cache is None:
+            read = new if self.owns_kv else kv
+            kv = read[:2]
+        elif ring:
+            if isinstance(q_offset, int) and q_offset == 0:  # a prefill: no earlier key
+                read = new
+            else:
+                parts = [
+                    window_lib.assemble(c, n, q_offset) for c, n in zip(cache, new, strict=True)
+                ]
+                read, shift = tuple(p[0] for p in parts), parts[0][1]  # row r: position shift + r
+                offset, lengths = jnp.asarray(q_offset, jnp.int32) - shift, kv_lengths - shift
+            kv = tuple(
+                window_lib.write_ring(c, n, q_offset, kv_lengths)
+                for c, n in zip(cache, new, strict=True)
+            )
+        else:
+            kv = cache
+            if self.owns_kv:
+                kv = tuple(write_rows(c, n, q_offset) for c, n in zip(cache, new, strict=True))
+            read = kv if attend_len is None else tuple(c[:, :attend_len] for c in kv)
+        k, v = read[:2]
+        rotary_module = self._rotary(shared)
+        if rotary_module is not None and not rotate:  # cached as projected: rotate them now
+            k = rotary_module(k, token_positions(0, k.shape[1]), seq_len=seq_len)
+        q = self._temper(q, positions, kv_len)
+        log_forget = read[2] if self.forget is not None else None
         out = self.attend(
-            q,
-            live[0],
-            live[1],
-            q_offset=offset,
-            kv_lengths=lengths,
-            shared=shared,
-            log_forget=live[2] if self.forget is not None else None,
-        )
-        kv = tuple(
-            window_lib.write_ring(c, n, q_offset, kv_lengths) for c, n in zip(kv, new, strict=True)
+            q, k, v, q_offset=offset, kv_lengths=lengths, shared=shared, log_forget=log_forget
         )
         return out, kv
 
@@ -658,11 +651,8 @@ class Block(nnx.Module):
         x = x + h
         return x + self.mlp(self.mlp_norm(x))
 
-    def __call__(self, x: jax.Array, *, kv_lengths=None, kv=None, shared=None):
-        h, kv = self.attn(self.attn_norm(x), kv_lengths=kv_lengths, kv=kv, shared=shared)
-        return self._residual(x, h), kv
-
-    def extend(self, x: jax.Array, kv, **cache_args):
-        """The block on a chunk over a KV cache; `cache_args`, `shared` as `Attention.extend`."""
-        h, kv = self.attn.extend(self.attn_norm(x), kv, **cache_args)
+    def __call__(self, x: jax.Array, **attention_args):
+        """The block on x[B, T, D]; `attention_args` (kv, cache, q_offset, kv_lengths, ...) and
+        the result's second element as `Attention.__call__`."""
+        h, kv = self.attn(self.attn_norm(x), **attention_args)
         return self._residual(x, h), kv

@@ -8,16 +8,23 @@ Shape legend: B batch, T length, D d_model, V vocabulary.
     trained to recover masked bytes; its input vocabulary has one extra `[MASK]` id = V.
 Sizes go from `configs/tiny.py` to GPT-2 small (`configs/gpt2_small.py`).
 
+One forward, `TransformerLM.forward(tokens, cache=None, ...)`: without a cache (training,
+evaluation: `hidden`, `__call__`) or with one (decoding: `extend`, posattn.nn.decode). Its layer
+loop has one body for the scanned and the unrolled stacks (remat and cross-layer KV sharing are
+handled there), and each block runs the one attention path of `layers.Attention`.
+
 Settings for large models, none of which changes the function computed:
   * `cfg.remat`: "full" recomputes each block in the backward pass (`jax.checkpoint`, saving only
     its input), "dots" keeps the outputs of its matrix products without batch dimensions (the
     projections and the MLP: `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`) and
     recomputes the rest (attention, norms, activations).
-  * `cfg.scan_layers`: the blocks' parameters are stacked on a leading layer axis (created with
-    `nnx.vmap`) and run by one `lax.scan`, so the program holds one block whatever the depth. The
-    parameter paths differ from the default layout ("blocks/attn/wq" [L, D, N, H] instead of
-    "blocks/<i>/attn/wq" [D, N, H]); `convert_layout` moves states between the two. Modules shared
-    by every layer (RoPE frequencies, T5's table) live on the model (`rotary`, `shared_bias`).
+  * `cfg.scan_layers`: the blocks' parameters are stacked on a leading layer axis and run by one
+    `lax.scan`, so the program holds one block whatever the depth. The parameter paths differ
+    from the default layout ("blocks/attn/wq" [L, D, N, H] instead of "blocks/<i>/attn/wq"
+    [D, N, H]); `convert_layout` moves states between the two. Modules shared by every layer
+    (RoPE frequencies, T5's table) live on the model (`rotary`, `shared_bias`). The stack is made
+    of the per-layer blocks, drawn in the unrolled order, so a seed gives the same model in both
+    layouts: `convert_layout` of the unrolled init is the scanned init.
   * `cfg.param_dtype`: the storage dtype of the embeddings, projections and norm scales.
   * `nll_sums`, the training and evaluation loss, never holds the logits of the whole batch: it
     projects and scores a slice of positions at a time (recomputing each slice in the backward).
@@ -25,6 +32,7 @@ Settings for large models, none of which changes the function computed:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -117,12 +125,12 @@ class TransformerLM(nnx.Module):
                 cfg.init_scale / math.sqrt(D) * jax.random.normal(rngs.params(), (vocab_in, D))
             ).astype(pdt)
         )
-        if family.embedding == "learned":
+        if family.embedding == "learned":  # a table of the family's max_positions rows
             self.pos_embed = nnx.Param(
                 (
                     cfg.init_scale
                     / math.sqrt(D)
-                    * jax.random.normal(rngs.params(), (cfg.settings.max_len, D))
+                    * jax.random.normal(rngs.params(), (cfg.max_positions, D))
                 ).astype(pdt)
             )
         # The family's modules get the family's own settings; the blocks get plain sizes. Each
@@ -141,36 +149,17 @@ class TransformerLM(nnx.Module):
                     fam.bias, cfg.context, spec.settings, rngs=rngs
                 )
 
-        def bias_for_layer(spec):
-            fam = spec.family
-            if fam.bias is None:
-                return None
-            return shared_biases.get((spec.position, spec.settings)) or layers.PositionBias(
-                fam.bias, cfg.context, spec.settings, rngs=rngs
-            )
-
         if cfg.embed_norm:  # BLOOM's word_embeddings_layernorm
             self.embed_norm = layers.make_norm(D, cfg.arch, param_dtype=pdt)
+        # Both layouts draw the blocks' initial values in the same order, layer by layer (a
+        # scanned stack is the per-layer blocks stacked), so a seed gives one model in either.
+        blocks = _blocks(cfg, rotaries, shared_biases, scanned=cfg.scan_layers, rngs=rngs)
         if cfg.scan_layers:  # identical layers (validated): the first spec is every layer's
             self.rotary = rotaries.get(specs[0].settings)
             self.shared_bias = shared_biases.get((specs[0].position, specs[0].settings))
-            self.blocks = _stacked_blocks(cfg, rngs)
-            self.final_norm = layers.make_norm(D, cfg.arch, param_dtype=pdt)
-            self._init_head(rngs)
-            return
-        self.blocks = nnx.List(
-            [
-                _block(
-                    cfg,
-                    spec,
-                    owns_kv=i % cfg.kv_share == 0,
-                    rotary_module=rotaries.get(spec.settings) if spec.family.rotary else None,
-                    bias_module=bias_for_layer(spec),
-                    rngs=rngs,
-                )
-                for i, spec in enumerate(specs)
-            ]
-        )
+            self.blocks = _stack(blocks)
+        else:
+            self.blocks = nnx.List(blocks)
         self.final_norm = layers.make_norm(D, cfg.arch, param_dtype=pdt)
         self._init_head(rngs)
 
@@ -201,33 +190,93 @@ class TransformerLM(nnx.Module):
             x = self.embed_norm(x)
         return x.astype(layers.compute_dtype(cfg.dtype))
 
-    def hidden(self, tokens: jax.Array, *, kv_lengths=None) -> jax.Array:
-        """Final normalised hidden states [B, T, D] (float32) of tokens at positions 0..T-1."""
-        x = self.embed_tokens(tokens)
-        if self.cfg.scan_layers:
+    def forward(
+        self,
+        tokens: jax.Array,
+        cache=None,
+        *,
+        q_offset=0,
+        kv_lengths=None,
+        seq_len=None,
+        keys_rotated: bool = True,
+        attend_len: int | None = None,
+    ):
+        """The one forward pass: final normalised hidden states of tokens at positions
+        q_offset + t, with or without a KV cache. `hidden` (training, evaluation) and `extend`
+        (decoding) are this function.
+
+        Args:
+          tokens: int[B, T].
+          cache: None (nothing kept: positions 0..T-1), or one entry per layer that owns its
+            keys/values (`num_layers // kv_share` of them: the layers of a sharing group read
+            their owner's): (k, v), [B, S, K, H] each; a FoX layer's (k, v, log f [B, S, N]); a
+            sliding-window layer's may be a ring buffer of `window` rows (posattn.nn.window).
+          q_offset, kv_lengths, seq_len, keys_rotated, attend_len: as `layers.Attention`.
+
+        Returns:
+          (hidden float32[B, T, D], the updated cache entries, or None without a cache).
+        """
+        x = self.embed_tokens(tokens, q_offset=q_offset)
+        step = dict(q_offset=q_offset, kv_lengths=kv_lengths, seq_len=seq_len)
+        if cache is not None:
+            step.update(keys_rotated=keys_rotated, attend_len=attend_len)
+        x, cache = self._layers(x, cache, step)
+        return self.final_norm(x).astype(jnp.float32), cache
+
+    def _layers(self, x: jax.Array, cache, step: dict):
+        """The blocks on x[B, T, D], scanned or unrolled: one layer body for both layouts.
+
+        The body runs one block with its group's entry: without a cache, the keys/values of the
+        group's owner for the layers that share them (None at an owner); with a cache, the
+        group's cache. Remat wraps the body for training (a cached forward is decoding, never
+        differentiated).
+        """
+        cfg = self.cfg
+        cached = cache is not None
+        shared = (self.rotary, self.shared_bias) if cfg.scan_layers else None
+
+        def body(block, x, entry):
+            kv = dict(cache=entry) if cached else dict(kv=entry)
+            return block(x, shared=shared, **kv, **step)
+
+        def split_body(state, x, entry, graphdef):
+            return body(nnx.merge(graphdef, state), x, entry)
+
+        remat = "none" if cached else cfg.remat
+        if cfg.scan_layers:  # kv_share is 1: every layer owns its entry, stacked for the scan
             graphdef, stacked = nnx.split(self.blocks)
-            shared = (self.rotary, self.shared_bias)
+            layer = _maybe_remat(functools.partial(split_body, graphdef=graphdef), remat)
 
-            def layer(x, state):
-                return nnx.merge(graphdef, state)(x, kv_lengths=kv_lengths, shared=shared)[0]
+            def scan_body(x, xs):
+                state, entry = xs
+                x, entry = layer(state, x, entry)
+                return x, entry if cached else None
 
-            layer = _maybe_remat(layer, self.cfg.remat)
-            x, _ = jax.lax.scan(lambda x, state: (layer(x, state), None), x, stacked)
-            return self.final_norm(x).astype(jnp.float32)
-        kv = None
+            # Stacked for the scan and unstacked after it: a copy of the cache per call.
+            entries = (
+                tuple(jnp.stack(parts) for parts in zip(*cache, strict=True)) if cached else None
+            )
+            x, out = jax.lax.scan(scan_body, x, (stacked, entries))  # (k, v[, log f]) stacked
+            if cached:
+                out = tuple(tuple(part[i] for part in out) for i in range(cfg.num_layers))
+            return x, out
+        entries = list(cache) if cached else [None] * (cfg.num_layers // cfg.kv_share)
         for i, block in enumerate(self.blocks):
-            if i % self.cfg.kv_share == 0:
-                kv = None  # this layer computes its own keys/values; the next kv_share-1 reuse them
-            if self.cfg.remat == "none":
-                x, kv = block(x, kv_lengths=kv_lengths, kv=kv)
+            group = i // cfg.kv_share  # the first layer of a group owns its keys/values
+            if remat == "none":
+                x, entries[group] = body(block, x, entries[group])
                 continue
             graphdef, state = nnx.split(block)
+            layer = _maybe_remat(
+                functools.partial(split_body, graphdef=graphdef), remat, after_cotangent=True
+            )
+            x, entries[group] = layer(state, x, entries[group])
+        return x, tuple(entries) if cached else None
 
-            def layer(state, x, kv, graphdef=graphdef):
-                return nnx.merge(graphdef, state)(x, kv_lengths=kv_lengths, kv=kv)
-
-            x, kv = _maybe_remat(layer, self.cfg.remat, after_cotangent=True)(state, x, kv)
-        return self.final_norm(x).astype(jnp.float32)
+    def hidden(self, tokens: jax.Array, *, kv_lengths=None) -> jax.Array:
+        """Final normalised hidden states [B, T, D] (float32) of tokens at positions 0..T-1
+        (`forward` without a cache)."""
+        return self.forward(tokens, kv_lengths=kv_lengths)[0]
 
     def extend(
         self,
@@ -241,48 +290,26 @@ class TransformerLM(nnx.Module):
         attend_len: int | None = None,
     ):
         """Hidden states of a chunk of tokens at positions q_offset + t, reading and writing a KV
-        cache.
-
-        The KV-cache counterpart of `hidden` (the cache itself and its bookkeeping live in
+        cache (`forward` with a cache; the cache itself and its bookkeeping live in
         `posattn.nn.decode`).
 
         Args:
           tokens: int[B, T], the chunk (a prompt, or one new token per row).
-          kvs: one (k, v) pair, [B, S, K, H] each, per layer that owns its keys/values
-            (`num_layers // kv_share` of them: the layers of a sharing group read their owner's);
-            a FoX layer's is (k, v, log f [B, S, N]); a sliding-window layer's may be a ring
-            buffer of `window` rows (posattn.nn.window).
-          q_offset, kv_lengths, seq_len, keys_rotated, attend_len: as `layers.Attention.extend`.
+          kvs: the cache entries, one per layer that owns its keys/values (`forward`'s `cache`).
+          q_offset, kv_lengths, seq_len, keys_rotated, attend_len: as `layers.Attention`.
 
         Returns:
           (hidden float32[B, T, D], the updated kvs).
         """
-        x = self.embed_tokens(tokens, q_offset=q_offset)
-        cache_args = dict(
+        return self.forward(
+            tokens,
+            tuple(kvs),
             q_offset=q_offset,
             kv_lengths=kv_lengths,
             seq_len=seq_len,
             keys_rotated=keys_rotated,
             attend_len=attend_len,
         )
-        if self.cfg.scan_layers:  # one (k, v) per layer (kv_share is 1), stacked for the scan
-            graphdef, stacked = nnx.split(self.blocks)
-            shared = (self.rotary, self.shared_bias)
-
-            def layer(x, xs):
-                state, kv = xs
-                return nnx.merge(graphdef, state).extend(x, kv, shared=shared, **cache_args)
-
-            # Stacked for the scan and unstacked after it: a copy of the cache per call.
-            kv_stack = tuple(jnp.stack(parts) for parts in zip(*kvs, strict=True))  # [L,B,S,K,H]
-            x, out = jax.lax.scan(layer, x, (stacked, kv_stack))  # (k, v[, log f]) stacked
-            kvs = tuple(tuple(part[i] for part in out) for i in range(self.cfg.num_layers))
-            return self.final_norm(x).astype(jnp.float32), kvs
-        kvs = list(kvs)
-        for i, block in enumerate(self.blocks):
-            owner = i // self.cfg.kv_share
-            x, kvs[owner] = block.extend(x, kvs[owner], **cache_args)
-        return self.final_norm(x).astype(jnp.float32), tuple(kvs)
 
     def logits(self, h: jax.Array) -> jax.Array:
         """Output projection (tied or `head`): h[B, T, D] -> logits[B, T, V] in float32."""
@@ -430,23 +457,41 @@ def _position_layer(cfg: ModelConfig, spec, rngs) -> dict:
     return out
 
 
-def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> layers.Block:
-    """`cfg.num_layers` blocks as one Block whose variables have a leading layer axis."""
-    layer = cfg.layers[0]  # a scanned stack has identical layers (validated)
-    spec = layer.family.bias
-    per_layer_bias = spec is not None and not spec.shared(layer.settings)
+def _blocks(cfg: ModelConfig, rotaries, shared_biases, *, scanned: bool, rngs) -> list:
+    """The blocks of `cfg`, layer by layer, each drawing its initial values from `rngs` in turn.
 
-    @nnx.split_rngs(splits=cfg.num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def make(rngs):
-        bias = (
-            layers.PositionBias(spec, cfg.context, layer.settings, rngs=rngs)
-            if per_layer_bias
-            else None
+    A layer's own bias (FIRE, Kerple per layer) is drawn before its block. The modules shared by
+    several layers (`rotaries`, `shared_biases`, made before) are handed to the per-layer blocks;
+    a block of a scanned stack holds neither (the model hands them to each call), so that the
+    blocks can be stacked.
+    """
+    out = []
+    for i, spec in enumerate(cfg.layers):
+        fam = spec.family
+        own_bias = fam.bias is not None and not fam.bias.shared(spec.settings)
+        if own_bias:
+            bias = layers.PositionBias(fam.bias, cfg.context, spec.settings, rngs=rngs)
+        else:
+            bias = None if scanned else shared_biases.get((spec.position, spec.settings))
+        rotary_module = None if scanned or not fam.rotary else rotaries.get(spec.settings)
+        out.append(
+            _block(
+                cfg,
+                spec,
+                owns_kv=i % cfg.kv_share == 0,
+                rotary_module=rotary_module,
+                bias_module=bias,
+                rngs=rngs,
+            )
         )
-        return _block(cfg, layer, owns_kv=True, rotary_module=None, bias_module=bias, rngs=rngs)
+    return out
 
-    return make(rngs)
+
+def _stack(blocks: list) -> layers.Block:
+    """Identical blocks as one Block whose variables have a leading layer axis."""
+    split = [nnx.split(block) for block in blocks]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(state for _, state in split))
+    return nnx.merge(split[0][0], stacked)
 
 
 def convert_layout(tree, cfg: ModelConfig, *, scan_layers: bool):
