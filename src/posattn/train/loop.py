@@ -58,7 +58,6 @@ __all__ = [
     "Schedule",
     "WorkdirBusyError",
     "device_peak_flops",
-    "init_params",
     "main",
     "restore_for_resume",
     "restore_trained",
@@ -140,7 +139,7 @@ def train_and_evaluate(
     loggers_lib.check(train_cfg)
     source = None
     if init_from is not None:
-        source = _init_source(init_from, config, cfg, restart_from)
+        source = _init_source(init_from, cfg, restart_from)
     with workdir_lib.lock(workdir) if lead else contextlib.nullcontext():
         corpus = data_lib.load_corpus(data_cfg.corpus)
         corpus.check_vocab(cfg.vocab_size)
@@ -274,7 +273,7 @@ class _Source:
     cfg: Any
 
 
-def _init_source(init_from, config, cfg, restart_from) -> _Source:
+def _init_source(init_from, cfg, restart_from) -> _Source:
     """Checks `init_from` before any compute: a posattn workdir with checkpoints, whose model
     differs from `cfg` only in how it computes (`posattn.hf.config.TRAINING_KEYS`, as a
     fine-tune of a published checkpoint)."""
@@ -320,7 +319,7 @@ def _init_source(init_from, config, cfg, restart_from) -> _Source:
     return _Source(source, source_config, source_cfg)
 
 
-def init_params(source: _Source, cfg, mesh, targets) -> tuple[Any, int]:
+def _init_params(source: _Source, cfg, mesh, targets) -> tuple[Any, int]:
     """(parameters, step) of the latest checkpoint of `source` that restores, as `targets` (the
     new run's abstract parameters, with their shardings) holds them: in `cfg`'s layer layout
     (`model.scan_layers`) and dtypes.
@@ -454,7 +453,7 @@ def _train(
                 state_sh["params"],
             )
             try:
-                params, at = init_params(source, cfg, mesh, targets)
+                params, at = _init_params(source, cfg, mesh, targets)
             except BaseException:
                 ckpt.close()
                 raise
