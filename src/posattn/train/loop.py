@@ -2,13 +2,15 @@
 
     python -m posattn.train --config configs/tiny.py --workdir runs/tiny [--config.key=value ...]
 
-The run is `train_and_evaluate(config, workdir)`, which tests call too. It reads top to bottom:
-setup (validate, distributed, mesh, data, model, checkpoint: everything that can fail does so
-before any compute), then `run_loop`, the one training loop, which `posattn.sweep` and the
-length-extrapolation experiment use as well: batches as a pure function of (seed, step), each
-process building only the rows its devices hold; one compiled step with donated state; metrics
-(with step time, tokens/s and MFU) flushed every `log_every` steps and checked; evaluation;
-checkpoints; SIGTERM on any process stopping every process after the same step; profiles.
+The run is `train_and_evaluate(config, workdir)`, which tests call too; a fine-tune is the same
+call with `init_from=OTHER_WORKDIR` (that run's parameters, fresh optimiser moments). It reads top
+to bottom: setup (validate, distributed, mesh, data, model, checkpoint: everything that can fail
+does so before any compute), then `run_loop`, the one training loop, which `posattn.sweep` and the
+length-extrapolation experiment use as well (each run hands it one `Job`): batches as a pure
+function of (seed, step), each process building only the rows its devices hold; one compiled
+step with donated state; metrics (with step time, tokens/s and MFU) flushed every `log_every`
+steps and checked; evaluation; checkpoints; SIGTERM on any process stopping every process after
+the same step; profiles.
 
 A workdir holds `config.json`, `metrics.jsonl` (a line per training step with `step` and `loss`,
 evaluation lines with `eval_`-prefixed keys), `checkpoints/`, and optionally `profile/` and
