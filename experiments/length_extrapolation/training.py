@@ -84,7 +84,7 @@ def finished_run(train_config, run_dir: pathlib.Path, code: dict, *, reuse: bool
     if not marker.exists():
         return None
     info = json.loads(marker.read_text())
-    if info.get("config") != json.loads(config_lib.to_json(train_config)):
+    if not _same_config(info.get("config"), train_config):
         return None
     if same_origin(info, code) or reuse:
         return info
@@ -94,6 +94,22 @@ def finished_run(train_config, run_dir: pathlib.Path, code: dict, *, reuse: bool
         f"{code['corpus_sha256'][:12]}. Rerun with --reuse to report its numbers (results.json "
         f"then lists that row's own commit), or move {run_dir} away to retrain it with this code."
     )
+
+
+def _same_config(saved, config) -> bool:
+    """Whether `saved` (a trained.json's config) is `config`, a key it lacks (added to the
+    library since, e.g. data.batch_offset) holding its default."""
+    if not isinstance(saved, dict):
+        return False
+    now = json.loads(config_lib.to_json(config))
+    defaults = json.loads(config_lib.to_json(config_lib.defaults()))
+    filled = {k: dict(v) if isinstance(v, dict) else v for k, v in saved.items()}
+    for section, keys in now.items():
+        if isinstance(keys, dict) and isinstance(filled.get(section), dict):
+            for key in keys:
+                if key not in filled[section] and key in defaults.get(section, {}):
+                    filled[section][key] = defaults[section][key]
+    return filled == now
 
 
 def train_member(

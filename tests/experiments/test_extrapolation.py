@@ -456,3 +456,21 @@ def test_an_interrupted_finetune_resumes_to_the_uninterrupted_numbers(
     tuned = [after["training"]["finetune"]["linear"], before["training"]["finetune"]["linear"]]
     for key in ("first_train_loss", "final_train_loss"):
         assert tuned[0][key] == tuned[1][key]
+
+
+def test_a_run_trained_before_a_config_key_existed_is_still_the_same_config(tmp_path):
+    """A trained.json written before data.batch_offset existed holds no such key: it had its
+    default then, so the run is the same (reused), and a saved non-default value is not."""
+    from posattn import cli
+    from posattn import config as config_lib
+
+    config = cli.parse(experiment.COMMAND, [*TUNE, "--workdir", str(tmp_path)]).config
+    train_config = experiment.family_config(config, "rope")
+    saved = json.loads(config_lib.to_json(train_config))
+    del saved["data"]["batch_offset"]
+    code = {"commit": "abc", "code_sha256": "0" * 64, "corpus_sha256": "1" * 64}
+    (tmp_path / "trained.json").write_text(json.dumps({"config": saved, "code": code}))
+    assert training.finished_run(train_config, tmp_path, code, reuse=False) is not None
+    saved["data"]["batch_offset"] = 5
+    (tmp_path / "trained.json").write_text(json.dumps({"config": saved, "code": code}))
+    assert training.finished_run(train_config, tmp_path, code, reuse=False) is None
