@@ -110,13 +110,12 @@ class _Seed:
             if kind is not None:
                 params, info = finetuned(
                     self.config,
-                    self.cfg,
-                    self.params,
-                    self.corpus,
                     kind,
                     self.seed,
+                    self.run_dir,
                     self.entry_dir,
                     self.train_config,
+                    self.params,
                     self.code,
                     reuse=self.reuse,
                 )

@@ -31,6 +31,7 @@ __all__ = [
     "family_config",
     "family_entry",
     "finetune_batch_size",
+    "finetune_config",
     "finetune_enabled",
     "finetune_multiple",
     "finetune_scaling",
@@ -275,6 +276,35 @@ def finetune_scaling(config: ml_collections.ConfigDict, kind: str) -> dict[str, 
     }
 
 
+def finetune_config(
+    config: ml_collections.ConfigDict, train_config: ml_collections.ConfigDict, kind: str
+) -> ml_collections.ConfigDict:
+    """The training config of a `rope+<kind>+ft` fine-tune of the run `train_config` trained: a
+    `posattn.train` run started from that run's parameters (`init_from`).
+
+    Its model under `finetune_scaling(kind)`; windows of `finetune.multiple` x L,
+    `finetune_batch_size` of them a step, from the training seed's batch stream at steps
+    train.steps, train.steps + 1, ... (`data.batch_offset` = train.steps - 1); the training's
+    optimizer with fresh moments, `finetune.warmup_steps` of linear warmup then a constant
+    `finetune.learning_rate` (min_lr_ratio 1); no evaluation or profile of its own.
+    """
+    ft, L = config.finetune, int(config.data.seq_len)
+    out = ml_collections.ConfigDict(train_config.to_dict())
+    out.model.rope_scaling = finetune_scaling(config, kind)
+    out.data.seq_len = finetune_multiple(config) * L
+    out.data.batch_offset = int(train_config.train.steps) - 1
+    out.train.update(
+        steps=int(ft.steps),
+        learning_rate=float(ft.learning_rate),
+        warmup_steps=int(ft.warmup_steps),
+        min_lr_ratio=1.0,
+        batch_size=finetune_batch_size(config),
+        eval_every=0,
+        profile_steps=(),
+    )
+    return out
+
+
 def check_finetune(config: ml_collections.ConfigDict) -> None:
     """Validates the `finetune` block (the rope+<kind>+ft rows) before any compute."""
     if not finetune_enabled(config):
@@ -330,6 +360,12 @@ def check_finetune(config: ml_collections.ConfigDict) -> None:
             rotary.validate_rope_scaling(finetune_scaling(config, kind), head_dim)
         except ValueError as e:
             raise fail(f"config.finetune.kinds: {kind!r} at factor {m}: {e}") from None
+    for entry in rotary_entries:  # each fine-tune is a training run: its config checked too
+        for kind in ft.kinds:
+            try:
+                config_lib.validate(finetune_config(config, family_config(config, entry), kind))
+            except config_lib.ConfigError as e:
+                raise fail(f"config.finetune ({entry}+{kind}+ft): {e}") from None
 
 
 def family_config(config: ml_collections.ConfigDict, entry: str) -> ml_collections.ConfigDict:

@@ -7,19 +7,17 @@ Seed k of an entry is a `posattn.train.train_and_evaluate` run of the entry's co
 `trained.json` records the config, the code that trained it and the corpus; a run trained by
 other code (or on another corpus) is refused unless `reuse`.
 
-Fine-tunes keep their own path (not `train_and_evaluate`): `finetune_params` runs the training's
-optimizer for `finetune.steps` steps in one process and `finetuned` caches the result in
-`WORKDIR/<entry>/finetune/<kind>-seed<k>.npz` (not resumable midway: an interrupted fine-tune
-starts again).
+A fine-tune (`finetuned`) is a `train_and_evaluate` run too, started from a trained seed's
+parameters (`init_from`) under `settings.finetune_config`, in its own workdir
+`WORKDIR/<entry>/finetune/<kind>-seed<k>-<settings hash>/` (checkpoints, metrics.jsonl; an
+interrupted fine-tune resumes); `finetuned.json` there records its settings, code and losses.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
-import os
 import pathlib
 import time
 from typing import Any
@@ -30,23 +28,22 @@ import numpy as np
 from flax import nnx
 
 from posattn import config as config_lib
-from posattn import data as data_lib
-from posattn.eval import lengths as lengths_lib
 from posattn.nn.model import TransformerLM
 from posattn.train import NonFiniteLossError, restore_trained, train_and_evaluate
-from posattn.train import steps as steps_lib
 
 from .provenance import ProducedByOtherCode, describe_origin, same_origin
 from .settings import (
     entry_dir,
     finetune_batch_size,
+    finetune_config,
     finetune_multiple,
     finetune_scaling,
 )
 
 __all__ = [
     "Interrupted",
-    "finetune_params",
+    "finetune",
+    "finetune_dir",
     "finetuned",
     "finished_run",
     "member_dir",
@@ -87,7 +84,7 @@ def finished_run(train_config, run_dir: pathlib.Path, code: dict, *, reuse: bool
     if not marker.exists():
         return None
     info = json.loads(marker.read_text())
-    if info.get("config") != json.loads(config_lib.to_json(train_config)):
+    if not _same_config(info.get("config"), train_config):
         return None
     if same_origin(info, code) or reuse:
         return info
@@ -97,6 +94,22 @@ def finished_run(train_config, run_dir: pathlib.Path, code: dict, *, reuse: bool
         f"{code['corpus_sha256'][:12]}. Rerun with --reuse to report its numbers (results.json "
         f"then lists that row's own commit), or move {run_dir} away to retrain it with this code."
     )
+
+
+def _same_config(saved, config) -> bool:
+    """Whether `saved` (a trained.json's config) is `config`, a key it lacks (added to the
+    library since, e.g. data.batch_offset) holding its default."""
+    if not isinstance(saved, dict):
+        return False
+    now = json.loads(config_lib.to_json(config))
+    defaults = json.loads(config_lib.to_json(config_lib.defaults()))
+    filled = {k: dict(v) if isinstance(v, dict) else v for k, v in saved.items()}
+    for section, keys in now.items():
+        if isinstance(keys, dict) and isinstance(filled.get(section), dict):
+            for key in keys:
+                if key not in filled[section] and key in defaults.get(section, {}):
+                    filled[section][key] = defaults[section][key]
+    return filled == now
 
 
 def train_member(
@@ -150,7 +163,7 @@ def params_sha256(params) -> str:
 
 
 def _finetune_settings(config, train_config, kind: str, seed: int, trained_sha: str) -> dict:
-    """Everything a fine-tuned parameter file depends on besides the code and the corpus."""
+    """Everything a fine-tune depends on besides the code and the corpus."""
     ft = config.finetune
     settings = {
         "scaling": finetune_scaling(config, kind),
@@ -166,107 +179,90 @@ def _finetune_settings(config, train_config, kind: str, seed: int, trained_sha: 
     return json.loads(json.dumps(settings))
 
 
-def finetune_params(cfg, params, corpus, config, kind: str, *, seed: int) -> tuple[Any, dict]:
-    """Fine-tunes trained RoPE `params` at `finetune.multiple` x L under the fixed scaling of
-    `kind` (factor = multiple), as position interpolation is run by Chen et al. 2023.
+def finetune_dir(fam_dir: pathlib.Path, kind: str, seed: int, settings: dict) -> pathlib.Path:
+    """The workdir of one fine-tune: `<entry>/finetune/<kind>-seed<k>-<settings hash>`, so that
+    other settings (another learning rate, a retrained model) fine-tune beside, never over."""
+    sha = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+    return fam_dir / "finetune" / f"{kind}-seed{int(seed)}-{sha}"
 
-    The training's optimizer (`posattn.train.steps`: AdamW, clipping, weight decay) with fresh
-    moments, `finetune.warmup_steps` of linear warmup then a constant `finetune.learning_rate`;
-    batches of `finetune_batch_size` windows (the training's tokens per step) from the training
-    corpus by `train_batch` with the training seed at steps train.steps, train.steps + 1, ...
-    (batches the pretraining never drew), passkey rows mixed in as the training config asks.
+
+def finetune(config, train_config, kind: str, source: pathlib.Path, run_dir: pathlib.Path) -> dict:
+    """Runs (or resumes) the fine-tune of the trained run in `source` in the workdir `run_dir`:
+    `posattn.train.train_and_evaluate` of `finetune_config`, started from `source`'s parameters
+    (`init_from`: fresh AdamW moments). Position interpolation as Chen et al. 2023 run it.
 
     Returns:
-      (fine-tuned params, {"seconds", "first_train_loss", "final_train_loss"}).
+      {"seconds", "first_train_loss", "final_train_loss"} (first: the first step's batch, before
+      any update; read from the run's metrics.jsonl, so a resumed fine-tune reports its whole run).
+
+    Raises:
+      Interrupted: it stopped before its last step (preempted); rerunning resumes it.
+      NonFiniteLossError: its loss or state became NaN or inf.
     """
-    ft, L = config.finetune, int(config.data.seq_len)
-    cfg = dataclasses.replace(cfg, attention_impl=config.model.attention_impl)
-    graphdef, constants = lengths_lib.with_rope_scaling(cfg, finetune_scaling(config, kind))
-    optim = dataclasses.replace(
-        steps_lib.OptimConfig.from_config(config.train),
-        learning_rate=float(ft.learning_rate),
-        total_steps=int(ft.steps),
-        warmup_steps=int(ft.warmup_steps),
-        min_lr_ratio=1.0,  # constant after the warmup
-    )
-    tx = steps_lib.make_optimizer(optim)
-    params = jax.tree.map(lambda x: jax.numpy.array(x, copy=True), params)  # donated below
-    state = {
-        "params": params,
-        "constants": constants,
-        "opt_state": tx.init(jax.tree.map(lambda p: p.astype(np.float32), params)),
-        "step": jax.numpy.zeros((), jax.numpy.int32),
-    }
-    step_fn = jax.jit(functools.partial(steps_lib.train_step, graphdef, optim), donate_argnums=0)
-    options = data_lib.batch_options(config.data, causal=cfg.causal, vocab_size=cfg.vocab_size)
-    shape = dict(batch_size=finetune_batch_size(config), seq_len=finetune_multiple(config) * L)
-    start, losses = time.perf_counter(), []
-    for i in range(int(ft.steps)):
-        batch = data_lib.train_batch(
-            corpus, seed=seed, step=int(config.train.steps) + i, **shape, **options
-        )
-        state, metrics = step_fn(state, batch)
-        losses.append(metrics["loss"])
-    losses = [float(x) for x in jax.device_get(losses)]
-    if not all(np.isfinite(losses)):
-        bad = next(i for i, x in enumerate(losses) if not np.isfinite(x))
+    tune_config = finetune_config(config, train_config, kind)
+    start = time.perf_counter()
+    try:
+        result = train_and_evaluate(tune_config, run_dir, init_from=source)
+    except NonFiniteLossError as e:
         raise NonFiniteLossError(
-            f"{kind}+ft: the fine-tune's loss is {losses[bad]} at step {bad}; lower "
-            "config.finetune.learning_rate or raise config.finetune.warmup_steps"
+            f"{kind}+ft: {e} In the experiment: lower config.finetune.learning_rate or raise "
+            f"config.finetune.warmup_steps (and move {run_dir} away)"
+        ) from None
+    if not result.get("finished"):
+        raise Interrupted(
+            f"the fine-tune in {run_dir} stopped at step {result.get('step')}; rerun to resume"
         )
-    info = {
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [x["loss"] for x in lines if "loss" in x]
+    return {
         "seconds": round(time.perf_counter() - start, 1),
         "first_train_loss": losses[0],
         "final_train_loss": losses[-1],
     }
-    return state["params"], info
-
-
-def _save_npz(path: pathlib.Path, arrays: dict[str, np.ndarray]) -> None:
-    """Writes `arrays` to `path` atomically (a temporary file in the same folder, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def finetuned(
-    config, cfg, params, corpus, kind, seed, fam_dir, train_config, code, *, reuse=False
+    config, kind, seed, source, fam_dir, train_config, trained_params, code, *, reuse=False
 ) -> tuple[Any, dict]:
-    """(params, info) of `finetune_params`, from `fam_dir/finetune/<kind>-seed<seed>.npz` when it
-    holds these settings (the finetune block, the training config, the trained parameters' hash)
-    and was made by this code (or by any code, with `reuse`); else fine-tuned now and saved."""
-    path = fam_dir / "finetune" / f"{kind}-seed{seed}.npz"
+    """(params, info) of the fine-tune of the trained run in `source` (seed `seed`): from its
+    workdir (`finetune_dir`) when `finetuned.json` there says it finished, made by this code (or
+    by any code, with `reuse`); else fine-tuned (or resumed) there now.
+
+    Raises:
+      ProducedByOtherCode: that fine-tune was made by other code and `reuse` is off.
+    """
+    settings = _finetune_settings(config, train_config, kind, seed, params_sha256(trained_params))
+    run_dir = finetune_dir(fam_dir, kind, seed, settings)
+    marker = run_dir / "finetuned.json"
     row = f"{fam_dir.name}+{kind}+ft"
-    settings = _finetune_settings(config, train_config, kind, seed, params_sha256(params))
-    leaves, treedef = jax.tree.flatten(params)
-    if path.exists():
-        with np.load(path, allow_pickle=False) as saved:
-            meta = json.loads(str(saved["meta"]))
-            if meta.get("settings") == settings and (same_origin(meta, code) or reuse):
-                tuned = [
-                    jax.numpy.asarray(saved[f"p{i}"], dtype=leaf.dtype)
-                    for i, leaf in enumerate(leaves)
-                ]
-                return jax.tree.unflatten(treedef, tuned), meta["info"]
-        if meta.get("settings") == settings:
-            say(f"{row}: {path} was made by {describe_origin(meta)}; fine-tuning again")
-    say(
-        f"{row}: fine-tuning seed {seed} for {config.finetune.steps} steps at "
-        f"{finetune_multiple(config) * int(config.data.seq_len)}"
-    )
-    tuned, info = finetune_params(cfg, params, corpus, config, kind, seed=seed)
-    meta = {"settings": settings, "code": code, "info": info}
-    arrays = {
-        f"p{i}": np.asarray(jax.device_get(x), np.float32)
-        for i, x in enumerate(jax.tree.leaves(tuned))
-    }
-    _save_npz(path, {**arrays, "meta": np.array(json.dumps(meta))})
-    return tuned, info
+    tune_config = finetune_config(config, train_config, kind)
+    meta = json.loads(marker.read_text()) if marker.exists() else None
+    if meta is not None and not (same_origin(meta, code) or reuse):
+        raise ProducedByOtherCode(
+            f"{run_dir} was fine-tuned by {describe_origin(meta)}; this is commit "
+            f"{str(code['commit'])[:12]}, code sha256 {code['code_sha256'][:12]}. Rerun with "
+            f"--reuse to report its numbers, or move {run_dir} away to fine-tune again."
+        )
+    if meta is None:
+        old = fam_dir / "finetune" / f"{kind}-seed{int(seed)}.npz"
+        if old.exists():
+            say(
+                f"{row}: {old} was saved by an earlier version of this experiment and is not "
+                f"read any more; fine-tuning again in {run_dir} (the .npz can be deleted)"
+            )
+        say(
+            f"{row}: fine-tuning seed {seed} for {config.finetune.steps} steps at "
+            f"{tune_config.data.seq_len} in {run_dir}"
+        )
+        info = finetune(config, train_config, kind, source, run_dir)
+        meta = {"settings": settings, "code": code, "info": info}
+        (run_dir / "finetuned.json").write_text(json.dumps(meta) + "\n")
+    restored = restore_trained(tune_config, run_dir / "checkpoints")
+    if restored is None or restored[2] != int(tune_config.train.steps):
+        raise RuntimeError(
+            f"{run_dir} holds no finished checkpoint; delete {marker} and rerun to fine-tune again"
+        )
+    return restored[1]["params"], meta["info"]
 
 
 def say(message: str) -> None:

@@ -72,6 +72,11 @@ DATA: dict[str, tuple[Any, str]] = {
         "share of training rows given a random string repeated later in the row (in-context "
         "copying, as the induction probe asks; posattn.data.probes)",
     ),
+    "batch_offset": (
+        0,
+        "training step s reads batch s + batch_offset of the stream of train.seed (a fine-tune "
+        "going on past the batches of the run it starts from)",
+    ),
 }
 TRAIN: dict[str, tuple[Any, str]] = {
     "steps": (1000, "optimiser steps"),

@@ -70,6 +70,8 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
         "must be 'stdlib', a text file or directory, or a directory holding nanoGPT "
         "train.bin/val.bin",
     )
+    if "batch_offset" in data:
+        _positive_int(data, "data", "batch_offset", allow_zero=True)
     for name in ("passkey_fraction", "induction_fraction", "mask_rate"):
         if name in data:
             value = data[name]

@@ -6,6 +6,7 @@ import json
 import sys
 
 import jax
+import ml_collections
 import numpy as np
 import pytest
 from conftest import ROOT
@@ -338,19 +339,25 @@ TUNE = [  # the probes are off: the end-to-end test checks that a +ft row carrie
 
 
 def _counting_finetunes(monkeypatch) -> list:
-    calls, real = [], training.finetune_params
+    calls, real = [], training.finetune
 
-    def counting(*args, **kwargs):
-        calls.append((args[4], kwargs["seed"]))
-        return real(*args, **kwargs)
+    def counting(config, train_config, kind, source, run_dir):
+        calls.append((kind, int(train_config.train.seed)))
+        return real(config, train_config, kind, source, run_dir)
 
-    monkeypatch.setattr(training, "finetune_params", counting)
+    monkeypatch.setattr(training, "finetune", counting)
     return calls
+
+
+def _tuned_dir(workdir, kind="linear", seed=0):
+    (found,) = (workdir / "rope" / "finetune").glob(f"{kind}-seed{seed}-*")
+    return found
 
 
 def test_finetune_rows_keep_the_factor_at_every_length_and_are_cached(tmp_path, monkeypatch):
     from posattn import cli
     from posattn.eval import scoring
+    from posattn.train import restore_trained
 
     calls = _counting_finetunes(monkeypatch)
     run = [*TUNE, "--workdir", str(tmp_path)]
@@ -363,6 +370,17 @@ def test_finetune_rows_keep_the_factor_at_every_length_and_are_cached(tmp_path, 
     info = results["training"]["finetune"]["linear"]
     assert info["steps"] == 3 and info["multiple"] == 2 and np.isfinite(info["final_train_loss"])
 
+    # The fine-tune is a posattn.train workdir: config.json, metrics.jsonl, checkpoints.
+    tuned_dir = _tuned_dir(tmp_path)
+    saved = json.loads((tuned_dir / "config.json").read_text())
+    assert saved["data"]["seq_len"] == 64 and saved["model"]["rope_scaling"]["factor"] == 2.0
+    lines = [json.loads(x) for x in (tuned_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3]
+    assert [info["first_train_loss"], info["final_train_loss"]] == [
+        lines[0]["loss"],
+        lines[-1]["loss"],
+    ]
+
     # The fine-tune moved the params; the row is those params under factor 2 at every length,
     # L included (where an eval-time row rope+linear is plain RoPE).
     config = cli.parse(experiment.COMMAND, run).config
@@ -370,8 +388,8 @@ def test_finetune_rows_keep_the_factor_at_every_length_and_are_cached(tmp_path, 
         experiment.family_config(config, "rope"), tmp_path / "rope", attention_impl="auto"
     )
     leaves, treedef = jax.tree.flatten(params)
-    with np.load(tmp_path / "rope" / "finetune" / "linear-seed0.npz") as saved:
-        tuned = [saved[f"p{i}"] for i in range(len(leaves))]
+    tune_config = ml_collections.ConfigDict(saved)
+    tuned = jax.tree.leaves(restore_trained(tune_config, tuned_dir / "checkpoints")[1]["params"])
     assert any(not np.array_equal(a, np.asarray(b)) for a, b in zip(tuned, leaves, strict=True))
     tuned = jax.tree.unflatten(treedef, tuned)
     ev = config.eval
@@ -402,3 +420,57 @@ def test_finetune_rows_keep_the_factor_at_every_length_and_are_cached(tmp_path, 
     assert calls == [("linear", 0), ("linear", 0)]
     again = _read(tmp_path / "results.json")["families"]["rope+linear+ft"]["loss"]
     assert again != row["loss"]
+    assert len(list((tmp_path / "rope" / "finetune").iterdir())) == 2  # beside, not over
+
+
+def test_an_interrupted_finetune_resumes_to_the_uninterrupted_numbers(
+    tmp_path, monkeypatch, capsys
+):
+    """A fine-tune stopped midway (as a preemption stops it: checkpoint saved) fails the run
+    (exit 1, resumable); the same command resumes it from its checkpoint and reports the numbers
+    of a run never interrupted. An .npz of an earlier version is not read: the log says so."""
+    straight = tmp_path / "straight"
+    assert experiment.main([*TUNE, "--config.finetune.steps=4", "--workdir", str(straight)]) == 0
+    real = training.train_and_evaluate
+
+    def preempted_once(config, workdir, **kwargs):
+        if "init_from" in kwargs and not list(workdir.glob("checkpoints/*")):
+            kwargs["stop_after"] = 2  # as SIGTERM would after step 2
+        return real(config, workdir, **kwargs)
+
+    monkeypatch.setattr(training, "train_and_evaluate", preempted_once)
+    cut = tmp_path / "cut"
+    run = [*TUNE, "--config.finetune.steps=4", "--workdir", str(cut)]
+    (cut / "rope" / "finetune").mkdir(parents=True)
+    (cut / "rope" / "finetune" / "linear-seed0.npz").write_bytes(b"an earlier version's cache")
+    assert experiment.main(run) == 1
+    out = capsys.readouterr()
+    assert "stopped as asked at step 2" in out.out and "rerun to resume" in out.err
+    assert "linear-seed0.npz was saved by an earlier version" in out.out
+    assert experiment.main(run) == 0
+    assert "from step 2" in capsys.readouterr().out
+    lines = [json.loads(x) for x in (_tuned_dir(cut) / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3, 4]
+    before, after = _read(straight / "results.json"), _read(cut / "results.json")
+    assert after["families"] == before["families"]
+    tuned = [after["training"]["finetune"]["linear"], before["training"]["finetune"]["linear"]]
+    for key in ("first_train_loss", "final_train_loss"):
+        assert tuned[0][key] == tuned[1][key]
+
+
+def test_a_run_trained_before_a_config_key_existed_is_still_the_same_config(tmp_path):
+    """A trained.json written before data.batch_offset existed holds no such key: it had its
+    default then, so the run is the same (reused), and a saved non-default value is not."""
+    from posattn import cli
+    from posattn import config as config_lib
+
+    config = cli.parse(experiment.COMMAND, [*TUNE, "--workdir", str(tmp_path)]).config
+    train_config = experiment.family_config(config, "rope")
+    saved = json.loads(config_lib.to_json(train_config))
+    del saved["data"]["batch_offset"]
+    code = {"commit": "abc", "code_sha256": "0" * 64, "corpus_sha256": "1" * 64}
+    (tmp_path / "trained.json").write_text(json.dumps({"config": saved, "code": code}))
+    assert training.finished_run(train_config, tmp_path, code, reuse=False) is not None
+    saved["data"]["batch_offset"] = 5
+    (tmp_path / "trained.json").write_text(json.dumps({"config": saved, "code": code}))
+    assert training.finished_run(train_config, tmp_path, code, reuse=False) is None

@@ -288,7 +288,7 @@ def test_a_nan_state_is_never_saved_by_the_loop_and_a_fresh_run_names_no_checkpo
     """`run_loop` with a stand-in step whose update turns the state NaN at `bad` (loss finite)."""
     from posattn.train import sharding
     from posattn.train.checkpoint import Checkpointer
-    from posattn.train.loop import Schedule, run_loop
+    from posattn.train.loop import Job, Schedule, run_loop
 
     def run(bad, directory):
         def step_fn(state, batch):
@@ -299,12 +299,12 @@ def test_a_nan_state_is_never_saved_by_the_loop_and_a_fresh_run_names_no_checkpo
         state = {"w": jnp.zeros((3,)), "step": jnp.int32(0)}
         ckpt = Checkpointer(directory, async_save=False)
         with pytest.raises(NonFiniteLossError) as e:
-            run_loop(
-                state, 0, step_fn=step_fn, batch_at=lambda s: None,
-                schedule=Schedule(total=10, log_every=1, checkpoint_every=1),
-                emit=lambda *a: None, checkpointer=ckpt, record=lambda s: {"step": s},
-                mesh=sharding.make_mesh(1), lead=True, name="t", tokens_per_step=1,
+            job = Job(
+                step=step_fn, batch_at=lambda s: None, emit=lambda *a: None,
+                record=lambda s: {"step": s}, name="t", tokens_per_step=1,
             )  # fmt: skip
+            schedule = Schedule(total=10, log_every=1, checkpoint_every=1)
+            run_loop(state, 0, job, schedule, ckpt, sharding.make_mesh(1))
         return str(e.value), sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
 
     message, saved = run(1, tmp_path / "fresh")

@@ -49,7 +49,7 @@ from posattn.train import loggers as loggers_lib
 from posattn.train import sharding, steps
 from posattn.train import workdir as workdir_lib
 from posattn.train.checkpoint import Checkpointer, IncompatibleCheckpointError
-from posattn.train.loop import Schedule, check_eval_split, restore_for_resume, run_loop
+from posattn.train.loop import Job, Schedule, check_eval_split, restore_for_resume, run_loop
 
 __all__ = ["main", "run_sweep", "sweep_mesh"]
 
@@ -305,6 +305,8 @@ def _run_program(
         seeds,
     )
 
+    offset = int(first.config.data.batch_offset)  # as posattn.train reads data.batch_offset
+
     def batch_at(step: int) -> dict:
         def block(index):  # (members, rows): each member's rows of its own batch of `step`
             members, rows = index
@@ -312,7 +314,13 @@ def _run_program(
             for s in seeds[members]:
                 if s not in per_seed:
                     per_seed[s] = data_lib.train_batch(
-                        corpus, seed=s, step=step, batch_size=B, seq_len=T, rows=rows, **options
+                        corpus,
+                        seed=s,
+                        step=step + offset,
+                        batch_size=B,
+                        seq_len=T,
+                        rows=rows,
+                        **options,
                     )
             return {k: np.stack([per_seed[s][k] for s in seeds[members]]) for k in per_seed[s]}
 
@@ -355,25 +363,21 @@ def _run_program(
         }
 
     # ---- The loop of posattn.train; the members' records need an evaluation at the end. ----
+    job = Job(
+        step=step_fn,
+        batch_at=batch_at,
+        emit=emit,
+        record=record,
+        evaluate=evaluate,
+        name=f"sweep p{program.index} ({K} members)",
+        where=f" of sweep program {program.index}",
+        tokens_per_step=K * B * T,
+        peak_flops=train_cfg.get("peak_flops"),
+        profile_dir=pdir / "profile",
+    )
+    schedule = Schedule.from_config(train_cfg, stop_after=stop_after, eval_at_end=True)
     with metrics:
-        out = run_loop(
-            state,
-            start,
-            step_fn=step_fn,
-            batch_at=batch_at,
-            schedule=Schedule.from_config(train_cfg, stop_after=stop_after, eval_at_end=True),
-            emit=emit,
-            evaluate=evaluate,
-            checkpointer=ckpt,
-            record=record,
-            mesh=mesh,
-            lead=lead,
-            name=f"sweep p{program.index} ({K} members)",
-            tokens_per_step=K * B * T,
-            peak_flops=train_cfg.get("peak_flops"),
-            profile_dir=pdir / "profile",
-            where=f" of sweep program {program.index}",
-        )
+        out = run_loop(state, start, job, schedule, ckpt, mesh)
         state, step, last_eval = out.state, out.step, out.last_eval
         if step == total and (last_eval is None or start == total):
             with jax.set_mesh(mesh):

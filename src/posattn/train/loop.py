@@ -2,13 +2,15 @@
 
     python -m posattn.train --config configs/tiny.py --workdir runs/tiny [--config.key=value ...]
 
-The run is `train_and_evaluate(config, workdir)`, which tests call too. It reads top to bottom:
-setup (validate, distributed, mesh, data, model, checkpoint: everything that can fail does so
-before any compute), then `run_loop`, the one training loop, which `posattn.sweep` and the
-length-extrapolation experiment use as well: batches as a pure function of (seed, step), each
-process building only the rows its devices hold; one compiled step with donated state; metrics
-(with step time, tokens/s and MFU) flushed every `log_every` steps and checked; evaluation;
-checkpoints; SIGTERM on any process stopping every process after the same step; profiles.
+The run is `train_and_evaluate(config, workdir)`, which tests call too; a fine-tune is the same
+call with `init_from=OTHER_WORKDIR` (that run's parameters, fresh optimiser moments). It reads top
+to bottom: setup (validate, distributed, mesh, data, model, checkpoint: everything that can fail
+does so before any compute), then `run_loop`, the one training loop, which `posattn.sweep` and the
+length-extrapolation experiment use as well (each run hands it one `Job`): batches as a pure
+function of (seed, step), each process building only the rows its devices hold; one compiled
+step with donated state; metrics (with step time, tokens/s and MFU) flushed every `log_every`
+steps and checked; evaluation; checkpoints; SIGTERM on any process stopping every process after
+the same step; profiles.
 
 A workdir holds `config.json`, `metrics.jsonl` (a line per training step with `step` and `loss`,
 evaluation lines with `eval_`-prefixed keys), `checkpoints/`, and optionally `profile/` and
@@ -51,6 +53,7 @@ from posattn.train.checkpoint import (
 from posattn.train.workdir import WorkdirBusyError
 
 __all__ = [
+    "Job",
     "LoopResult",
     "NonFiniteLossError",
     "PEAK_FLOPS",
@@ -94,14 +97,24 @@ def train_and_evaluate(
     config: ml_collections.ConfigDict,
     workdir: str | os.PathLike,
     *,
+    init_from: str | os.PathLike | None = None,
     stop_after: int | None = None,
     restart_from: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
     """Trains (or resumes) the run described by `config` in `workdir`; returns the final metrics.
 
+    Pretraining and fine-tunes alike: a fine-tune is a run whose parameters start from another
+    run's (`init_from`), in a workdir of its own (checkpoints, metrics.jsonl, resumable).
+
     Args:
       config: a validated-on-entry ConfigDict (see `configs/`).
       workdir: where config.json, metrics.jsonl and checkpoints/ live; an existing run resumes.
+      init_from: a posattn workdir whose latest checkpoint's parameters this run starts from,
+        with fresh optimiser moments and this config's optimiser and data settings. Its model
+        may differ from that run's only in how it computes (`posattn.hf.config.TRAINING_KEYS`:
+        a `rope_scaling` for position interpolation, dtypes, remat, the layer layout,
+        attention_impl). Read when the workdir holds no checkpoint yet; a resumed run continues
+        from its own.
       stop_after: stop after this step as a preemption would (checkpoint saved, run resumable):
         for time-sliced jobs, and for tests of exact resumption.
       restart_from: a checkpoint of another run (`OTHER/checkpoints/N`) that this new workdir
@@ -126,6 +139,9 @@ def train_and_evaluate(
             f"({mesh.size}); use a multiple of {mesh.size}"
         )
     loggers_lib.check(train_cfg)
+    source = None
+    if init_from is not None:
+        source = _init_source(init_from, cfg, restart_from)
     with workdir_lib.lock(workdir) if lead else contextlib.nullcontext():
         corpus = data_lib.load_corpus(data_cfg.corpus)
         corpus.check_vocab(cfg.vocab_size)
@@ -134,7 +150,7 @@ def train_and_evaluate(
             check_eval_split(corpus, seq_len=data_cfg.seq_len, batch_size=B)
         if lead:  # config.json is written once the checkpoints' own config agrees (in _train)
             workdir_lib.check_config(workdir, config)
-        return _train(config, cfg, corpus, workdir, lead, stop_after, mesh, restart_from)
+        return _train(config, cfg, corpus, workdir, lead, stop_after, mesh, restart_from, source)
 
 
 def check_eval_split(corpus: data_lib.Corpus, *, seq_len: int, batch_size: int) -> None:
@@ -250,6 +266,109 @@ def restart_state(
     return dict(state, opt_state=steps.with_hyperparams(state["opt_state"], values)), step
 
 
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    """The run `init_from` names: its workdir, config and validated model config."""
+
+    workdir: pathlib.Path
+    config: ml_collections.ConfigDict
+    cfg: Any
+
+
+def _init_source(init_from, cfg, restart_from) -> _Source:
+    """Checks `init_from` before any compute: a posattn workdir with checkpoints, whose model
+    differs from `cfg` only in how it computes (`posattn.hf.config.TRAINING_KEYS`, as a
+    fine-tune of a published checkpoint)."""
+    from posattn.hf.config import TRAINING_KEYS
+
+    fail = config_lib.ConfigError
+    if restart_from is not None:
+        raise fail(
+            "--init_from and --restart_from both start a new run from another one; give one "
+            "(--restart_from keeps the optimiser's moments, --init_from only the parameters)"
+        )
+    if cfg.init_from:
+        raise fail(
+            f"--init_from={init_from} and config.model.init_from={cfg.init_from!r} both name "
+            "the starting parameters; give one"
+        )
+    source = pathlib.Path(init_from)
+    saved = source / "config.json"
+    if not saved.is_file() or not (source / "checkpoints").is_dir():
+        raise fail(
+            f"--init_from={init_from} is not a posattn workdir (it holds no config.json and "
+            "checkpoints/); name the directory a run trained in"
+        )
+    try:
+        source_config = config_lib.complete(
+            ml_collections.ConfigDict(json.loads(saved.read_text()))
+        )
+        source_cfg = config_lib.validate(source_config)
+    except (ValueError, config_lib.ConfigError) as e:
+        raise fail(f"--init_from={init_from}: its config.json does not validate ({e})") from None
+    before, now = source_cfg.keys(), cfg.keys()
+    differ = [
+        (k, before.get(k), now.get(k))
+        for k in sorted(set(before) | set(now))
+        if before.get(k) != now.get(k) and k not in TRAINING_KEYS
+    ]
+    if differ:
+        detail = ", ".join(f"model.{k}: {old!r} -> {new!r}" for k, old, new in differ[:5])
+        raise fail(
+            f"--init_from={init_from} trained another model ({detail}); a run started from it "
+            f"may change only {', '.join(k for k in TRAINING_KEYS if k != 'init_from')}"
+        )
+    return _Source(source, source_config, source_cfg)
+
+
+def _init_params(source: _Source, cfg, mesh, targets) -> tuple[Any, int]:
+    """(parameters, step) of the latest checkpoint of `source` that restores, as `targets` (the
+    new run's abstract parameters, with their shardings) holds them: in `cfg`'s layer layout
+    (`model.scan_layers`) and dtypes.
+
+    Raises:
+      ConfigError: no checkpoint of `source` restores, or its parameters do not fit `targets`.
+    """
+    tx = steps.make_optimizer(steps.OptimConfig.from_config(source.config.train))
+    abstract = jax.eval_shape(
+        functools.partial(steps.init_train_state, source.cfg, tx), jax.random.key(0)
+    )
+    reader = Checkpointer(source.workdir / "checkpoints", read_only=True)
+    try:
+        restored = reader.restore_latest(
+            jax.tree.map(
+                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                abstract,
+                sharding.state_shardings(mesh, abstract),
+            )
+        )
+    finally:
+        reader.close()
+    if restored is None:
+        raise config_lib.ConfigError(
+            f"--init_from={source.workdir}: no checkpoint in {source.workdir / 'checkpoints'} "
+            "restores"
+        )
+    state, record = restored
+    params = state["params"]
+    if source.cfg.scan_layers != cfg.scan_layers:
+        from posattn.nn.model import convert_layout
+
+        (params,) = convert_layout((params,), source.cfg, scan_layers=cfg.scan_layers)
+    shapes = jax.tree.map(lambda x: x.shape, params)
+    if jax.tree.structure(params) != jax.tree.structure(targets) or shapes != jax.tree.map(
+        lambda t: t.shape, targets
+    ):
+        raise config_lib.ConfigError(
+            f"--init_from={source.workdir}: its parameters (step {record['step']}) do not fit "
+            "this model's; start from a run of the same architecture"
+        )
+    params = jax.tree.map(
+        lambda p, t: jax.device_put(p.astype(t.dtype), t.sharding), params, targets
+    )
+    return params, int(record["step"])
+
+
 def restore_trained(
     config: ml_collections.ConfigDict, checkpoints: pathlib.Path
 ) -> tuple[Any, Any, int] | None:
@@ -283,6 +402,7 @@ def _train(
     stop_after: int | None,
     mesh,
     restart_from=None,
+    source: _Source | None = None,
 ) -> dict[str, Any]:
     train_cfg, data_cfg = config.train, config.data
     B, T = train_cfg.batch_size, data_cfg.seq_len
@@ -328,6 +448,19 @@ def _train(
             params = hf.load_params(cfg.init_from[3:], cfg, shardings=state_sh["params"])
             state = {**state, "params": params}
             workdir_lib.say(lead, f"starting from {cfg.init_from}")
+        elif source is not None:  # another run's parameters, AdamW moments at 0
+            targets = jax.tree.map(
+                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                abstract["params"],
+                state_sh["params"],
+            )
+            try:
+                params, at = _init_params(source, cfg, mesh, targets)
+            except BaseException:
+                ckpt.close()
+                raise
+            state = {**state, "params": params}
+            workdir_lib.say(lead, f"starting from {source.workdir} (its step {at})")
     if lead:
         workdir_lib.write_config(workdir, config)
     metrics = workdir_lib.MetricsFile(
@@ -354,11 +487,13 @@ def _train(
         **options,
     )
 
+    offset = int(data_cfg.batch_offset)  # step s reads the batch stream's batch s + offset
+
     def batch_at(step: int) -> dict[str, jax.Array]:
         def rows(index):
             return data_lib.train_batch(
-                corpus, seed=train_cfg.seed, step=step, batch_size=B, seq_len=T, rows=index[0],
-                **options,
+                corpus, seed=train_cfg.seed, step=step + offset, batch_size=B, seq_len=T,
+                rows=index[0], **options,
             )  # fmt: skip
 
         return sharding.global_batch(rows, batch_sh, (B,))
@@ -402,23 +537,20 @@ def _train(
             "config": config.to_dict(),
         }
 
+    job = Job(
+        step=step_fn,
+        batch_at=batch_at,
+        emit=emit,
+        record=record,
+        evaluate=evaluate,
+        name=f"train {cfg.position}",
+        tokens_per_step=B * T,
+        peak_flops=train_cfg.get("peak_flops"),
+        profile_dir=workdir / "profile",
+    )
     with metrics:
         out = run_loop(
-            state,
-            start,
-            step_fn=step_fn,
-            batch_at=batch_at,
-            schedule=Schedule.from_config(train_cfg, stop_after=stop_after),
-            emit=emit,
-            evaluate=evaluate,
-            checkpointer=ckpt,
-            record=record,
-            mesh=mesh,
-            lead=lead,
-            name=f"train {cfg.position}",
-            tokens_per_step=B * T,
-            peak_flops=train_cfg.get("peak_flops"),
-            profile_dir=workdir / "profile",
+            state, start, job, Schedule.from_config(train_cfg, stop_after=stop_after), ckpt, mesh
         )
     return {
         "step": out.step,
@@ -485,42 +617,56 @@ class LoopResult:
     state: Any
     step: int  # the last step taken (== start when there was nothing to do)
     preempted: bool  # stopped by SIGTERM (on any process)
-    last_eval: Any  # what `evaluate` returned last, or None
+    last_eval: Any  # what `job.evaluate` returned last, or None
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """What one run gives the loop: `posattn.train` builds one, each program of `posattn.sweep`
+    another (its members stacked), and the loop does the rest.
+
+    Attributes:
+      step: `(state, batch) -> (state, metrics)`, jitted with donated state: compiled once ahead,
+        its `cost_analysis()` FLOPs give the MFU (a plain function runs as it is).
+      batch_at: `step -> batch` of global arrays (`posattn.train.sharding.global_batch`), a pure
+        function of the step, so a resumed run sees the batches it would have seen.
+      emit: `(step, values, timing, last_checkpoint)` for every step, at each flush: writes the
+        step's metric lines (one for a run, one per live member for a sweep); may raise to stop
+        the run. `values` are the step's fetched metrics; `timing` holds `step_time` (seconds,
+        the mean over the flush interval, evaluations and checkpoints excluded),
+        `tokens_per_sec` and `mfu` (None where the device's peak is unknown); `last_checkpoint`
+        is None before the first checkpoint of a fresh run.
+      record: `step -> dict`, the JSON record saved beside that step's checkpoint.
+      evaluate: `(step, state) -> result`, run on `Schedule.evaluates` steps (None: never).
+      name: the progress bar's label; `where` (" of sweep program 2") ends the loop's messages.
+      tokens_per_step: every member's batch tokens, for `tokens_per_sec`.
+      peak_flops: the device's peak FLOP/s for the MFU (None: `PEAK_FLOPS` by device kind).
+      profile_dir: where the trace of `Schedule.profile_steps` goes.
+    """
+
+    step: Callable[[Any, Any], tuple[Any, dict]]
+    batch_at: Callable[[int], Any]
+    emit: Callable[[int, dict, dict, int | None], None]
+    record: Callable[[int], dict]
+    evaluate: Callable[[int, Any], Any] | None = None
+    name: str = "train"
+    where: str = ""
+    tokens_per_step: int = 0
+    peak_flops: float | None = None
+    profile_dir: pathlib.Path | None = None
 
 
 def run_loop(
-    state: Any,
-    start: int,
-    *,
-    step_fn: Callable,
-    batch_at: Callable[[int], Any],
-    schedule: Schedule,
-    emit: Callable[[int, dict, dict, int | None], None],
-    checkpointer: Checkpointer,
-    record: Callable[[int], dict],
-    mesh,
-    lead: bool,
-    name: str,
-    tokens_per_step: int,
-    evaluate: Callable[[int, Any], Any] | None = None,
-    peak_flops: float | None = None,
-    profile_dir: pathlib.Path | None = None,
-    where: str = "",
+    state: Any, start: int, job: Job, schedule: Schedule, checkpointer: Checkpointer, mesh
 ) -> LoopResult:
-    """Steps `state` from `start` to `schedule.total`: the loop of every training run.
+    """Steps `state` from `start` to `schedule.total` under `mesh`: the loop of every training
+    run, calling `job`'s functions (`Job` says when and with what).
 
-    Batches are `batch_at(step)` (global arrays; see `posattn.train.sharding.global_batch`). The
-    step is `step_fn(state, batch) -> (state, metrics)`, jitted with donated state; it is
-    compiled once ahead, and its `cost_analysis()` FLOPs give the MFU. Every `log_every` steps
-    the pending metrics are fetched and `emit(step, values, timing, last_checkpoint)` is called
-    for each step (it writes the lines; it may raise to stop the run; `last_checkpoint` is None
-    before the first checkpoint of a fresh run): `timing` holds
-    `step_time` (seconds, the mean over the interval, evaluation and checkpoints excluded),
-    `tokens_per_sec` and `mfu` (None where the device's peak is unknown). `evaluate(step, state)`
-    runs on `schedule.evaluates` steps. A checkpoint (`checkpointer.save(step, state,
-    record(step))`) is written every `checkpoint_every` steps, at the end, and when stopping early;
-    a state holding NaN or inf is never saved: the run stops with `NonFiniteLossError` naming the
-    last checkpoint saved, which is therefore good.
+    Every `log_every` steps (and before evaluations and checkpoints) the pending metrics are
+    fetched and emitted. A checkpoint (`checkpointer.save(step, state, job.record(step))`) is
+    written every `checkpoint_every` steps, at the end, and when stopping early; a state holding
+    NaN or inf is never saved: the run stops with `NonFiniteLossError` naming the last checkpoint
+    saved, which is therefore good.
 
     SIGTERM on any process stops every process after the same step: with several processes the
     flag is agreed by a collective every `log_every` steps (`Schedule.agrees`,
@@ -528,19 +674,21 @@ def run_loop(
     processes save the same checkpoint and return normally; the same command then resumes
     exactly. The checkpointer is closed on the way out, whatever happens.
     """
-    bar = workdir_lib.progress_bar(lead, schedule.total, start, name)
+    lead = jax.process_index() == 0
+    step_fn, where = job.step, job.where
+    bar = workdir_lib.progress_bar(lead, schedule.total, start, job.name)
     flops = None
     pending: list[tuple[int, Any]] = []
     # A run resumed from step `start` was restored from its checkpoint; a fresh run has none.
     last_checkpoint = start if start > 0 else None
     last_eval, preempted = None, False
     steps_since, tick = 0, time.perf_counter()
-    profiler = _Profiler(schedule.profile_steps, profile_dir)
+    profiler = _Profiler(schedule.profile_steps, job.profile_dir)
     step = start
     try:
         with jax.set_mesh(mesh), workdir_lib.preemption_flag() as received:
             for step in range(start + 1, schedule.total + 1):
-                batch = batch_at(step)
+                batch = job.batch_at(step)
                 if flops is None and hasattr(step_fn, "lower"):
                     compiled = step_fn.lower(state, batch).compile()
                     flops, step_fn = _flops(compiled), compiled
@@ -556,20 +704,22 @@ def run_loop(
                 checkpoint_now = (
                     step % schedule.checkpoint_every == 0 or step == schedule.total or stopping
                 )
-                evaluating = evaluate is not None and schedule.evaluates(step)
+                evaluating = job.evaluate is not None and schedule.evaluates(step)
                 if step % schedule.log_every == 0 or checkpoint_now or evaluating:
                     fetched = jax.device_get([m for _, m in pending])
                     elapsed = time.perf_counter() - tick
-                    timing = _timing(elapsed / steps_since, tokens_per_step, flops, peak_flops)
+                    timing = _timing(
+                        elapsed / steps_since, job.tokens_per_step, flops, job.peak_flops
+                    )
                     for (s, _), values in zip(pending, fetched, strict=True):
-                        emit(s, values, timing, last_checkpoint)
+                        job.emit(s, values, timing, last_checkpoint)
                     _show(bar, step, fetched[-1], timing)
                     pending, steps_since = [], 0
                 if evaluating:
-                    last_eval = evaluate(step, state)
+                    last_eval = job.evaluate(step, state)
                 if checkpoint_now:
                     try:
-                        checkpointer.save(step, state, record(step))
+                        checkpointer.save(step, state, job.record(step))
                     except NonFiniteStateError as e:
                         raise NonFiniteLossError(
                             f"{e}{where}: training stopped (the loss of this step was finite; "
@@ -700,6 +850,13 @@ TRAIN_COMMAND = cli.Command(
             None,
             metavar="CHECKPOINT",
         ),
+        cli.Flag(
+            "init_from",
+            "start this new workdir from another run's parameters (its latest checkpoint; fresh "
+            "optimiser moments), e.g. a fine-tune under a model.rope_scaling",
+            None,
+            metavar="WORKDIR",
+        ),
     ),
 )
 
@@ -709,7 +866,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> int:
         args = cli.parse(TRAIN_COMMAND, argv)
-        result = train_and_evaluate(args.config, args.workdir, restart_from=args.restart_from)
+        result = train_and_evaluate(
+            args.config, args.workdir, init_from=args.init_from, restart_from=args.restart_from
+        )
         summary = {
             k: v for k, v in result.items() if k in ("step", "loss", "eval_loss", "preempted")
         }
