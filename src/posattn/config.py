@@ -72,6 +72,11 @@ DATA: dict[str, tuple[Any, str]] = {
         "share of training rows given a random string repeated later in the row (in-context "
         "copying, as the induction probe asks; posattn.data.probes)",
     ),
+    "probe_weight": (
+        1.0,
+        "loss weight of the targets the probe rows are scored on (passkey digits, the induction "
+        "repeat); every other target weighs 1",
+    ),
 }
 TRAIN: dict[str, tuple[Any, str]] = {
     "steps": (1000, "optimiser steps"),
