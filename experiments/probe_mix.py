@@ -57,6 +57,10 @@ MIXES = {
     "w8": dict(passkey_fraction=0.2, induction_fraction=0.2, probe_weight=8.0),
     "w16": dict(passkey_fraction=0.2, induction_fraction=0.2, probe_weight=16.0),
     "ind0.5": dict(passkey_fraction=0.2, induction_fraction=0.5, probe_weight=1.0),
+    "lean8": dict(passkey_fraction=0.1, induction_fraction=0.1, probe_weight=8.0),
+    "lean4": dict(passkey_fraction=0.1, induction_fraction=0.1, probe_weight=4.0),
+    "lean16": dict(passkey_fraction=0.1, induction_fraction=0.1, probe_weight=16.0),
+    "ind8": dict(passkey_fraction=0.1, induction_fraction=0.2, probe_weight=8.0),
 }
 
 
