@@ -21,7 +21,7 @@ run is reused; an interrupted one resumes) and is scored at L on:
   letters ln 26 = 3.26) and argmax accuracy.
 
 Probe intervals are mean +- 1.96 standard errors over the samples (independent draws). The table
-goes to stdout and `WORKDIR/probe_mix.json`. experiments/README.md ("Probe rows that teach
+goes to stdout and `WORKDIR/probe_mix-<mixes>.json`. experiments/README.md ("Probe rows that teach
 retrieval at L") has the measured table.
 """
 
@@ -48,7 +48,8 @@ from posattn.eval import heldout, intervals, scoring  # noqa: E402
 from posattn.eval import lengths as lengths_lib  # noqa: E402
 from posattn.train import train_and_evaluate  # noqa: E402
 
-# name -> data keys. "default" is configs/extrapolation.py before this sweep.
+# name -> data keys. "default" is configs/extrapolation.py as it was before `data.probe_weight`
+# (weight 1); "pk8" is its default since.
 MIXES = {
     "text": dict(passkey_fraction=0.0, induction_fraction=0.0, probe_weight=1.0),
     "default": dict(passkey_fraction=0.2, induction_fraction=0.0, probe_weight=1.0),
@@ -61,6 +62,7 @@ MIXES = {
     "lean4": dict(passkey_fraction=0.1, induction_fraction=0.1, probe_weight=4.0),
     "lean16": dict(passkey_fraction=0.1, induction_fraction=0.1, probe_weight=16.0),
     "ind8": dict(passkey_fraction=0.1, induction_fraction=0.2, probe_weight=8.0),
+    "pk8": dict(passkey_fraction=0.2, induction_fraction=0.0, probe_weight=8.0),
 }
 
 
@@ -130,6 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mixes", default="default,w8,ind", help=f"of {sorted(MIXES)}")
     parser.add_argument("--steps", type=int, default=None, help="train.steps (default: config's)")
     parser.add_argument("--samples", type=int, default=128, help="probe samples (a depth)")
+    parser.add_argument(
+        "--only-trained",
+        action="store_true",
+        help="score the runs whose last checkpoint exists, skip (and name) the others",
+    )
     args = parser.parse_args(argv)
     families = [f for f in args.families.split(",") if f]
     mixes = [m for m in args.mixes.split(",") if m]
@@ -162,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
                 config.train.steps = int(args.steps)
             train_config = settings_lib.family_config(config, family)
             run_dir = args.workdir / mix / family
+            if (
+                args.only_trained
+                and not (run_dir / "checkpoints" / str(config.train.steps)).exists()
+            ):
+                print(f"{mix:>8} {family:>6}  not trained (--only-trained): skipped", flush=True)
+                continue
             start = time.perf_counter()
             result = train_and_evaluate(train_config, run_dir)
             if not result.get("finished"):
@@ -210,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
                 out["text_delta"], out["text_delta_ci"] = delta, dci
             results.append(out)
             print(_line(out), flush=True)
-            (args.workdir / "probe_mix.json").write_text(json.dumps(results, indent=1) + "\n")
+            (args.workdir / f"probe_mix-{'-'.join(mixes)}.json").write_text(
+                json.dumps(results, indent=1) + "\n"
+            )
     print()
     print(table(results, mixes[0]))
     return 0
