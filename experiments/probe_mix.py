@@ -1,9 +1,10 @@
 """Which training mix makes the retrieval probes learnable at L: a few families trained under the
 length-extrapolation config (`configs/extrapolation.py`) with different probe rows, scored at L.
 
-    python experiments/probe_mix.py --workdir runs/probe_mix
-    python experiments/probe_mix.py --workdir runs/probe_mix --families rope,alibi \
-        --mixes default,w8 --steps 2000 --samples 128
+    python experiments/probe_mix.py --workdir runs/probe_mix --families rope,alibi,nope \
+        --mixes default,w8,lean8,lean4,ind8,pk8 --only-trained      # the README's table
+    python experiments/probe_mix.py --workdir runs/probe_mix_4000 --families rope \
+        --mixes lean4 --steps 4000                                   # its 4000-step row
 
 A mix is a set of `data` keys (`MIXES`: `passkey_fraction`, `induction_fraction`,
 `probe_weight`); everything else is the experiment's default training (2000 steps, L = 64, one
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", required=True, type=pathlib.Path)
     parser.add_argument("--families", default="rope,alibi,nope")
-    parser.add_argument("--mixes", default="default,w8,ind", help=f"of {sorted(MIXES)}")
+    parser.add_argument("--mixes", default="default,pk8,w8", help=f"of {sorted(MIXES)}")
     parser.add_argument("--steps", type=int, default=None, help="train.steps (default: config's)")
     parser.add_argument("--samples", type=int, default=128, help="probe samples (a depth)")
     parser.add_argument(
