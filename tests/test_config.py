@@ -74,6 +74,7 @@ def test_rope_scaling_dict_literal():
         (["train.warmup_steps=5000"], ["warmup_steps", "steps"]),
         (["data.passkey_fraction=1.5"], ["passkey_fraction", "[0, 1]"]),
         (["data.passkey_fraction=0.1", "model.kind=encoder"], ["passkey_fraction", "encoder"]),
+        (["data.probe_weight=-2.0"], ["probe_weight", ">= 0"]),
     ],
 )
 def test_invalid_settings_name_the_key(overrides, words):

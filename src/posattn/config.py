@@ -77,6 +77,11 @@ DATA: dict[str, tuple[Any, str]] = {
         "training step s reads batch s + batch_offset of the stream of train.seed (a fine-tune "
         "going on past the batches of the run it starts from)",
     ),
+    "probe_weight": (
+        1.0,
+        "loss weight of the targets the probe rows are scored on (passkey digits, the induction "
+        "repeat); every other target weighs 1",
+    ),
 }
 TRAIN: dict[str, tuple[Any, str]] = {
     "steps": (1000, "optimiser steps"),

@@ -88,6 +88,16 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
             data.passkey_distractors,
             "must be True or False",
         )
+    if "probe_weight" in data:
+        _require(
+            isinstance(data.probe_weight, (int, float))
+            and not isinstance(data.probe_weight, bool)
+            and math.isfinite(data.probe_weight)
+            and data.probe_weight >= 0,
+            "data.probe_weight",
+            data.probe_weight,
+            "must be a finite weight >= 0 (1: the probe rows' answers weigh as any target)",
+        )
     for name in ("passkey_fraction", "induction_fraction"):
         if data.get(name) and not cfg.causal:
             raise ConfigError(

@@ -26,8 +26,9 @@ _KW = dict(seed=3, step=7, batch_size=8, seq_len=32)
         {"passkey_fraction": 0.5},
         {"passkey_fraction": 0.5, "passkey_distractors": True},
         {"mask_rate": 0.3, "mask_id": 256},
+        {"passkey_fraction": 0.4, "induction_fraction": 0.5, "probe_weight": 8.0},
     ],
-    ids=["lm", "passkeys", "distractors", "encoder"],
+    ids=["lm", "passkeys", "distractors", "encoder", "weighted-probes"],
 )
 def test_any_split_of_the_rows_concatenates_to_the_global_batch(options):
     corpus = _corpus()
@@ -160,3 +161,56 @@ def test_induction_rows_repeat_a_random_string_inside_the_window_and_leave_the_r
     np.testing.assert_array_equal(np.concatenate([h["inputs"] for h in halves]), mixed["inputs"])
     with pytest.raises(data.DataError, match="induction_fraction"):
         data.train_batch(corpus, **{**base, "seq_len": 16}, induction_fraction=0.5)
+
+
+def test_probe_weight_weighs_exactly_the_answers_and_both_copies_lie_inside_the_window():
+    """The probe rows teach what the evaluation scores at L: a passkey row holds its needle and
+    its question inside the L + 1 bytes and weighs the key's digits after the final `passkey=`; an
+    induction row holds both copies inside the window and weighs its repeat but the first letter
+    (the probe's scored letters). Nothing else changes weight, and the weight changes no byte."""
+    corpus = _corpus(20000)
+    L, W = 64, 8.0
+    base = dict(seed=11, batch_size=64, seq_len=L, passkey_distractors=True)
+    mix = dict(passkey_fraction=0.3, induction_fraction=0.4)
+    letters = set(range(ord("a"), ord("z") + 1))
+    kinds, spans, gaps = {"passkey": 0, "induction": 0, "text": 0}, set(), []
+    for step in range(4):
+        plain = data.train_batch(corpus, step=step, **base, **mix)
+        batch = data.train_batch(corpus, step=step, **base, **mix, probe_weight=W)
+        for key in ("inputs", "targets"):
+            np.testing.assert_array_equal(batch[key], plain[key])
+        assert (plain["weights"] == 1).all()  # weight 1: every target counts once, as before
+        assert set(np.unique(batch["weights"])) <= {1.0, W}
+        for inputs, targets, weights in zip(
+            batch["inputs"], batch["targets"], batch["weights"], strict=True
+        ):
+            full = np.concatenate([inputs, targets[-1:]]).astype(np.uint8)  # the L + 1 bytes
+            k = int((weights == W).sum())
+            if k == 0:
+                kinds["text"] += 1
+                continue
+            assert (weights[L - k :] == W).all()  # the row's last k targets, nothing before
+            text = full.tobytes()
+            if text.rsplit(b"=", 1)[-1].isdigit() and b"passkey=" in text:
+                key = text.rsplit(b"=", 1)[1]
+                assert len(key) == k and 1 <= k <= 5
+                assert bytes(targets[L - k :].astype(np.uint8)) == key  # the weighted targets
+                needle = text.index(b"passkey=" + key + b". ")
+                assert needle + len(b"passkey=") + k + 2 <= L + 1 - len(b"passkey=") - k
+                kinds["passkey"] += 1
+                continue
+            span = k + 1  # the repeat's first letter is not scored (nothing announces it)
+            repeat = full[-span:]
+            assert 4 <= span <= 12 and set(repeat) <= letters
+            firsts = [
+                i for i in range(L + 1 - 2 * span + 1) if (full[i : i + span] == repeat).all()
+            ]
+            assert firsts  # the first copy ends before the repeat starts, inside the window
+            spans.add(span)
+            gaps.append(L + 1 - span - (firsts[-1] + span))
+            kinds["induction"] += 1
+    assert all(v > 20 for v in kinds.values()), kinds
+    # The evaluation's induction cell at L (span 8, gap L/2) lies inside what training draws.
+    assert 8 in spans and min(gaps) < L // 4 and max(gaps) > L // 2
+    with pytest.raises(data.DataError, match="probe_weight"):
+        data.train_batch(corpus, step=0, **base, **mix, probe_weight=-1.0)

@@ -220,6 +220,7 @@ def test_a_config_json_written_before_keys_were_added_still_resumes(config_facto
     for section, key in (
         (None, "plugins"),
         ("data", "induction_fraction"),
+        ("data", "probe_weight"),
         ("model", "layer_pattern"),
         ("model", "rope_partial_factor"),
     ):

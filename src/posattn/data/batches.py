@@ -38,6 +38,7 @@ def batch_options(data_config, *, causal: bool, vocab_size: int) -> dict:
             "passkey_fraction": float(data_config.passkey_fraction),
             "passkey_distractors": bool(data_config.passkey_distractors),
             "induction_fraction": float(data_config.induction_fraction),
+            "probe_weight": float(data_config.probe_weight),
         }
     return {"mask_rate": float(data_config.mask_rate), "mask_id": vocab_size}
 
@@ -92,6 +93,7 @@ def train_batch(
     passkey_fraction: float = 0.0,
     passkey_distractors: bool = False,
     induction_fraction: float = 0.0,
+    probe_weight: float = 1.0,
 ) -> dict[str, np.ndarray]:
     """The training batch of `step`: random windows of the train split, a pure function of
     (seed, step).
@@ -118,11 +120,19 @@ def train_batch(
         (`mix_inductions`: the evaluation's induction probe at random spans and gaps inside L),
         so that in-context copying, which the induction probe measures, is rewarded by the
         training loss. Its own stream of (seed, step): 0 leaves every batch as it was.
+      probe_weight: the loss weight of the targets a mixed-in row is scored on, as the
+        evaluation scores them: a passkey row's key digits after the final `passkey=`, an
+        induction row's repeat but its first letter (always the row's last targets). Every
+        other target weighs 1. In a 64-byte row those are 1-5 and 3-11 of 64 targets, so at
+        weight 1 a fifth of the rows puts ~1-2% of the loss on retrieval; a larger weight
+        makes the skill a sizeable share of the loss without giving up text rows
+        (experiments/README.md, "Probe rows that teach retrieval at L").
 
     Returns:
-      `inputs`, `targets` int32[b, T] and `weights` float32[b, T] (which targets count), b the
-      number of rows asked for (B/P by default). For the LM, targets are inputs shifted by one and
-      every weight is 1. Any split of the rows concatenates to the global batch.
+      `inputs`, `targets` int32[b, T] and `weights` float32[b, T] (which targets count, and how
+      much), b the number of rows asked for (B/P by default). For the LM, targets are inputs
+      shifted by one and every weight is 1 but those of the probes' scored targets
+      (`probe_weight`). Any split of the rows concatenates to the global batch.
     """
     rng = np.random.default_rng(np.random.SeedSequence([seed, step, 0x5EED]))
     starts = rng.integers(0, corpus.train.size - seq_len, size=batch_size)  # (B,)
@@ -149,9 +159,15 @@ def train_batch(
                 f"{corpus.name!r} holds token ids; use a byte-level corpus (text) or set the "
                 "fraction to 0"
             )
+    if not (np.isfinite(probe_weight) and probe_weight >= 0):
+        raise DataError(
+            f"data.probe_weight={probe_weight!r} must be a finite weight >= 0 (1: the probe "
+            "rows' answers count as any other target)"
+        )
     taken = np.zeros(batch_size, bool)
+    scored = np.zeros(len(windows), np.int64)  # (b,) trailing targets a probe scores per row
     if passkey_fraction:
-        windows = mix_passkeys(
+        windows, scored_keys = _mix_passkeys(
             windows,
             seed=seed,
             step=step,
@@ -160,9 +176,10 @@ def train_batch(
             batch_size=batch_size,
             distractors=passkey_distractors,
         )
+        scored += scored_keys
         taken = _chosen_rows(seed, step, _PASSKEY_STREAM, passkey_fraction, batch_size)
     if induction_fraction:
-        windows = mix_inductions(
+        windows, scored_repeats = _mix_inductions(
             windows,
             seed=seed,
             step=step,
@@ -171,9 +188,13 @@ def train_batch(
             batch_size=batch_size,
             skip=taken,
         )
+        scored += scored_repeats
     inputs, targets = windows[:, :-1], windows[:, 1:]
     if mask_rate <= 0:
-        return {"inputs": inputs, "targets": targets, "weights": np.ones(targets.shape, np.float32)}
+        weights = np.ones(targets.shape, np.float32)
+        if probe_weight != 1.0:
+            weights[np.arange(seq_len)[None, :] >= seq_len - scored[:, None]] = probe_weight
+        return {"inputs": inputs, "targets": targets, "weights": weights}
     chosen = rng.random((batch_size, seq_len))[rows] < mask_rate  # drawn for the global batch
     return mask_tokens(targets, chosen, mask_id)
 
@@ -201,6 +222,29 @@ def mix_passkeys(
       batch_size: the global batch size B.
       distractors: distractor numbers in the filler (`probes.passkey_sample`).
     """
+    return _mix_passkeys(
+        windows,
+        seed=seed,
+        step=step,
+        fraction=fraction,
+        rows=rows,
+        batch_size=batch_size,
+        distractors=distractors,
+    )[0]
+
+
+def _mix_passkeys(
+    windows: np.ndarray,
+    *,
+    seed: int,
+    step: int,
+    fraction: float,
+    rows: slice,
+    batch_size: int,
+    distractors: bool,
+) -> tuple[np.ndarray, np.ndarray]:
+    """`mix_passkeys` and int[b]: the key's digits of each replaced row (its last targets), 0 for
+    a row left as it was."""
     if not 0.0 <= fraction <= 1.0:
         raise DataError(f"data.passkey_fraction={fraction!r} must lie in [0, 1]")
     if fraction and windows.shape[1] < probes.passkey_min_length(probes.TRAIN_DIGITS):
@@ -211,6 +255,7 @@ def mix_passkeys(
         )
     chosen = _chosen_rows(seed, step, _PASSKEY_STREAM, fraction, batch_size)
     out = windows.copy()
+    scored = np.zeros(len(windows), np.int64)
     for local, row in enumerate(range(rows.start, rows.stop)):
         if chosen[row]:
             rng = np.random.default_rng(np.random.SeedSequence([seed, step, _PASSKEY_STREAM, row]))
@@ -224,7 +269,8 @@ def mix_passkeys(
                 digits=digits,
                 distractors=distractors,
             ).tokens
-    return out
+            scored[local] = digits
+    return out, scored
 
 
 def mix_inductions(
@@ -252,6 +298,29 @@ def mix_inductions(
       batch_size: the global batch size B.
       skip: bool[B], global rows already taken (by passkeys), left as they are.
     """
+    return _mix_inductions(
+        windows,
+        seed=seed,
+        step=step,
+        fraction=fraction,
+        rows=rows,
+        batch_size=batch_size,
+        skip=skip,
+    )[0]
+
+
+def _mix_inductions(
+    windows: np.ndarray,
+    *,
+    seed: int,
+    step: int,
+    fraction: float,
+    rows: slice,
+    batch_size: int,
+    skip: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """`mix_inductions` and int[b]: the scored letters of each induction row (its repeat but the
+    first letter: the row's last span - 1 targets), 0 for a row left as it was."""
     if not 0.0 <= fraction <= 1.0:
         raise DataError(f"data.induction_fraction={fraction!r} must lie in [0, 1]")
     n = windows.shape[1]
@@ -265,6 +334,7 @@ def mix_inductions(
     if skip is not None:
         chosen &= ~skip
     out = windows.copy()
+    scored = np.zeros(len(windows), np.int64)
     for local, row in enumerate(range(rows.start, rows.stop)):
         if chosen[row]:
             rng = np.random.default_rng(
@@ -276,7 +346,8 @@ def mix_inductions(
                 rng, windows[local].astype(np.uint8), span=span, gap=gap
             )
             out[local] = sample.tokens
-    return out
+            scored[local] = span - 1
+    return out, scored
 
 
 _PASSKEY_STREAM = 0x9A55
