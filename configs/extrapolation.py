@@ -107,8 +107,8 @@ def get_config(arg=None):
         seed=0,
     )
     config.families = FAMILIES
-    # Training seeds per family (from train.seed on); > 1 trains them as one vmap program
-    # (posattn.sweep) and reports mean ± standard error over seeds. The record runs 3.
+    # Training seeds per family (from train.seed on), each its own run (adding seeds never
+    # retrains one); > 1 reports mean ± standard error over seeds. The record runs 3.
     config.seeds = 1
     config.rope_scalings = ("linear", "ntk", "dynamic", "yarn")  # extra rows rope+<kind>
     # Position interpolation as Chen et al. 2023 run it: the trained RoPE model fine-tuned at

@@ -65,7 +65,7 @@ def get_config(arg=None):
         seed=0,
     )
     config.families = FAMILIES
-    config.seeds = 1  # training seeds per family (one vmap program each when > 1)
+    config.seeds = 1  # training seeds per family (each its own run)
     config.rope_scalings = ("linear", "ntk", "dynamic", "yarn")
     # Position interpolation with a fine-tune (Chen et al. 2023 fine-tune 1000 steps at 2e-5 after
     # 20 warmup steps): 4L under factor 4, a tenth of the training peak, the training's tokens a

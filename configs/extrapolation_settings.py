@@ -1,6 +1,7 @@
 """The settings the length-extrapolation record uses, each measured: one family under several
-settings, 2 seeds each (one vmap program of the seeds per setting), trained and evaluated exactly
-as the record (configs/extrapolation.py) but for a lighter evaluation.
+settings, 2 seeds each (earlier runs trained them as one vmap program; each seed is now its own
+run), trained and evaluated exactly as the record (configs/extrapolation.py) but for a lighter
+evaluation.
 
     python experiments/length_extrapolation.py --config configs/extrapolation_settings.py:fire \
         --workdir runs/settings_fire

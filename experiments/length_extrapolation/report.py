@@ -307,12 +307,16 @@ def corpus_sentence(results: dict) -> str:
 
 def _other_code_lines(results: dict) -> list[str]:
     """A note naming the rows trained or evaluated by other code than this run's (--reuse)."""
-    mine = results["provenance"].get("code_sha256")
+    prov = results["provenance"]
+    evaluators = prov.get("evaluator_code_sha256") or {}
     lines = []
     for name, origin in (results.get("row_provenance") or {}).items():
         for stage in ("trained", "evaluated"):
             who = origin.get(stage) or {}
-            if who.get("code_sha256") != mine:
+            # A training record carries the training code's hash, an evaluation record its
+            # evaluator's (the run's own are in the top-level provenance).
+            mine = evaluators.get(who.get("evaluator")) if stage == "evaluated" else None
+            if who.get("code_sha256") != (mine or prov.get("code_sha256")):
                 commit = str(who.get("commit"))[:12] if who else "unrecorded"
                 clean = "" if who.get("clean", True) else " with uncommitted changes"
                 lines.append(f"- `{name}` {stage} by commit {commit}{clean} (reused)")

@@ -273,6 +273,10 @@ def run(
         seed=ev.seed,
     )
     prov = prov_lib.provenance()  # the code as the run starts, not as it is when it ends
+    # Each evaluator's code hash, which its cached records carry (the report compares the two).
+    prov["evaluator_code_sha256"] = {
+        e.name: prov_lib.evaluator_code_sha256(e) for e, _ in evaluators
+    }
     code = prov_lib.code_record(prov, corpus.sha256)
     trained_rows = [r for r in rows if r.scaling is None and r.finetune is None]
     rotary_entries = {r.entry for r in rows if r.finetune is not None}
@@ -340,9 +344,10 @@ def run(
             }
             seconds[row.name] = round(spent[row.name], 1)
             evaluated = by_row[row.name] or {}
+            named = "loss" if "loss" in evaluated else next(iter(evaluated), None)
             origins[row.name] = {
                 "trained": infos[0].get("code") or {},
-                "evaluated": evaluated.get("loss") or next(iter(evaluated.values()), {}),
+                "evaluated": {**evaluated[named], "evaluator": named} if named else {},
             }
             if row.finetune is not None and row.finetune in tuned:
                 # Keyed by kind; by <entry>+<kind> when several RoPE entries are fine-tuned.

@@ -229,8 +229,12 @@ def test_provenance_other_code_is_refused_reused_or_reevaluated(tmp_path, capsys
     assert results["python_version"].count(".") == 2
     assert results["provenance"]["code_sha256"] == code
     assert results["row_provenance"]["learned"]["trained"]["code_sha256"] == code
-    assert results["row_provenance"]["learned"]["evaluated"] == evaluated["code"]
+    assert results["row_provenance"]["learned"]["evaluated"] == {
+        **evaluated["code"],
+        "evaluator": "loss",
+    }
     md = (tmp_path / "results.md").read_text()
+    assert "other code than this run's" not in md  # every row trained and evaluated by this run
     assert f"sha256 `{corpus_sha[:16]}`" in md and "the standard library of Python" in md
     written = cache.stat().st_mtime_ns
     assert experiment.main(run) == 0  # the same code again: trained.json and the cache reused
@@ -261,9 +265,9 @@ def test_provenance_other_code_is_refused_reused_or_reevaluated(tmp_path, capsys
     results = _read(tmp_path / "results.json")
     assert results["row_provenance"]["learned"]["trained"]["commit"] == "0123456789ab"
     assert results["provenance"]["code_sha256"] == code  # this run's code, beside the row's
-    assert (
-        "`learned` trained by commit 0123456789ab (reused)" in (tmp_path / "results.md").read_text()
-    )
+    md = (tmp_path / "results.md").read_text()
+    assert "`learned` trained by commit 0123456789ab (reused)" in md
+    assert "`learned` evaluated by" not in md  # its evaluation is this run's code's
 
     # An evaluation made by other code is redone by this code (and recorded as such).
     (tmp_path / "learned" / "trained.json").write_text(json.dumps(trained))
