@@ -154,10 +154,10 @@ def check_pretrained(config: ml_collections.ConfigDict) -> tuple[ml_collections.
                 f"config.rope_scalings={tuple(config.rope_scalings)!r}: {name} is a "
                 f"{cfg.position!r} model, not RoPE; set config.rope_scalings=()"
             )
-        if cfg.rope_scaling is not None:
+        if cfg.settings.scaling is not None:
             raise _fail(
                 f"config.rope_scalings: {name}'s config.json already has the rope_scaling "
-                f"{cfg.rope_scaling!r}; an eval-time scaling would replace it (set "
+                f"{cfg.settings.scaling_dict!r}; an eval-time scaling would replace it (set "
                 "config.rope_scalings=())"
             )
         from posattn import rotary
