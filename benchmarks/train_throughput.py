@@ -75,6 +75,7 @@ from flax import nnx
 from posattn import attention as attention_lib
 from posattn import config as config_lib
 from posattn import data, families
+from posattn.nn.layers import compute_dtype
 from posattn.nn.model import TransformerLM
 from posattn.train import steps
 
@@ -148,9 +149,10 @@ class Case:
         layer = model.blocks[0].attn
         bias_fn, bias_params = layer.bias() if layer.bias is not None else (None, {})
         keys = jax.random.split(jax.random.key(1), 4)
-        q = jax.random.normal(keys[0], (B, T, N, H))
-        k, v = (jax.random.normal(key, (B, T, K, H)) for key in keys[1:3])
-        d_out = jax.random.normal(keys[3], (B, T, N, H))
+        dt = compute_dtype(cfg.dtype)
+        q = jax.random.normal(keys[0], (B, T, N, H), dt)
+        k, v = (jax.random.normal(key, (B, T, K, H), dt) for key in keys[1:3])
+        d_out = jax.random.normal(keys[3], (B, T, N, H), dt)
 
         def loss(q, k, v, params):
             bias = None if bias_fn is None else (bias_fn, params)
@@ -191,11 +193,12 @@ class Case:
             + [(D, V)]
         )
         keys = iter(jax.random.split(jax.random.key(2), 3 * len(shapes)))
+        dt = compute_dtype(cfg.dtype)  # the step's operands are in the compute dtype
         operands = [
             (
-                jax.random.normal(next(keys), (M, i)),
-                jax.random.normal(next(keys), (i, o)),
-                jax.random.normal(next(keys), (M, o)),
+                jax.random.normal(next(keys), (M, i), dt),
+                jax.random.normal(next(keys), (i, o), dt),
+                jax.random.normal(next(keys), (M, o), dt),
             )
             for i, o in shapes
         ]
@@ -351,6 +354,11 @@ def baseline_round(python: str, case: Case, *, threads: int, steps_per_round: in
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def cases_dtype_first(cases: list[Case], key: tuple[str, str]) -> str:
+    """The dtype of the first case of (config, family) `key`: the one that runs its baseline."""
+    return next(c.cfg.dtype for c in cases if (c.name, c.family) == key)
+
+
 def load_average() -> str:
     try:
         return " / ".join(f"{x:.1f}" for x in os.getloadavg())
@@ -392,6 +400,14 @@ def main(argv=None):
     parser.add_argument(
         "--threads", type=int, default=os.cpu_count(), help="torch threads for the baseline"
     )
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=None,
+        choices=("float32", "bfloat16"),
+        help="model.dtype of each case (the compute dtype; parameters stay float32), timed "
+        "side by side; default: the config's (float32)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write every round as JSON")
     parser.add_argument(
         "--crossover",
@@ -419,23 +435,32 @@ def main(argv=None):
         print(f"# load average at the end {load_average()}")
         return
     print(f"# overrides: {args.override or 'none'}; {args.rounds} rounds of {args.steps} steps")
+    dtypes = args.dtypes or [None]
     cases = [
-        Case(c, f, steps_per_round=args.steps, overrides=args.override)
+        Case(
+            c,
+            f,
+            steps_per_round=args.steps,
+            overrides=args.override + ([f"model.dtype={d}"] if d else []),
+        )
         for c in args.configs
         for f in args.families
+        for d in dtypes
     ]
-    baselines = {}
+    # One baseline series per (config, family), shared by that pair's dtypes.
+    baselines: dict[tuple[str, str], list] = {}
     if args.xtransformers:
         baselines = {
-            id(c): []
+            (c.name, c.family): []
             for c in cases
             if c.family in BASELINE_POSITIONS and c.cfg.num_kv_heads == c.cfg.num_heads
         }
     for r in range(args.rounds):
         for case in cases:
             case.run_round()
-            if id(case) in baselines:
-                baselines[id(case)].append(
+            key = (case.name, case.family)
+            if key in baselines and case.cfg.dtype == cases_dtype_first(cases, key):
+                baselines[key].append(
                     baseline_round(
                         args.xtransformers, case, threads=args.threads, steps_per_round=args.steps
                     )
@@ -443,11 +468,11 @@ def main(argv=None):
         print(f"# round {r + 1}/{args.rounds} done, load average {load_average()}", flush=True)
 
     print(
-        "\n| config | family | attention impl | step ms (min / median) | tokens/s (median) | "
-        "attention alone | matmuls alone | other | x-transformers ms (min / median) | "
-        "ratio (median / best) |"
+        "\n| config | family | dtype | attention impl | step ms (min / median) | "
+        "tokens/s (median) | attention alone | matmuls alone | other | "
+        "x-transformers ms (min / median) | ratio (median / best) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     records = []
     for case in cases:
         step = [x["step_ms"] for x in case.rounds]
@@ -456,7 +481,7 @@ def main(argv=None):
         mm = statistics.median(x["matmul_ms"] for x in case.rounds)
         tokens = case.B * case.T
         row = (
-            f"| {case.name} | {case.family} | {case.attention_impl} | "
+            f"| {case.name} | {case.family} | {case.cfg.dtype} | {case.attention_impl} | "
             f"{min(step):.1f} / {med:.1f} | "
             f"{tokens / med * 1e3:,.0f} | {att:.1f} ms ({att / med:.0%}) | "
             f"{mm:.1f} ms ({mm / med:.0%}, "
@@ -466,17 +491,18 @@ def main(argv=None):
         record = {
             "config": case.name,
             "family": case.family,
+            "dtype": case.cfg.dtype,
             "tokens_per_step": tokens,
             "rounds": case.rounds,
         }
-        if id(case) in baselines:
-            theirs = [x["ms_per_step"] for x in baselines[id(case)]]
+        if baselines.get((case.name, case.family)):
+            theirs = [x["ms_per_step"] for x in baselines[(case.name, case.family)]]
             their_med = statistics.median(theirs)
             row += (
                 f" {min(theirs):.1f} / {their_med:.1f} | {their_med / med:.2f}x / "
                 f"{min(theirs) / min(step):.2f}x |"
             )
-            record["xtransformers"] = baselines[id(case)]
+            record["xtransformers"] = baselines[(case.name, case.family)]
         else:
             row += " - | - |"
         print(row)

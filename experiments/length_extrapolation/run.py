@@ -123,17 +123,22 @@ class _Seed:
             self._params[kind] = (params, params_sha256(params))
         return self._params[kind]
 
-    def model(self, key: ModelKey) -> tuple:
-        """The split model `key` names."""
-        if key not in self._models:
+    def model(self, key: ModelKey, length: int) -> tuple:
+        """The split model `key` names, for windows of `length` tokens. A RoPE entry's rows all
+        read one graph at each length (`posattn.eval.lengths.rope_row_model`: the scaling's
+        frequencies as arrays), so its eval-time scalings and fine-tunes share compiled programs
+        length by length instead of compiling one set per row."""
+        slot = (key, length) if self.cfg.family.rotary else (key, None)
+        if slot not in self._models:
             params, _ = self.params_of(key.finetune)
-            scaling = key.scaling_dict()
-            if scaling is None and key.finetune is None:
-                graphdef, constants = self.graphdef, self.constants
+            if self.cfg.family.rotary:
+                graphdef, constants = lengths_lib.rope_row_model(
+                    self.cfg, key.scaling_dict(), length
+                )
             else:
-                graphdef, constants = lengths_lib.with_rope_scaling(self.cfg, scaling)
-            self._models[key] = (graphdef, params, constants)
-        return self._models[key]
+                graphdef, constants = self.graphdef, self.constants
+            self._models[slot] = (graphdef, params, constants)
+        return self._models[slot]
 
 
 def _evaluate_row(row, member, evaluators, shared, text, memo, lengths, prov, corpus_sha, reuse):
@@ -169,7 +174,7 @@ def _evaluate_row(row, member, evaluators, shared, text, memo, lengths, prov, co
             model_key = row.reads(config, length)
             slot = (model_key, evaluator.name, length)
             if slot not in memo:
-                memo[slot] = evaluator.run(member.model(model_key), text, length, settings)
+                memo[slot] = evaluator.run(member.model(model_key, length), text, length, settings)
             values.append(memo[slot])
         _write_json(path, {"key": key, "code": code, "values": values})
         out[evaluator.name], by[evaluator.name] = values, code

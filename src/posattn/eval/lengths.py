@@ -32,6 +32,7 @@ import numpy as np
 from flax import nnx
 
 from posattn import rotary
+from posattn.nn import layers
 from posattn.nn.config import ModelConfig
 from posattn.nn.model import TransformerLM
 
@@ -41,6 +42,7 @@ __all__ = [
     "max_length",
     "model_config_of",
     "predict",
+    "rope_row_model",
     "rope_scaling_row",
     "token_stats",
     "with_rope_scaling",
@@ -228,4 +230,81 @@ def with_rope_scaling(
     constants = jax.jit(
         lambda: nnx.split(TransformerLM(new, rngs=nnx.Rngs(params=0)), nnx.Param, ...)[2]
     )()
+    return graphdef, constants
+
+
+class TableRotary(nnx.Module):
+    """RoPE whose frequencies and attention factor are arrays (constants), for windows of one
+    length: what a `layers.Rotary` computes there, with nothing of its scaling in the graph.
+
+    Every scaling of one model read at one length (eval-time linear, NTK, dynamic NTK, YaRN, ...,
+    and the fine-tunes' fixed scalings) then has one graphdef, so all of those rows run the same
+    compiled programs at that length, their tables and parameters passed as arguments. Dynamic NTK
+    (and LongRoPE) recompute their frequencies from the current length; at a fixed window length
+    that is one table, computed here as `Rotary` would compute it. Called at another length (or
+    with per-row lengths, as a KV cache would) it refuses instead of rotating wrongly.
+    """
+
+    def __init__(self, source: layers.Rotary, length: int):
+        inv_freq, factor = source.inv_freq[...], source.attention_factor
+        if source.dynamic:
+            inv_freq, factor = rotary.rope_frequencies(
+                source.head_dim, base=source.base, scaling=dict(source.scaling), seq_len=length
+            )
+        self.inv_freq = layers.Constant(jnp.asarray(inv_freq, jnp.float32))
+        self.attention_factor = layers.Constant(jnp.asarray(factor, jnp.float32))
+        self.layout, self.length = source.layout, int(length)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, *, seq_len) -> jax.Array:
+        if not isinstance(seq_len, int) or seq_len != self.length:
+            raise ValueError(
+                f"this RoPE table was computed for windows of {self.length} tokens and cannot "
+                f"rotate at seq_len={seq_len!r}; build one for that length (rope_row_model)"
+            )
+        return rotary.apply_rope(
+            x,
+            positions,
+            self.inv_freq[...],
+            layout=self.layout,
+            attention_factor=self.attention_factor[...],
+        )
+
+
+def _tabulate(model: TransformerLM, base: ModelConfig, length: int) -> TransformerLM:
+    """`model` with every `layers.Rotary` (shared ones stay shared) replaced by its `TableRotary`
+    at `length`, and its config replaced by `base`: the graph no longer holds the scaling."""
+    tables: dict[int, TableRotary] = {}
+    for _, module in list(nnx.iter_modules(model)):
+        for name, value in list(vars(module).items()):
+            if isinstance(value, layers.Rotary):
+                if id(value) not in tables:
+                    tables[id(value)] = TableRotary(value, length)
+                setattr(module, name, tables[id(value)])
+    model.cfg = base
+    return model
+
+
+def rope_row_model(
+    cfg: ModelConfig, scaling: Mapping[str, Any] | None, length: int
+) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, constants) that read windows of `length` tokens with the parameters of the RoPE
+    model `cfg` under `scaling` (None: its own), as `with_rope_scaling` would, with one graphdef
+    for every scaling at that length (`TableRotary`): the eval-time rows and fine-tunes of one
+    trained model share their compiled programs length by length.
+
+    The numbers are those of `with_rope_scaling`: the same frequencies and attention factor, as
+    arrays instead of graph constants. `model_config_of` of the result is `cfg` itself.
+    """
+    if not cfg.family.rotary:
+        raise ValueError(f"rope scaling needs a RoPE model; model.position={cfg.position!r}")
+    if scaling is not None:
+        rotary.validate_rope_scaling(dict(scaling), cfg.head_dim)
+    new = cfg.replace(rope_scaling=None if scaling is None else dict(scaling))
+    length = int(length)
+
+    def build():
+        return _tabulate(TransformerLM(new, rngs=nnx.Rngs(params=0)), cfg, length)
+
+    graphdef, _, _ = nnx.split(nnx.eval_shape(build), nnx.Param, ...)
+    constants = jax.jit(lambda: nnx.split(build(), nnx.Param, ...)[2])()
     return graphdef, constants
