@@ -11,11 +11,17 @@ row, every window starts with BOS where the checkpoint's tokenizer puts one befo
 every loss is reported per token and in bits per byte (summed NLL / (ln 2 x UTF-8 bytes of the
 scored text)). Byte-level probes (`Evaluator.byte_level`: passkey, induction, copy) are skipped,
 each with a note in results.json's `pretrained.skipped`. A RoPE checkpoint gets one row per
-`rope_scalings` entry (`<name>+yarn`: its config's rope_scaling replaced by the eval-time one).
+`rope_scalings` entry (`<name>+yarn`: its config's rope_scaling replaced by the eval-time one),
+and with `finetune.enabled` one row per `finetune.kinds` entry (`<name>+yarn+ft`): the
+checkpoint fine-tuned at `finetune.multiple` x L under that fixed scaling on the training files
+of `data.corpus`, read under it at every length (`pretrained_finetune`: the token files in
+`WORKDIR/<name>/tokens/`, each fine-tune a `posattn.train` run in `WORKDIR/<name>/finetune/`).
 
 Every check (the path, config.json, tokenizer.json, the training length, the scalings, the
-lengths) runs before any compute. Evaluations are cached as the trained rows' are, in
-`WORKDIR/<name>/evaluations/`, keyed by the checkpoint files' content hash.
+lengths, the fine-tune's settings and the length of its text) runs before any compute.
+Evaluations are cached as the trained rows' are, in `WORKDIR/<name>/evaluations/`, keyed by the
+checkpoint files' content hash (a fine-tune row's also by the fine-tune's settings and its
+parameters' content hash).
 """
 
 from __future__ import annotations

@@ -115,6 +115,13 @@ def check(config, cfg, name: str, fail) -> None:
             )
     if not (isinstance(ft.learning_rate, int | float) and ft.learning_rate > 0):
         raise fail(f"config.finetune.learning_rate={ft.learning_rate!r} must be a number > 0")
+    batch, devices = finetune_batch_size(config), jax.device_count()
+    if batch % devices:
+        raise fail(
+            f"config.finetune.batch_size: the fine-tune's {batch} windows a step (0: "
+            f"train.batch_size // multiple) must be divisible by the {devices} devices; set "
+            f"config.finetune.batch_size to a multiple of {devices}"
+        )
     for kind in ft.kinds:
         try:
             rotary.validate_rope_scaling(finetune_scaling(config, kind), cfg.head_dim)
@@ -189,12 +196,16 @@ def training_tokens(
     directory = pathlib.Path(workdir) / name / "tokens" / key[:16]
     window = finetune_multiple(config) * int(config.data.seq_len)
     marker = directory / "tokens.json"
-    if marker.is_file():
-        info = json.loads(marker.read_text())
-        if info.get("key") == key:
-            say(f"fine-tune text: reused {info['train_tokens']} training tokens in {directory}")
-            _check_window(config, info, window, fail)
-            return TrainingTokens(directory, info)
+    if directory.exists():
+        info = json.loads(marker.read_text()) if marker.is_file() else {}
+        if info.get("key") != key:
+            raise fail(
+                f"{directory} holds no token files of this tokenizer and corpus (its tokens.json "
+                f"is missing or names another key); move it away and rerun to write them"
+            )
+        say(f"fine-tune text: reused {info['train_tokens']} training tokens in {directory}")
+        _check_window(config, info, window, fail)
+        return TrainingTokens(directory, info)
     train_parts, val_parts = file_splits(str(config.data.corpus))
     train = _encode_files(train_parts, tokenizer, bos)
     val = _encode_files(val_parts, tokenizer, bos)
@@ -221,8 +232,6 @@ def training_tokens(
     train.astype(dtype).tofile(tmp / f"train{suffix}")
     val.astype(dtype).tofile(tmp / f"val{suffix}")
     (tmp / "tokens.json").write_text(json.dumps(info, indent=1) + "\n")
-    if directory.exists():  # another key's leftovers can't be here (the name is the key)
-        shutil.rmtree(directory)
     os.replace(tmp, directory)
     say(
         f"fine-tune text: {info['train_files']} training files of {config.data.corpus} as "
