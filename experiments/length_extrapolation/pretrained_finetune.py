@@ -12,14 +12,15 @@ The text: the training split of `data.corpus` (the files the held-out ones are d
 `posattn.data.corpus.file_splits`), each file encoded alone with the checkpoint's tokenizer and
 preceded by its BOS when the tokenizer puts one before a text, packed back to back. They are
 written once as a posattn token corpus (`train.bin` / `val.bin`, uint16; `train.u32.bin` /
-`val.u32.bin` past 65536 tokens; val: the held-out files' tokens) in
+`val.u32.bin` when ids pass 65535; val: the held-out files' tokens) in
 `WORKDIR/<name>/tokens/<key>/`, where the key hashes the tokenizer, the corpus' content and BOS;
 the directory is renamed into place whole, so a killed run never leaves half of one.
 
 Each fine-tune is an ordinary `posattn.train.train_and_evaluate` run with
 `model.init_from='hf:<path>'` (the architecture from the checkpoint's config.json, AdamW moments
-at zero) in `WORKDIR/<name>/finetune/<kind>-<settings hash>/`: a killed run resumes when the same
-command is run again, other settings fine-tune beside, never over. `finetuned.json` there records
+at zero) in `WORKDIR/<name>/finetune/<kind>-<settings hash>/`: a killed run resumes from its
+last checkpoint (`train.checkpoint_every`; a SIGTERM saves one) when the same command is run
+again, other settings fine-tune beside, never over. `finetuned.json` there records
 its settings, the code that ran it and its losses.
 """
 

@@ -394,6 +394,21 @@ def test_a_rerun_reuses_the_finetunes_their_evaluations_and_the_token_files(tiny
     assert again["families"] == found["families"]
     assert again["pretrained"]["finetune"] == found["pretrained"]["finetune"]
 
+    # Killed after its last checkpoint but before finetuned.json: the rerun resumes the run from
+    # that checkpoint (no step trained again), and its evaluations are those of the same params.
+    yarn = next(d for d in _tune_dirs(work) if d.name.startswith("yarn-"))
+    (yarn / "finetuned.json").unlink()
+    assert experiment.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "tiny-llama+yarn+ft: fine-tuning" in out and "from step 3" in out
+    assert "tiny-llama+yarn+ft loss: reused" in out
+    assert (yarn / "metrics.jsonl").read_text() == metrics[yarn]
+    resumed = json.loads((work / "results.json").read_text())["pretrained"]["finetune"]["yarn"]
+    before = found["pretrained"]["finetune"]["yarn"]
+    assert {k: v for k, v in resumed.items() if k != "seconds"} == {
+        k: v for k, v in before.items() if k != "seconds"
+    }
+
 
 def test_other_finetune_settings_key_another_run_and_evaluation(tiny, tuned):
     """Changed settings (a learning rate, the steps) give another fine-tune directory, and the
@@ -457,3 +472,32 @@ def test_finetune_refusals_come_before_any_compute(tmp_path, capsys, tiny, case,
     if case != "dynamic":
         assert "config.finetune.enabled=False" in err or "config.finetune.multiple" in err
     assert not (tmp_path / "run").exists()  # no token files, no fine-tune, no evaluation
+
+
+def test_token_files_of_ids_past_65535_are_uint32(tmp_path, tiny):
+    from length_extrapolation import pretrained_finetune as ft
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from posattn import config as config_lib
+
+    text_dir, _, _ = tiny
+    vocab = {"<unk>": 0, **{w: 70000 + i for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    config = ml_collections.ConfigDict(
+        {"finetune": {"multiple": 2}, "data": {"seq_len": 8, "corpus": str(text_dir)}}
+    )
+    corpus = data.load_corpus(str(text_dir))
+    made = ft.training_tokens(config, tok, None, corpus, tmp_path, "w", config_lib.ConfigError)
+    assert sorted(p.name for p in made.directory.iterdir()) == [
+        "tokens.json",
+        "train.u32.bin",
+        "val.u32.bin",
+    ]
+    tokens = data.load_corpus(str(made.directory))
+    assert tokens.train.dtype == np.uint32 and int(tokens.train.max()) >= 70000
+    val_text = corpus.val.tobytes().decode()
+    np.testing.assert_array_equal(np.asarray(tokens.val), tok.encode(val_text).ids)
+    assert made.info["train_tokens"] == tokens.train.size and made.info["dtype"] == "uint32"
+    again = ft.training_tokens(config, tok, None, corpus, tmp_path, "w", config_lib.ConfigError)
+    assert again.directory == made.directory and again.info == made.info
