@@ -24,7 +24,17 @@ What the numbers are:
   * passkey, induction and copy are byte-level probes: skipped, with a note in results.json.
     The attention statistics hold a float32 [heads, L, T] softmax per layer and window: for a
     large model at long T set `eval.attention_windows=0`.
-  * `finetune` stays off: fine-tuning a checkpoint is not part of these rows yet.
+  * `finetune` (off by default; `--config.finetune.enabled=True`, a RoPE checkpoint only): rows
+    `<name>+<kind>+ft` for each of `finetune.kinds`, position interpolation (Chen et al. 2023)
+    and YaRN (Peng et al. 2023) as the trained RoPE rows' `+ft`: the checkpoint fine-tuned at
+    `finetune.multiple` x L under rope_scaling {kind, factor = multiple, original L}, kept at
+    every length; `finetune.steps` steps of `finetune.batch_size` windows (0: train.batch_size
+    // multiple), the `train` section's optimizer with fresh moments, `warmup_steps` then a
+    constant `learning_rate`. The defaults follow Chen et al.'s recipe (learning rate 2e-5, 20
+    warmup steps; they ran 1000 steps of 64 windows), shortened to 200 steps of
+    train.batch_size // 2 = 16 windows of 2L: a choice, not a measured optimum. The text: the
+    training files of `data.corpus` (the held-out files' siblings), encoded with the
+    checkpoint's tokenizer into token files under WORKDIR/<name>/tokens/ (docs/checkpoints.md).
 """
 
 import ml_collections
@@ -37,7 +47,16 @@ def get_config(arg=None):
     config = byte_config()  # the byte experiment's evaluation sections and text
     config.families = ()
     config.rope_scalings = ("linear", "ntk", "dynamic", "yarn")  # RoPE checkpoints only
-    config.finetune.enabled = False
+    # The fine-tune rows <name>+<kind>+ft (module docstring); each is a posattn training run.
+    config.finetune.update(
+        kinds=("linear", "yarn"),
+        multiple=2,
+        steps=200,
+        learning_rate=2e-5,
+        warmup_steps=20,
+        batch_size=0,  # train.batch_size // multiple windows of multiple x L a step
+        enabled=False,
+    )
     config.pretrained = ml_collections.ConfigDict(
         dict(
             path="",  # the Hugging Face checkpoint directory (required)

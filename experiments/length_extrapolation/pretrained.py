@@ -11,11 +11,17 @@ row, every window starts with BOS where the checkpoint's tokenizer puts one befo
 every loss is reported per token and in bits per byte (summed NLL / (ln 2 x UTF-8 bytes of the
 scored text)). Byte-level probes (`Evaluator.byte_level`: passkey, induction, copy) are skipped,
 each with a note in results.json's `pretrained.skipped`. A RoPE checkpoint gets one row per
-`rope_scalings` entry (`<name>+yarn`: its config's rope_scaling replaced by the eval-time one).
+`rope_scalings` entry (`<name>+yarn`: its config's rope_scaling replaced by the eval-time one),
+and with `finetune.enabled` one row per `finetune.kinds` entry (`<name>+yarn+ft`): the
+checkpoint fine-tuned at `finetune.multiple` x L under that fixed scaling on the training files
+of `data.corpus`, read under it at every length (`pretrained_finetune`: the token files in
+`WORKDIR/<name>/tokens/`, each fine-tune a `posattn.train` run in `WORKDIR/<name>/finetune/`).
 
 Every check (the path, config.json, tokenizer.json, the training length, the scalings, the
-lengths) runs before any compute. Evaluations are cached as the trained rows' are, in
-`WORKDIR/<name>/evaluations/`, keyed by the checkpoint files' content hash.
+lengths, the fine-tune's settings and the length of its text) runs before any compute.
+Evaluations are cached as the trained rows' are, in `WORKDIR/<name>/evaluations/`, keyed by the
+checkpoint files' content hash (a fine-tune row's also by the fine-tune's settings and its
+parameters' content hash).
 """
 
 from __future__ import annotations
@@ -37,12 +43,12 @@ from posattn.eval import heldout, intervals, registry, summary, tokenized
 from posattn.eval import lengths as lengths_lib
 from posattn.nn.model import TransformerLM
 
+from . import pretrained_finetune, report, results
 from . import provenance as prov_lib
-from . import report, results
 from .rows import ModelKey, Row, build_pretrained_rows
 from .run import eval_settings_sha, evaluators_of
-from .settings import check_evaluation, eval_lengths, rope_scaling_entry
-from .training import say
+from .settings import check_evaluation, eval_lengths, finetune_enabled, rope_scaling_entry
+from .training import params_sha256, say
 
 __all__ = ["Checkpoint", "bits_per_byte", "check_pretrained", "enabled", "files_sha256", "run"]
 
@@ -125,7 +131,13 @@ def check_pretrained(config: ml_collections.ConfigDict) -> tuple[ml_collections.
     windows = int(section.eval_windows)
     if windows < 1:
         raise _fail(f"config.pretrained.eval_windows={windows!r} must be a positive integer")
-    if resolved.eval.reference not in (name, *(f"{name}+{s}" for s in config.rope_scalings)):
+    tuned = tuple(config.finetune.kinds) if finetune_enabled(config) else ()
+    names = (
+        name,
+        *(f"{name}+{s}" for s in config.rope_scalings),
+        *(f"{name}+{k}+ft" for k in tuned),
+    )
+    if resolved.eval.reference not in names:
         resolved.eval.reference = name
     lengths = eval_lengths(resolved)
     if not lengths or any(x < 2 for x in lengths) or lengths != sorted(set(lengths)):
@@ -141,13 +153,6 @@ def check_pretrained(config: ml_collections.ConfigDict) -> tuple[ml_collections.
     ):
         if not resolved.eval[key]:  # 0: sized from the checkpoint's lengths
             resolved.eval[key] = int(value)
-    for key in ("finetune",):
-        block = config.get(key)
-        if block is not None and block.get("enabled") and block.get("kinds"):
-            raise _fail(
-                "config.finetune: fine-tune rows of a pretrained checkpoint are not implemented "
-                "yet; set config.finetune.enabled=False"
-            )
     if config.rope_scalings:
         if not cfg.family.rotary:
             raise _fail(
@@ -169,6 +174,7 @@ def check_pretrained(config: ml_collections.ConfigDict) -> tuple[ml_collections.
                 rotary.validate_rope_scaling(scaling, cfg.head_dim)
             except ValueError as err:
                 raise _fail(f"config.rope_scalings entry {entry!r}: {err}") from None
+    pretrained_finetune.check(resolved, cfg, name, _fail)
     skipped = {}
     for evaluator in registry.names():
         ev = registry.get(evaluator)
@@ -215,10 +221,12 @@ def files_sha256(path: pathlib.Path) -> str:
 
 
 class Checkpoint:
-    """A loaded checkpoint and the models its rows read (the hook for its fine-tunes:
-    `params_of(kind)`)."""
+    """A loaded checkpoint and the models its rows read: its own parameters, and those of its
+    fine-tunes (`params_of(kind)`, made or read by `tune(kind)`)."""
 
-    def __init__(self, path: pathlib.Path, cfg, attention_impl: str):
+    def __init__(self, path: pathlib.Path, cfg, attention_impl: str, tune=None):
+        """`tune(kind)` -> (params, record, {"cfg": the fine-tune's ModelConfig, "settings"}):
+        the fine-tune of kind `kind` (`pretrained_finetune.finetuned`); None: no fine-tunes."""
         from posattn import hf as hf_lib
 
         model = hf_lib.from_pretrained(path, dtype=None if cfg.dtype == "float32" else cfg.dtype)
@@ -228,12 +236,36 @@ class Checkpoint:
         self.graphdef = nnx.graphdef(abstract)
         self.sha256 = files_sha256(path)
         self._models: dict[ModelKey, tuple] = {}
+        self._tune = tune
+        self._tuned: dict[str, tuple] = {}
+        self.finetune_records: dict[str, dict] = {}
 
     def params_of(self, kind: str | None):
-        """The checkpoint's parameters (kind None). A fine-tune of kind `kind` goes here."""
-        if kind is not None:
-            raise NotImplementedError(f"fine-tune {kind!r} of a pretrained checkpoint")
-        return self.params
+        """The checkpoint's parameters (kind None), or its fine-tune of kind `kind` (the run's
+        final parameters in the evaluation's layout and dtype)."""
+        if kind is None:
+            return self.params
+        return self._fine_tune(kind)[0]
+
+    def finetune_key(self, kind: str) -> dict:
+        """What identifies a fine-tune's numbers: its settings' hash and its params' hash."""
+        _, settings_sha, params_sha = self._fine_tune(kind)
+        return {"settings_sha256": settings_sha, "params_sha256": params_sha}
+
+    def _fine_tune(self, kind: str) -> tuple:
+        if kind not in self._tuned:
+            if self._tune is None:
+                raise ValueError(f"fine-tune {kind!r}: this checkpoint was loaded without one")
+            params, record, extra = self._tune(kind)
+            params = pretrained_finetune.as_evaluated(params, extra["cfg"], self.cfg)
+            text = json.dumps(extra["settings"], sort_keys=True).encode()
+            self._tuned[kind] = (
+                params,
+                hashlib.sha256(text).hexdigest(),
+                params_sha256(params),
+            )
+            self.finetune_records[kind] = record
+        return self._tuned[kind]
 
     def model(self, key: ModelKey) -> tuple:
         if key not in self._models:
@@ -309,6 +341,34 @@ def bits_per_byte(config, text, token_bytes, outputs: dict, lengths) -> dict[str
     return out
 
 
+def finetune_lines(found: dict) -> list[str]:
+    """results.md's table of the checkpoint's fine-tunes (rows `<name>+<kind>+ft`)."""
+    info = found["pretrained"]
+    text = info["finetune_text"]
+    out = [
+        "",
+        "### Fine-tunes",
+        "",
+        f"Position interpolation / YaRN fine-tunes of {info['name']} (rows `<name>+<kind>+ft`): "
+        f"the checkpoint trained at multiple x L under the rope_scaling of factor = multiple, "
+        f"which the rows keep at every length, on the {text['train_files']} training files of "
+        f"`{text['corpus']}` ({text['train_tokens']} tokens of its tokenizer); train loss: the "
+        "first and the last step's batch.",
+        "",
+        "| row | steps | length | batch | learning rate | first train loss | "
+        "last train loss | seconds |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for record in info["finetune"].values():
+        out.append(
+            f"| {record['row']} | {record['steps']} | {record['length']} | "
+            f"{record['batch_size']} | {record['learning_rate']:g} | "
+            f"{record['first_train_loss']:.4f} | {record['final_train_loss']:.4f} | "
+            f"{record['seconds']} |"
+        )
+    return out
+
+
 def run(config: ml_collections.ConfigDict, workdir, *, reuse: bool = False) -> dict[str, Any]:
     """Evaluates the checkpoint `config.pretrained.path` (its rows, every enabled evaluator that
     reads tokens, every length); writes results.json, results.md and the plots in `workdir`."""
@@ -319,6 +379,9 @@ def run(config: ml_collections.ConfigDict, workdir, *, reuse: bool = False) -> d
     lengths = eval_lengths(config)
     name = info["name"]
     rows: list[Row] = build_pretrained_rows(config, name, bool(cfg.family.rotary))
+    tuning = finetune_enabled(config)  # check_pretrained refused it for a non-RoPE checkpoint
+    for kind in config.finetune.kinds if tuning else ():
+        rows.append(Row(f"{name}+{kind}+ft", name, None, finetune=kind, checkpoint=info["path"]))
     evaluators = evaluators_of(config)
     text_corpus = data_lib.load_corpus(config.data.corpus)
     tok = tokenized.tokenize_held_out(text_corpus, tokenizer, name=f"{config.data.corpus}")
@@ -342,9 +405,24 @@ def run(config: ml_collections.ConfigDict, workdir, *, reuse: bool = False) -> d
     )
     for evaluator, why in info["skipped"].items():
         say(f"{evaluator}: skipped ({why})")
+    tokens = tune = None
+    if tuning:  # the fine-tunes' text, checked (and written) before any compute
+        tokens = pretrained_finetune.training_tokens(
+            config, tokenizer, info["bos"], text_corpus, workdir, name, _fail
+        )
     prov = prov_lib.provenance()
     begin = time.perf_counter()
-    checkpoint = Checkpoint(pathlib.Path(info["path"]), cfg, config.eval.attention_impl)
+    if tuning:
+        tune_code = prov_lib.code_record(
+            prov, tokens.info["key"], pretrained_finetune.code_sha256()
+        )
+
+        def tune(kind):  # called once the checkpoint (and its content hash) is loaded
+            return pretrained_finetune.finetuned(
+                config, kind, name, workdir, checkpoint.sha256, tokens, tune_code, reuse=reuse
+            )
+
+    checkpoint = Checkpoint(pathlib.Path(info["path"]), cfg, config.eval.attention_impl, tune)
     info["files_sha256"] = checkpoint.sha256
     shared = {
         "train_len": int(config.data.seq_len),
@@ -368,6 +446,12 @@ def run(config: ml_collections.ConfigDict, workdir, *, reuse: bool = False) -> d
                         "text": text.plan.fingerprint,
                         "checkpoint": checkpoint.sha256,
                         "dtype": info["dtype"],
+                        # A fine-tune's settings and resulting parameters (trained rows: none).
+                        **(
+                            {"finetune": checkpoint.finetune_key(row.finetune)}
+                            if row.finetune is not None
+                            else {}
+                        ),
                     }
                 )
             )
@@ -418,9 +502,16 @@ def run(config: ml_collections.ConfigDict, workdir, *, reuse: bool = False) -> d
         "rows": {r.name: r.settings() for r in rows},
         "evaluated_by": origins,  # the code record of each row's evaluation (its loss)
     }
+    if tuning:
+        # One record per kind, as results.json's training.finetune of the trained rows.
+        found["pretrained"]["finetune"] = dict(checkpoint.finetune_records)
+        found["pretrained"]["finetune_text"] = {"directory": str(tokens.directory), **tokens.info}
     found["eval_settings_sha256"] = eval_settings_sha(config)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "results.json").write_text(json.dumps(found, indent=1) + "\n")
     report.write(found, workdir)
+    if tuning:
+        md = workdir / "results.md"
+        md.write_text(md.read_text().rstrip("\n") + "\n" + "\n".join(finetune_lines(found)) + "\n")
     say(f"wrote {workdir / 'results.json'}, results.md and plots")
     return found

@@ -1,12 +1,16 @@
 """Rows of kind `pretrained`: a tiny committed Hugging Face checkpoint (tests/hf/goldens/llama_gqa)
 with a tokenizer built here, evaluated end to end on a tiny text directory; bits per byte and BOS
-checked against a direct computation from the tokenizer's offsets and transformers-equal logits."""
+checked against a direct computation from the tokenizer's offsets and transformers-equal logits;
+its position-interpolation / YaRN fine-tune rows (`+linear+ft`, `+yarn+ft`) checked against the
+fine-tune's own parameters and a first step computed by hand."""
 
 import json
+import pathlib
 import shutil
 import sys
 
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 from conftest import ROOT
@@ -72,12 +76,22 @@ def _args(path, workdir, *extra):
     ]
 
 
-def _direct(path, tok, text_dir, length, *, bos):
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(text directory, checkpoint directory, tokenizer), shared by the tests that leave them."""
+    base = tmp_path_factory.mktemp("tiny")
+    text_dir = _text_dir(base)
+    path, tok = _checkpoint(base, text_dir)
+    return text_dir, path, tok
+
+
+def _direct(path, tok, text_dir, length, *, bos, model=None):
     """(summed NLL, scored tokens, UTF-8 bytes of the scored text) of every non-overlapping
     window of `length` in every chunk of 16 tokens of each held-out file, computed from the
-    file's text, the tokenizer's offsets and the model's logits."""
+    file's text, the tokenizer's offsets and the model's logits (`model`, else the checkpoint's
+    at `path`)."""
     corpus = data.load_corpus(str(text_dir))
-    model = hf.from_pretrained(path)
+    model = hf.from_pretrained(path) if model is None else model
     windows, nbytes = [], 0
     for a, b in corpus.val_spans:
         text = corpus.val[a:b].tobytes().decode()
@@ -102,9 +116,8 @@ def _direct(path, tok, text_dir, length, *, bos):
     return nll, count, nbytes
 
 
-def test_a_checkpoint_is_evaluated_per_token_and_per_byte_with_bos(tmp_path, capsys):
-    text_dir = _text_dir(tmp_path)
-    path, tok = _checkpoint(tmp_path, text_dir)
+def test_a_checkpoint_is_evaluated_per_token_and_per_byte_with_bos(tmp_path, capsys, tiny):
+    text_dir, path, tok = tiny
     work = tmp_path / "run"
     argv = _args(path, work, f"--config.data.corpus={text_dir}")
     assert experiment.main(argv) == 0, capsys.readouterr().err
@@ -208,3 +221,283 @@ def test_bos_rule_and_bos_windows(tmp_path):
     for method, args in (("windows", (text.corpus.val, 8)), ("sliding", (text.corpus.val, 16))):
         a, b = getattr(plan, method)(*args)[0], getattr(with_bos, method)(*args)[0]
         assert (b[:, 0] == bos).all() and (a[:, 1:] == b[:, 1:]).all()
+
+
+# The fine-tune rows: 3 steps of 4 windows of 2L = 16 tokens, under linear and YaRN of factor 2.
+FINETUNE = (
+    "--config.finetune.enabled=True",
+    "--config.finetune.kinds=('linear','yarn')",
+    "--config.finetune.multiple=2",
+    "--config.finetune.steps=3",
+    "--config.finetune.batch_size=4",
+    "--config.finetune.learning_rate=1e-3",
+    "--config.finetune.warmup_steps=1",
+    "--config.eval.attention_windows=0",
+)
+
+
+@pytest.fixture(scope="module")
+def tuned(tiny, tmp_path_factory):
+    """The experiment with its fine-tune rows, run once: (argv, workdir, results.json)."""
+    text_dir, path, _ = tiny
+    work = tmp_path_factory.mktemp("tuned") / "run"
+    argv = _args(path, work, f"--config.data.corpus={text_dir}", *FINETUNE)
+    assert experiment.main(argv) == 0
+    return argv, work, json.loads((work / "results.json").read_text())
+
+
+def _run_config(run_dir):
+    """A fine-tune's config.json as a config (JSON's lists back to tuples)."""
+    import ml_collections
+
+    def tuples(x):
+        if isinstance(x, dict):
+            return {k: tuples(v) for k, v in x.items()}
+        return tuple(tuples(v) for v in x) if isinstance(x, list) else x
+
+    return ml_collections.ConfigDict(tuples(json.loads((run_dir / "config.json").read_text())))
+
+
+def _tune_dirs(work):
+    return sorted((work / "tiny-llama" / "finetune").iterdir())
+
+
+def _scaled_checkpoint(tmp_path, path, scaling):
+    """The checkpoint with `scaling` written into its config.json (read back by posattn.hf)."""
+    out = tmp_path / f"scaled-{scaling['rope_type']}"
+    shutil.copytree(path, out)
+    hf_config = json.loads((out / "config.json").read_text())
+    hf_config["rope_parameters"] = {"rope_theta": 10000.0, **scaling}
+    hf_config["max_position_embeddings"] = 16  # = factor x original, as a YaRN config says
+    (out / "config.json").write_text(json.dumps(hf_config))
+    return out
+
+
+def test_finetune_rows_equal_their_own_parameters_and_differ_from_the_checkpoint(
+    tmp_path, tiny, tuned
+):
+    from flax import nnx
+
+    from posattn.train import restore_trained
+
+    text_dir, path, tok = tiny
+    _, work, found = tuned
+    rows = found["families"]
+    assert set(rows) == {
+        "tiny-llama",
+        "tiny-llama+yarn",
+        "tiny-llama+linear+ft",
+        "tiny-llama+yarn+ft",
+    }
+    bos = tok.token_to_id("<s>")
+    records = found["pretrained"]["finetune"]
+    assert set(records) == {"linear", "yarn"}
+    assert [d.name.split("-")[0] for d in _tune_dirs(work)] == ["linear", "yarn"]
+    for kind, record in records.items():
+        assert record["row"] == f"tiny-llama+{kind}+ft"
+        assert (record["steps"], record["multiple"], record["length"]) == (3, 2, 16)
+        assert np.isfinite(record["first_train_loss"]) and np.isfinite(record["final_train_loss"])
+        assert record["seconds"] > 0
+        run_dir = work / "tiny-llama" / "finetune" / pathlib.Path(record["workdir"]).name
+        lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [x["step"] for x in lines if "loss" in x] == [1, 2, 3]
+        assert record["first_train_loss"] == lines[0]["loss"]
+        # The row = the run's final parameters read under the fine-tune's scaling, computed here
+        # through posattn.hf with that scaling in config.json.
+        run_config = _run_config(run_dir)
+        assert run_config.model.init_from == f"hf:{path}"
+        assert run_config.data.seq_len == 16 and run_config.data.passkey_fraction == 0
+        _, state, step = restore_trained(run_config, run_dir / "checkpoints")
+        assert step == 3
+        scaling = {"rope_type": kind, "factor": 2.0, "original_max_position_embeddings": 8}
+        assert record["scaling"] == scaling
+        model = hf.from_pretrained(_scaled_checkpoint(tmp_path, path, scaling))
+        nnx.update(model, state["params"])
+        for i, length in enumerate((8, 16)):
+            nll, count, nbytes = _direct(path, tok, text_dir, length, bos=bos, model=model)
+            row = rows[f"tiny-llama+{kind}+ft"]
+            np.testing.assert_allclose(row["loss"][i], nll / count, rtol=2e-5)
+            np.testing.assert_allclose(
+                row["bits_per_byte"][i], nll / (np.log(2) * nbytes), rtol=2e-5
+            )
+            for other in ("tiny-llama", "tiny-llama+yarn"):
+                assert abs(row["loss"][i] - rows[other]["loss"][i]) > 1e-3, (kind, other, length)
+    assert rows["tiny-llama+linear+ft"]["loss"] != rows["tiny-llama+yarn+ft"]["loss"]
+    md = (work / "results.md").read_text()
+    assert "### Fine-tunes" in md and "| tiny-llama+yarn+ft | 3 | 16 | 4 |" in md
+    assert "| tiny-llama+linear+ft |" in md.split("### Fine-tunes")[0]  # in the loss tables
+
+
+def test_the_finetune_reads_the_training_files_and_starts_from_the_checkpoint(tiny, tuned):
+    """The token files hold the training files' tokens (BOS before each), and the first step's
+    loss is `train_step`'s on the checkpoint's own parameters and the run's first batch."""
+    import jax
+    from flax import nnx
+
+    from posattn import config as config_lib
+    from posattn.data import batches
+    from posattn.nn.model import TransformerLM
+    from posattn.train import steps
+
+    text_dir, path, tok = tiny
+    _, work, found = tuned
+    text = found["pretrained"]["finetune_text"]
+    corpus = data.load_corpus(text["directory"])
+    held_out = data.load_corpus(str(text_dir)).val.tobytes()
+    bos = tok.token_to_id("<s>")
+    expected, files = [], 0
+    for file in sorted(text_dir.iterdir()):
+        content = file.read_bytes()
+        if content in held_out:
+            continue
+        files += 1
+        expected += [bos, *tok.encode(content.decode(), add_special_tokens=False).ids]
+    assert text["train_files"] == files == 5 and text["dtype"] == "uint16"
+    assert corpus.train.dtype == np.uint16
+    np.testing.assert_array_equal(np.asarray(corpus.train), expected)
+
+    record = found["pretrained"]["finetune"]["linear"]
+    run_config = _run_config(pathlib.Path(record["workdir"]))
+    cfg = config_lib.validate(run_config)
+    assert cfg.d_model == 32 and cfg.settings.scaling_dict["factor"] == 2.0
+    optim = steps.OptimConfig.from_config(run_config.train)
+    tx = steps.make_optimizer(optim)
+    state = steps.init_train_state(cfg, tx, jax.random.key(0))
+    state = {**state, "params": hf.load_params(path, cfg)}
+    options = batches.batch_options(run_config.data, causal=True, vocab_size=cfg.vocab_size)
+    # Step s (from 1) reads the batch stream's batch s + data.batch_offset (0 here).
+    batch = batches.train_batch(
+        corpus, seed=int(run_config.train.seed), step=1, batch_size=4, seq_len=16, **options
+    )
+
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(params=0))))
+    step = jax.jit(lambda state, batch: steps.train_step(graphdef, optim, state, batch))
+    _, metrics = step(state, batch)
+    np.testing.assert_allclose(float(metrics["loss"]), record["first_train_loss"], rtol=1e-5)
+
+
+def test_a_rerun_reuses_the_finetunes_their_evaluations_and_the_token_files(tiny, tuned, capsys):
+    argv, work, found = tuned
+    token_dir = pathlib.Path(found["pretrained"]["finetune_text"]["directory"])
+    stamps = {p: p.stat().st_mtime_ns for p in token_dir.iterdir()}
+    metrics = {d: (d / "metrics.jsonl").read_text() for d in _tune_dirs(work)}
+    capsys.readouterr()
+    assert experiment.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "fine-tune text: reused" in out
+    assert out.count("reused the fine-tune") == 2 and "fine-tuning" not in out
+    for kind in ("linear", "yarn"):
+        assert f"tiny-llama+{kind}+ft loss: reused" in out
+    assert {p: p.stat().st_mtime_ns for p in token_dir.iterdir()} == stamps
+    assert {d: (d / "metrics.jsonl").read_text() for d in _tune_dirs(work)} == metrics
+    again = json.loads((work / "results.json").read_text())
+    assert again["families"] == found["families"]
+    assert again["pretrained"]["finetune"] == found["pretrained"]["finetune"]
+
+    # Killed after its last checkpoint but before finetuned.json: the rerun resumes the run from
+    # that checkpoint (no step trained again), and its evaluations are those of the same params.
+    yarn = next(d for d in _tune_dirs(work) if d.name.startswith("yarn-"))
+    (yarn / "finetuned.json").unlink()
+    assert experiment.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "tiny-llama+yarn+ft: fine-tuning" in out and "from step 3" in out
+    assert "tiny-llama+yarn+ft loss: reused" in out
+    assert (yarn / "metrics.jsonl").read_text() == metrics[yarn]
+    resumed = json.loads((work / "results.json").read_text())["pretrained"]["finetune"]["yarn"]
+    before = found["pretrained"]["finetune"]["yarn"]
+    assert {k: v for k, v in resumed.items() if k != "seconds"} == {
+        k: v for k, v in before.items() if k != "seconds"
+    }
+
+
+def test_other_finetune_settings_key_another_run_and_evaluation(tiny, tuned):
+    """Changed settings (a learning rate, the steps) give another fine-tune directory, and the
+    evaluations of the fine-tune rows are keyed by the settings and the parameters."""
+    _, path, _ = tiny
+    argv, work, found = tuned
+    from posattn import cli
+
+    config = cli.parse(experiment.COMMAND, argv).config
+    resolved, info = experiment.pretrained.check_pretrained(config)
+    from length_extrapolation import pretrained_finetune as ft
+
+    tokens = ft.TrainingTokens(pathlib.Path("t"), {"key": "k"})
+
+    def where(conf):
+        tune = ft.tune_config(conf, "linear", tokens.directory)
+        return ft.finetune_dir(
+            work, "tiny-llama", "linear", ft.settings_of(conf, "linear", tune, "c", tokens)
+        )
+
+    base = where(resolved)
+    for key, value in (("learning_rate", 2e-3), ("steps", 4), ("warmup_steps", 0), ("multiple", 4)):
+        changed = ml_collections.ConfigDict(resolved.to_dict())
+        changed.finetune[key] = value
+        assert where(changed) != base, key
+    saved = json.loads(
+        (work / "tiny-llama" / "evaluations" / "tiny-llama+yarn+ft.loss.json").read_text()
+    )["key"]["finetune"]
+    assert set(saved) == {"settings_sha256", "params_sha256"}
+    plain = json.loads((work / "tiny-llama" / "evaluations" / "tiny-llama.loss.json").read_text())
+    assert "finetune" not in plain["key"]  # the checkpoint's own rows keep their keys
+
+
+@pytest.mark.parametrize(
+    "case, extra, named",
+    [
+        (
+            "mpt",
+            ("--config.rope_scalings=()",),
+            "config.finetune.enabled: tiny-llama is a 'alibi' model, not RoPE",
+        ),
+        ("short", ("--config.finetune.multiple=512",), "fewer than one fine-tune window"),
+        (
+            "dynamic",
+            ("--config.finetune.kinds=('dynamic',)",),
+            "config.finetune.kinds has 'dynamic'",
+        ),
+    ],
+)
+def test_finetune_refusals_come_before_any_compute(tmp_path, capsys, tiny, case, extra, named):
+    text_dir, source, _ = tiny
+    path = tmp_path / "tiny-llama"
+    shutil.copytree(source, path)
+    if case == "mpt":
+        for name in ("config.json", "model.safetensors"):
+            shutil.copy(ROOT / "tests" / "hf" / "goldens" / "mpt" / name, path / name)
+    argv = _args(path, tmp_path / "run", f"--config.data.corpus={text_dir}", *FINETUNE, *extra)
+    assert experiment.main(argv) == 2
+    err = capsys.readouterr().err
+    assert named in err, err
+    if case != "dynamic":
+        assert "config.finetune.enabled=False" in err or "config.finetune.multiple" in err
+    assert not (tmp_path / "run").exists()  # no token files, no fine-tune, no evaluation
+
+
+def test_token_files_of_ids_past_65535_are_uint32(tmp_path, tiny):
+    from length_extrapolation import pretrained_finetune as ft
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from posattn import config as config_lib
+
+    text_dir, _, _ = tiny
+    vocab = {"<unk>": 0, **{w: 70000 + i for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    config = ml_collections.ConfigDict(
+        {"finetune": {"multiple": 2}, "data": {"seq_len": 8, "corpus": str(text_dir)}}
+    )
+    corpus = data.load_corpus(str(text_dir))
+    made = ft.training_tokens(config, tok, None, corpus, tmp_path, "w", config_lib.ConfigError)
+    assert sorted(p.name for p in made.directory.iterdir()) == [
+        "tokens.json",
+        "train.u32.bin",
+        "val.u32.bin",
+    ]
+    tokens = data.load_corpus(str(made.directory))
+    assert tokens.train.dtype == np.uint32 and int(tokens.train.max()) >= 70000
+    val_text = corpus.val.tobytes().decode()
+    np.testing.assert_array_equal(np.asarray(tokens.val), tok.encode(val_text).ids)
+    assert made.info["train_tokens"] == tokens.train.size and made.info["dtype"] == "uint32"
+    again = ft.training_tokens(config, tok, None, corpus, tmp_path, "w", config_lib.ConfigError)
+    assert again.directory == made.directory and again.info == made.info

@@ -23,7 +23,7 @@ import sysconfig
 
 import numpy as np
 
-__all__ = ["Corpus", "DataError", "check_length", "load_corpus"]
+__all__ = ["Corpus", "DataError", "check_length", "file_splits", "load_corpus"]
 
 _HELD_OUT_PERCENT = 5
 
@@ -76,7 +76,8 @@ def _is_held_out(relative: str) -> bool:
     return int(hashlib.sha1(relative.encode()).hexdigest(), 16) % 100 < _HELD_OUT_PERCENT
 
 
-def _from_files(name: str, root: pathlib.Path, files: list[pathlib.Path]) -> Corpus:
+def _split_files(root: pathlib.Path, files: list[pathlib.Path]):
+    """(content digest, training files' bytes, held-out files' bytes) of a file corpus."""
     digest = hashlib.sha256()
     train_parts, val_parts = [], []
     for path in files:
@@ -88,6 +89,11 @@ def _from_files(name: str, root: pathlib.Path, files: list[pathlib.Path]) -> Cor
         (val_parts if _is_held_out(relative) else train_parts).append(content)
     if not val_parts and len(train_parts) > 1:
         val_parts.append(train_parts.pop())  # tiny directories: still hold out one file
+    return digest, train_parts, val_parts
+
+
+def _from_files(name: str, root: pathlib.Path, files: list[pathlib.Path]) -> Corpus:
+    digest, train_parts, val_parts = _split_files(root, files)
 
     def to_array(parts):
         return np.frombuffer(b"\n".join(parts), dtype=np.uint8)
@@ -170,6 +176,28 @@ def load_corpus(spec: str) -> Corpus:
     if not files:
         raise DataError(f"data.corpus={spec!r} is an empty directory")
     return _from_files(str(path), path, files)
+
+
+def file_splits(spec: str) -> tuple[list[bytes], list[bytes]]:
+    """(the training files' bytes, the held-out files' bytes), one entry a file in the order
+    `load_corpus(spec)` joins them, of a file corpus: "stdlib" or a directory of text files.
+    For text that is read file by file (a tokenizer encoding each file alone)."""
+    if spec == "stdlib":
+        root, files = _stdlib_files()
+    else:
+        root = pathlib.Path(spec).expanduser()
+        token_dir = (root / "train.bin").exists() or (root / "train.u32.bin").exists()
+        if not root.is_dir() or token_dir:
+            raise DataError(
+                f"data.corpus={spec!r} is not a directory of text files; files are read one by "
+                "one only from 'stdlib' or a directory of text files"
+            )
+        files = sorted(
+            (p for p in root.rglob("*") if p.is_file()),
+            key=lambda p: p.relative_to(root).as_posix(),
+        )
+    _, train_parts, val_parts = _split_files(root, files)
+    return train_parts, val_parts
 
 
 def check_length(corpus: Corpus, seq_len: int, *, split: str = "both") -> None:
