@@ -267,16 +267,20 @@ class Checkpoint:
             self.finetune_records[kind] = record
         return self._tuned[kind]
 
-    def model(self, key: ModelKey) -> tuple:
-        if key not in self._models:
+    def model(self, key: ModelKey, length: int) -> tuple:
+        """The split model `key` names, for windows of `length` tokens: a RoPE checkpoint's rows
+        read one graph per length (`posattn.eval.lengths.rope_row_model`), sharing programs."""
+        slot = (key, length) if self.cfg.family.rotary else (key, None)
+        if slot not in self._models:
             params = self.params_of(key.finetune)
-            scaling = key.scaling_dict()
-            if scaling is None:
-                graphdef, constants = self.graphdef, self.constants
+            if self.cfg.family.rotary:
+                graphdef, constants = lengths_lib.rope_row_model(
+                    self.cfg, key.scaling_dict(), length
+                )
             else:
-                graphdef, constants = lengths_lib.with_rope_scaling(self.cfg, scaling)
-            self._models[key] = (graphdef, params, constants)
-        return self._models[key]
+                graphdef, constants = self.graphdef, self.constants
+            self._models[slot] = (graphdef, params, constants)
+        return self._models[slot]
 
 
 def _write_json(path: pathlib.Path, value: Any) -> None:
@@ -380,8 +384,6 @@ def run(config: ml_collections.ConfigDict, workdir, *, reuse: bool = False) -> d
     name = info["name"]
     rows: list[Row] = build_pretrained_rows(config, name, bool(cfg.family.rotary))
     tuning = finetune_enabled(config)  # check_pretrained refused it for a non-RoPE checkpoint
-    for kind in config.finetune.kinds if tuning else ():
-        rows.append(Row(f"{name}+{kind}+ft", name, None, finetune=kind, checkpoint=info["path"]))
     evaluators = evaluators_of(config)
     text_corpus = data_lib.load_corpus(config.data.corpus)
     tok = tokenized.tokenize_held_out(text_corpus, tokenizer, name=f"{config.data.corpus}")
@@ -474,7 +476,9 @@ def run(config: ml_collections.ConfigDict, workdir, *, reuse: bool = False) -> d
                 model_key = row.reads(config, length)
                 slot = (model_key, evaluator.name, length)
                 if slot not in memo:
-                    memo[slot] = evaluator.run(checkpoint.model(model_key), text, length, settings)
+                    memo[slot] = evaluator.run(
+                        checkpoint.model(model_key, length), text, length, settings
+                    )
                 values.append(memo[slot])
             _write_json(path, {"key": key, "code": code, "values": values})
             outputs[row.name][evaluator.name], by[evaluator.name] = one_seed(values), code

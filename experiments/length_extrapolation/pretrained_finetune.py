@@ -48,7 +48,7 @@ from posattn.train import NonFiniteLossError, restore_trained, train_and_evaluat
 from . import provenance as prov_lib
 from .provenance import ProducedByOtherCode, describe_origin, same_origin
 from .settings import (
-    FINETUNE_KINDS,
+    check_finetune_keys,
     finetune_batch_size,
     finetune_config,
     finetune_enabled,
@@ -91,31 +91,8 @@ def check(config, cfg, name: str, fail) -> None:
             f"{cfg.settings.scaling_dict!r}; a fine-tune's scaling would replace it (set "
             "config.finetune.enabled=False)"
         )
-    ft = config.finetune
-    bad = [k for k in ft.kinds if k not in FINETUNE_KINDS]
-    if bad:
-        raise fail(
-            f"config.finetune.kinds has {bad[0]!r}; allowed: {', '.join(FINETUNE_KINDS)} "
-            "('dynamic' recomputes its factor per window: no fixed scaling to fine-tune under)"
-        )
-    if len(set(ft.kinds)) != len(ft.kinds):
-        raise fail(f"config.finetune.kinds={tuple(ft.kinds)!r} repeats a kind")
-    m = ft.multiple
-    if isinstance(m, bool) or not isinstance(m, int | float) or m != int(m) or m < 2:
-        raise fail(
-            f"config.finetune.multiple={m!r} must be an integer >= 2 (the fine-tune length is "
-            "multiple x L)"
-        )
-    if not (isinstance(ft.steps, int) and ft.steps >= 1):
-        raise fail(f"config.finetune.steps={ft.steps!r} must be a positive integer")
-    for key in ("warmup_steps", "batch_size"):
-        if not (isinstance(ft[key], int) and ft[key] >= 0):
-            raise fail(
-                f"config.finetune.{key}={ft[key]!r} must be an integer >= 0"
-                + (" (0: train.batch_size // multiple)" if key == "batch_size" else "")
-            )
-    if not (isinstance(ft.learning_rate, int | float) and ft.learning_rate > 0):
-        raise fail(f"config.finetune.learning_rate={ft.learning_rate!r} must be a number > 0")
+    check_finetune_keys(config)
+    m = config.finetune.multiple
     batch, devices = finetune_batch_size(config), jax.device_count()
     if batch % devices:
         raise fail(
@@ -123,7 +100,7 @@ def check(config, cfg, name: str, fail) -> None:
             f"train.batch_size // multiple) must be divisible by the {devices} devices; set "
             f"config.finetune.batch_size to a multiple of {devices}"
         )
-    for kind in ft.kinds:
+    for kind in config.finetune.kinds:
         try:
             rotary.validate_rope_scaling(finetune_scaling(config, kind), cfg.head_dim)
         except ValueError as e:

@@ -14,12 +14,14 @@ A row is one model read at every eval length; three kinds, none of them tied to 
 A fourth kind, `pretrained`, is a published checkpoint (`config.pretrained.path`,
 `build_pretrained_rows`): row `<name>` reads it as it is, rows `<name>+<scaling>` under each
 eval-time `rope_scalings` entry when it is a RoPE model (the factor T / L against the checkpoint's
-training length L, as for a trained entry). Its fine-tune rows are not built yet: a
-`finetune` kind on a pretrained row is where they go (`Row.finetune`, read by
-`pretrained.Checkpoint.params_of`).
+training length L, as for a trained entry), and with `finetune.enabled` rows
+`<name>+<kind>+ft`: the checkpoint fine-tuned under position interpolation or YaRN
+(`Row.finetune`, trained and read by `pretrained.Checkpoint.params_of`).
 
 `Row.reads(length)` says which model a row reads at a length (`ModelKey`): rows that read the
-same model there (a scaling row at T <= L and its trained row) share one evaluation.
+same model there (a scaling row at T <= L and its trained row) share one evaluation. All the rows
+of one RoPE entry read one graph per length (`posattn.eval.lengths.rope_row_model`), so they share
+its compiled programs too.
 """
 
 from __future__ import annotations
@@ -124,11 +126,14 @@ def build_rows(config: ml_collections.ConfigDict) -> list[Row]:
 
 def build_pretrained_rows(config: ml_collections.ConfigDict, name: str, rotary: bool) -> list[Row]:
     """The rows of the checkpoint `config.pretrained.path` (named `name`): the checkpoint as it
-    is, then, for a RoPE checkpoint (`rotary`), one row per `rope_scalings` entry. `config` is the
-    resolved one (`data.seq_len` = the checkpoint's training length)."""
+    is, then, for a RoPE checkpoint (`rotary`), one row per `rope_scalings` entry and, with
+    `finetune.enabled`, one per `finetune.kinds` entry. `config` is the resolved one
+    (`data.seq_len` = the checkpoint's training length)."""
     path = str(config.pretrained.path)
     rows = [Row(name, name, None, checkpoint=path)]
     if rotary:
         for scaling in config.rope_scalings:
             rows.append(Row(f"{name}+{scaling}", name, None, scaling=str(scaling), checkpoint=path))
+        for kind in config.finetune.kinds if finetune_enabled(config) else ():
+            rows.append(Row(f"{name}+{kind}+ft", name, None, finetune=kind, checkpoint=path))
     return rows

@@ -305,10 +305,9 @@ def finetune_config(
     return out
 
 
-def check_finetune(config: ml_collections.ConfigDict) -> None:
-    """Validates the `finetune` block (the rope+<kind>+ft rows) before any compute."""
-    if not finetune_enabled(config):
-        return
+def check_finetune_keys(config: ml_collections.ConfigDict) -> None:
+    """Validates the keys of the `finetune` block (kinds, multiple, steps, warmup, batch size,
+    learning rate), for the trained RoPE entries' fine-tunes and a checkpoint's alike."""
     fail = config_lib.ConfigError
     ft = config.finetune
     bad = [k for k in ft.kinds if k not in FINETUNE_KINDS]
@@ -325,21 +324,14 @@ def check_finetune(config: ml_collections.ConfigDict) -> None:
         )
     if len(set(ft.kinds)) != len(ft.kinds):
         raise fail(f"config.finetune.kinds={tuple(ft.kinds)!r} repeats a kind")
-    rotary_entries = [e for e in config.families if is_rotary(e)]
-    if not rotary_entries:
-        raise fail(
-            "config.finetune needs a RoPE entry in config.families (e.g. 'rope'; the rows "
-            "fine-tune each trained RoPE model); add one or set config.finetune.enabled=False"
-        )
     m = ft.multiple
     if isinstance(m, bool) or not isinstance(m, int | float) or m != int(m) or m < 2:
         raise fail(
             f"config.finetune.multiple={m!r} must be an integer >= 2 (the fine-tune length is "
             "multiple x data.seq_len)"
         )
-    for key in ("steps",):
-        if not (isinstance(ft[key], int) and ft[key] >= 1):
-            raise fail(f"config.finetune.{key}={ft[key]!r} must be a positive integer")
+    if not (isinstance(ft.steps, int) and ft.steps >= 1):
+        raise fail(f"config.finetune.steps={ft.steps!r} must be a positive integer")
     for key in ("warmup_steps", "batch_size"):
         if not (isinstance(ft[key], int) and ft[key] >= 0):
             raise fail(
@@ -348,6 +340,21 @@ def check_finetune(config: ml_collections.ConfigDict) -> None:
             )
     if not (isinstance(ft.learning_rate, int | float) and ft.learning_rate > 0):
         raise fail(f"config.finetune.learning_rate={ft.learning_rate!r} must be a number > 0")
+
+
+def check_finetune(config: ml_collections.ConfigDict) -> None:
+    """Validates the `finetune` block (the rope+<kind>+ft rows) before any compute."""
+    if not finetune_enabled(config):
+        return
+    fail = config_lib.ConfigError
+    ft, m = config.finetune, config.finetune.multiple
+    check_finetune_keys(config)
+    rotary_entries = [e for e in config.families if is_rotary(e)]
+    if not rotary_entries:
+        raise fail(
+            "config.finetune needs a RoPE entry in config.families (e.g. 'rope'; the rows "
+            "fine-tune each trained RoPE model); add one or set config.finetune.enabled=False"
+        )
     length = finetune_multiple(config) * int(config.data.seq_len)
     if config.data.passkey_fraction and length < probes.passkey_min_length(probes.TRAIN_DIGITS):
         raise fail(

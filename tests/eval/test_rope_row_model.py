@@ -102,3 +102,14 @@ def test_needs_a_rope_model():
     cfg = config_lib.validate(small_config(model__position="alibi"))
     with pytest.raises(ValueError, match="RoPE"):
         lengths_lib.rope_row_model(cfg, SCALINGS[1], T)
+
+
+def test_none_keeps_the_model_s_own_scaling(tokens):
+    cfg, params = _model()
+    own = cfg.replace(rope_scaling=dict(SCALINGS[4]))  # a model trained under YaRN
+    graphdef, _, constants = steps.init_model(own, jax.random.key(0))
+    expected = _nll(graphdef, params, constants, tokens)
+    table = lengths_lib.rope_row_model(own, None, T)
+    np.testing.assert_array_equal(_nll(table[0], params, table[1], tokens), expected)
+    plain = lengths_lib.rope_row_model(cfg, None, T)
+    assert not np.array_equal(_nll(plain[0], params, plain[1], tokens), expected)

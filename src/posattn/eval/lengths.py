@@ -288,7 +288,8 @@ def rope_row_model(
     cfg: ModelConfig, scaling: Mapping[str, Any] | None, length: int
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, constants) that read windows of `length` tokens with the parameters of the RoPE
-    model `cfg` under `scaling` (None: its own), as `with_rope_scaling` would, with one graphdef
+    model `cfg` under `scaling` (None: its own rope_scaling, if any; a dict replaces it, as in
+    `with_rope_scaling`), with one graphdef
     for every scaling at that length (`TableRotary`): the eval-time rows and fine-tunes of one
     trained model share their compiled programs length by length.
 
@@ -299,7 +300,7 @@ def rope_row_model(
         raise ValueError(f"rope scaling needs a RoPE model; model.position={cfg.position!r}")
     if scaling is not None:
         rotary.validate_rope_scaling(dict(scaling), cfg.head_dim)
-    new = cfg.replace(rope_scaling=None if scaling is None else dict(scaling))
+    new = cfg if scaling is None else cfg.replace(rope_scaling=dict(scaling))
     length = int(length)
 
     def build():
