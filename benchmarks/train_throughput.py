@@ -32,7 +32,8 @@ Where the time goes, measured by timing the pieces alone, in the same process, i
              bias parameters) at the step's [B, T, N, H], times the number of layers;
   matmuls    every dense product of the step at its shape as a 2-D GEMM, forward (x W) and both
              backward products (dY W^T, X^T dY): q, k, v, output projections, the MLP's two,
-             the tied logits.
+             the tied logits; in the model's compute dtype (`--dtypes`).
+The attention piece runs in float32 for every dtype (see `Case._attention_piece`).
 "other" is the step minus both: norms, RoPE, GELU, residuals, embedding, cross-entropy, the
 optimiser. Pieces timed alone are not additive to the microsecond (XLA fuses across them in the
 step), so the shares are approximate; their sum can exceed 100% under contention.
@@ -149,10 +150,11 @@ class Case:
         layer = model.blocks[0].attn
         bias_fn, bias_params = layer.bias() if layer.bias is not None else (None, {})
         keys = jax.random.split(jax.random.key(1), 4)
-        dt = compute_dtype(cfg.dtype)
-        q = jax.random.normal(keys[0], (B, T, N, H), dt)
-        k, v = (jax.random.normal(key, (B, T, K, H), dt) for key in keys[1:3])
-        d_out = jax.random.normal(keys[3], (B, T, N, H), dt)
+        # float32 whatever the model's dtype: alone, XLA:CPU 0.10 compiles the kernel's bfloat16
+        # products to a dot it cannot run (BF16 x BF16 = F32), which it fuses away in the step.
+        q = jax.random.normal(keys[0], (B, T, N, H))
+        k, v = (jax.random.normal(key, (B, T, K, H)) for key in keys[1:3])
+        d_out = jax.random.normal(keys[3], (B, T, N, H))
 
         def loss(q, k, v, params):
             bias = None if bias_fn is None else (bias_fn, params)

@@ -65,7 +65,14 @@ _LAYOUTS = {
 
 def _einsum(layout, name, **operands):
     *names, spec = _LAYOUTS[layout][name]
-    return jnp.einsum(spec, *(operands[n] for n in names), preferred_element_type=f32)
+    args = [operands[n] for n in names]
+    if jax.default_backend() == "cpu" and any(a.dtype != f32 for a in args):
+        # XLA:CPU has no bfloat16 x bfloat16 -> float32 product outside the fusions it hands to
+        # its GEMM library (jax 0.10: "Unsupported element type for DotThunk"), and which
+        # products it fuses depends on the shapes. The float32 product of the widened operands
+        # is the same: a product of two bfloat16 values is exact in float32.
+        args = [a.astype(f32) for a in args]
+    return jnp.einsum(spec, *args, preferred_element_type=f32)
 
 
 def _per_row(layout, x):
