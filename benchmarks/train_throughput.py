@@ -10,6 +10,9 @@ Run (from the repository root):
         --xtransformers $REFENV/bin/python --rounds 3                # the goal, side by side
     python benchmarks/train_throughput.py --crossover --rounds 3     # the rule behind "auto"
     python benchmarks/train_throughput.py --pieces --rounds 3        # the pieces of "other"
+    python benchmarks/train_throughput.py --configs tiny small --families rope alibi \
+        --dtypes float32 bfloat16 --rounds 3                         # bfloat16 compute
+    python benchmarks/train_throughput.py --products --rounds 3      # its products alone
 ($REFENV: a separate virtual environment with torch and x-transformers; the numbers these print,
 with their machine: docs/benchmarks.md and docs/attention.md.)
 
@@ -47,6 +50,11 @@ With --pieces, instead: pieces of "other" alone at the small config's shape, for
 (value_and_grad of a weighted sum), best of --rounds x 10 calls: RoPE on one [B, T, N, H] q or k
 (per layout), GELU (tanh and exact) and ReLU on the MLP's [B T, d_ff], RMSNorm on [B, T, D], the
 cross-entropy on [B, T, vocab].
+
+With --products, instead: the small config's MLP product in its three forms (forward, both
+backward products) with float32 operands and with bfloat16 ones (bfloat16 or float32 result),
+best of --rounds x 20 calls: whether the CPU's GEMM library runs the step's products faster in
+bfloat16 (`--dtypes` times the whole step).
 
 With --xtransformers PYTHON, benchmarks/xtransformers_baseline.py runs under that interpreter (one
 with torch and x-transformers; never a posattn dependency) for the families it has (rope, alibi,
@@ -284,6 +292,36 @@ def crossover(shapes: list[str], rounds: int) -> None:
         )
 
 
+def products(rounds: int) -> None:
+    """The small config's MLP product [4096, 128] x [128, 512] in each form a step computes it
+    (forward x W, backward dY W^T and X^T dY), float32 against bfloat16 operands with a bfloat16
+    or a float32 result: which of them the CPU's GEMM library speeds up in bfloat16."""
+    M, K, N = 4096, 128, 512
+    keys = jax.random.split(jax.random.key(0), 3)
+    shapes = [(M, K), (K, N), (M, N)]
+    x, w, dy = (jax.random.normal(k, s) for k, s in zip(keys, shapes, strict=True))
+    forms = {
+        "forward x W": (lambda a, b, out: jnp.dot(a, b, preferred_element_type=out), (x, w)),
+        "backward dY W^T": (lambda a, b, out: jnp.dot(a, b.T, preferred_element_type=out), (dy, w)),
+        "backward X^T dY": (lambda a, b, out: jnp.dot(a.T, b, preferred_element_type=out), (x, dy)),
+    }
+    kinds = {
+        "float32": (jnp.float32, jnp.float32),
+        "bfloat16 -> bfloat16": (jnp.bfloat16, jnp.bfloat16),
+        "bfloat16 -> float32": (jnp.bfloat16, jnp.float32),
+    }
+    print("\n| product | " + " | ".join(f"{k} ms (best)" for k in kinds) + " |")
+    print("|---|" + "---|" * len(kinds))
+    for name, (fn, args) in forms.items():
+        cells = []
+        for operand, out in kinds.values():
+            f = jax.jit(functools.partial(fn, out=out))
+            typed = [a.astype(operand) for a in args]
+            timed(f, *typed)  # compile
+            cells.append(min(timed(f, *typed, repeats=20) for _ in range(rounds)) * 1e3)
+        print(f"| {name} | " + " | ".join(f"{c:.2f}" for c in cells) + " |", flush=True)
+
+
 def pieces(rounds: int) -> None:
     """The pieces of a step's "other" share, each alone, at the small config's shape."""
     from posattn import rotary
@@ -421,6 +459,11 @@ def main(argv=None):
         action="store_true",
         help="time RoPE, GELU, RMSNorm and the cross-entropy alone instead",
     )
+    parser.add_argument(
+        "--products",
+        action="store_true",
+        help="time the MLP's product forms in float32 and bfloat16 alone instead",
+    )
     parser.add_argument("--shapes", nargs="+", default=CROSSOVER_SHAPES, metavar="B,T,N,H")
     args = parser.parse_args(argv)
 
@@ -428,6 +471,10 @@ def main(argv=None):
         f"# {cpu_model()}, {os.cpu_count()} cores; jax {jax.__version__} "
         f"({jax.default_backend()}); load average at start {load_average()}"
     )
+    if args.products:
+        products(args.rounds)
+        print(f"# load average at the end {load_average()}")
+        return
     if args.pieces:
         pieces(args.rounds)
         print(f"# load average at the end {load_average()}")
