@@ -31,7 +31,6 @@ import json
 import os
 import pathlib
 import shutil
-import time
 from typing import Any
 
 import jax
@@ -43,7 +42,7 @@ from posattn import config as config_lib
 from posattn import data as data_lib
 from posattn import rotary
 from posattn.data.corpus import file_splits
-from posattn.train import NonFiniteLossError, restore_trained, train_and_evaluate
+from posattn.train import restore_trained
 
 from . import provenance as prov_lib
 from .provenance import ProducedByOtherCode, describe_origin, same_origin
@@ -55,7 +54,7 @@ from .settings import (
     finetune_multiple,
     finetune_scaling,
 )
-from .training import Interrupted, say
+from .training import run_finetune, say
 
 __all__ = [
     "TrainingTokens",
@@ -288,25 +287,7 @@ def finetuned(
             f"{row}: fine-tuning for {tune.train.steps} steps of {tune.train.batch_size} x "
             f"{tune.data.seq_len} tokens under {finetune_scaling(config, kind)} in {run_dir}"
         )
-        start = time.perf_counter()
-        try:
-            result = train_and_evaluate(tune, run_dir)  # resumes a killed run
-        except NonFiniteLossError as e:
-            raise NonFiniteLossError(
-                f"{row}: {e} In the experiment: lower config.finetune.learning_rate or raise "
-                f"config.finetune.warmup_steps (and move {run_dir} away)"
-            ) from None
-        if not result.get("finished"):
-            raise Interrupted(
-                f"the fine-tune in {run_dir} stopped at step {result.get('step')}; rerun to resume"
-            )
-        lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        losses = [x["loss"] for x in lines if "loss" in x]
-        info = {
-            "seconds": round(time.perf_counter() - start, 1),
-            "first_train_loss": losses[0],
-            "final_train_loss": losses[-1],
-        }
+        info = run_finetune(tune, run_dir, row)
         meta = {"settings": settings, "code": code, "info": info}
         tmp = marker.with_name(f".{marker.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(meta) + "\n")

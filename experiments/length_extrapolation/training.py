@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import pathlib
 import time
 from typing import Any
@@ -188,8 +189,15 @@ def finetune_dir(fam_dir: pathlib.Path, kind: str, seed: int, settings: dict) ->
 
 def finetune(config, train_config, kind: str, source: pathlib.Path, run_dir: pathlib.Path) -> dict:
     """Runs (or resumes) the fine-tune of the trained run in `source` in the workdir `run_dir`:
-    `posattn.train.train_and_evaluate` of `finetune_config`, started from `source`'s parameters
-    (`init_from`: fresh AdamW moments). Position interpolation as Chen et al. 2023 run it.
+    `finetune_config` started from `source`'s parameters (`init_from`: fresh AdamW moments).
+    Position interpolation as Chen et al. 2023 run it. Returns `run_finetune`'s record."""
+    tune_config = finetune_config(config, train_config, kind)
+    return run_finetune(tune_config, run_dir, f"{kind}+ft", init_from=source)
+
+
+def run_finetune(tune_config, run_dir: pathlib.Path, row: str, *, init_from=None) -> dict:
+    """`posattn.train.train_and_evaluate(tune_config, run_dir, init_from=init_from)`, which
+    resumes a killed run, for the fine-tune of row `row` (a trained entry's or a checkpoint's).
 
     Returns:
       {"seconds", "first_train_loss", "final_train_loss"} (first: the first step's batch, before
@@ -199,13 +207,12 @@ def finetune(config, train_config, kind: str, source: pathlib.Path, run_dir: pat
       Interrupted: it stopped before its last step (preempted); rerunning resumes it.
       NonFiniteLossError: its loss or state became NaN or inf.
     """
-    tune_config = finetune_config(config, train_config, kind)
     start = time.perf_counter()
     try:
-        result = train_and_evaluate(tune_config, run_dir, init_from=source)
+        result = train_and_evaluate(tune_config, run_dir, init_from=init_from)
     except NonFiniteLossError as e:
         raise NonFiniteLossError(
-            f"{kind}+ft: {e} In the experiment: lower config.finetune.learning_rate or raise "
+            f"{row}: {e} In the experiment: lower config.finetune.learning_rate or raise "
             f"config.finetune.warmup_steps (and move {run_dir} away)"
         ) from None
     if not result.get("finished"):
@@ -256,7 +263,9 @@ def finetuned(
         )
         info = finetune(config, train_config, kind, source, run_dir)
         meta = {"settings": settings, "code": code, "info": info}
-        (run_dir / "finetuned.json").write_text(json.dumps(meta) + "\n")
+        tmp = marker.with_name(f".{marker.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(meta) + "\n")
+        os.replace(tmp, marker)  # a killed run never leaves half a marker
     restored = restore_trained(tune_config, run_dir / "checkpoints")
     if restored is None or restored[2] != int(tune_config.train.steps):
         raise RuntimeError(
