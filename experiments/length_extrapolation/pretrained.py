@@ -46,7 +46,7 @@ from posattn.nn.model import TransformerLM
 from . import pretrained_finetune, report, results
 from . import provenance as prov_lib
 from .rows import ModelKey, Row, build_pretrained_rows
-from .run import eval_settings_sha, evaluators_of
+from .run import combine, eval_settings_sha, evaluate_row, evaluators_of
 from .settings import check_evaluation, eval_lengths, finetune_enabled, rope_scaling_entry
 from .training import params_sha256, say
 
@@ -224,10 +224,18 @@ class Checkpoint:
     """A loaded checkpoint and the models its rows read: its own parameters, and those of its
     fine-tunes (`params_of(kind)`, made or read by `tune(kind)`)."""
 
-    def __init__(self, path: pathlib.Path, cfg, attention_impl: str, tune=None):
-        """`tune(kind)` -> (params, record, {"cfg": the fine-tune's ModelConfig, "settings"}):
-        the fine-tune of kind `kind` (`pretrained_finetune.finetuned`); None: no fine-tunes."""
+    def __init__(
+        self, config, path: pathlib.Path, cfg, dtype: str, evaluations: pathlib.Path, tune=None
+    ):
+        """`config`: the resolved experiment config; `dtype`: the evaluation's ("float32" or
+        "bfloat16", part of the cache key); `evaluations`: where the rows' evaluation records are
+        cached. `tune(kind)` -> (params, record, {"cfg": the fine-tune's
+        ModelConfig, "settings"}): the fine-tune of kind `kind` (`pretrained_finetune.finetuned`);
+        None: no fine-tunes."""
         from posattn import hf as hf_lib
+
+        self.config, self.dtype, self.evaluations = config, dtype, evaluations
+        attention_impl = config.eval.attention_impl
 
         model = hf_lib.from_pretrained(path, dtype=None if cfg.dtype == "float32" else cfg.dtype)
         self.cfg = model.cfg.replace(attention_impl=attention_impl)
@@ -247,10 +255,15 @@ class Checkpoint:
             return self.params
         return self._fine_tune(kind)[0]
 
-    def finetune_key(self, kind: str) -> dict:
-        """What identifies a fine-tune's numbers: its settings' hash and its params' hash."""
-        _, settings_sha, params_sha = self._fine_tune(kind)
-        return {"settings_sha256": settings_sha, "params_sha256": params_sha}
+    def cache_key(self, row: Row) -> dict:
+        """What identifies the evaluations of `row` besides the row, the evaluator's settings and
+        the text: the checkpoint's files, the dtype and, for a fine-tune row, its settings' hash
+        and its parameters' hash."""
+        key = {"checkpoint": self.sha256, "dtype": self.dtype}
+        if row.finetune is not None:
+            _, settings_sha, params_sha = self._fine_tune(row.finetune)
+            key["finetune"] = {"settings_sha256": settings_sha, "params_sha256": params_sha}
+        return key
 
     def _fine_tune(self, kind: str) -> tuple:
         if kind not in self._tuned:
@@ -281,13 +294,6 @@ class Checkpoint:
                 graphdef, constants = self.graphdef, self.constants
             self._models[slot] = (graphdef, params, constants)
         return self._models[slot]
-
-
-def _write_json(path: pathlib.Path, value: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(value) + "\n")
-    tmp.replace(path)
 
 
 def bits_per_byte(config, text, token_bytes, outputs: dict, lengths) -> dict[str, dict]:
@@ -424,7 +430,10 @@ def run(config: ml_collections.ConfigDict, workdir, *, reuse: bool = False) -> d
                 config, kind, name, workdir, checkpoint.sha256, tokens, tune_code, reuse=reuse
             )
 
-    checkpoint = Checkpoint(pathlib.Path(info["path"]), cfg, config.eval.attention_impl, tune)
+    evaluations = workdir / name / "evaluations"
+    checkpoint = Checkpoint(
+        config, pathlib.Path(info["path"]), cfg, info["dtype"], evaluations, tune
+    )
     info["files_sha256"] = checkpoint.sha256
     shared = {
         "train_len": int(config.data.seq_len),
@@ -436,52 +445,11 @@ def run(config: ml_collections.ConfigDict, workdir, *, reuse: bool = False) -> d
     outputs, seconds, origins = {}, {}, {}
     for row in rows:
         start = time.perf_counter()
-        outputs[row.name], by = {}, {}
-        for evaluator, own in evaluators:
-            settings = {**own, **shared}
-            key = json.loads(
-                json.dumps(
-                    {
-                        "row": row.settings(),
-                        "evaluator": evaluator.name,
-                        "settings": {k: v for k, v in settings.items() if k != "batch_tokens"},
-                        "text": text.plan.fingerprint,
-                        "checkpoint": checkpoint.sha256,
-                        "dtype": info["dtype"],
-                        # A fine-tune's settings and resulting parameters (trained rows: none).
-                        **(
-                            {"finetune": checkpoint.finetune_key(row.finetune)}
-                            if row.finetune is not None
-                            else {}
-                        ),
-                    }
-                )
-            )
-            code = prov_lib.code_record(
-                prov, corpus.sha256, prov_lib.evaluator_code_sha256(evaluator)
-            )
-            file = f"{row.name.replace(':', '@')}.{evaluator.name}.json"
-            path = workdir / name / "evaluations" / file
-            # The loss output of a row is [seed][length]: one "seed" here.
-            one_seed = (lambda v: [v]) if evaluator.combine == "all" else (lambda v: v)
-            if path.exists():
-                saved = json.loads(path.read_text())
-                if saved.get("key") == key and (prov_lib.same_origin(saved, code) or reuse):
-                    outputs[row.name][evaluator.name] = one_seed(saved["values"])
-                    by[evaluator.name] = saved.get("code") or {}
-                    say(f"{row.name} {evaluator.name}: reused {path}")
-                    continue
-            values = []
-            for length in lengths:
-                model_key = row.reads(config, length)
-                slot = (model_key, evaluator.name, length)
-                if slot not in memo:
-                    memo[slot] = evaluator.run(
-                        checkpoint.model(model_key, length), text, length, settings
-                    )
-                values.append(memo[slot])
-            _write_json(path, {"key": key, "code": code, "values": values})
-            outputs[row.name][evaluator.name], by[evaluator.name] = one_seed(values), code
+        values, by = evaluate_row(
+            row, checkpoint, evaluators, shared, text, memo, lengths, prov, corpus.sha256, reuse
+        )
+        # One "seed": the loss output of a row is [seed][length], as for a trained row.
+        outputs[row.name] = {e.name: combine(e, [values[e.name]]) for e, _ in evaluators}
         seconds[row.name] = round(time.perf_counter() - start, 1)
         origins[row.name] = by.get("loss") or next(iter(by.values()), {})
         say(f"{row.name}: {results.describe_row(outputs[row.name])} (eval {seconds[row.name]} s)")

@@ -102,6 +102,13 @@ class _Seed:
         self._models: dict[ModelKey, tuple] = {}
         self._params: dict[str | None, tuple[Any, str]] = {}
         self.finetune_info: dict[str, dict] = {}
+        self.evaluations = run_dir / "evaluations"
+        self._trained = json.loads(config_lib.to_json(self.train_config))
+
+    def cache_key(self, row: Row) -> dict:
+        """What identifies this seed's evaluations of `row` besides the row, the evaluator's
+        settings and the text: the parameters it reads and the training config."""
+        return {"params": self.params_of(row.finetune)[1], "trained": self._trained}
 
     def params_of(self, kind: str | None) -> tuple[Any, str]:
         """(params, content hash) of the trained model (kind None) or of its fine-tune."""
@@ -141,11 +148,18 @@ class _Seed:
         return self._models[slot]
 
 
-def _evaluate_row(row, member, evaluators, shared, text, memo, lengths, prov, corpus_sha, reuse):
-    """{evaluator: [value per length]} of one row on one seed, and {evaluator: code record}."""
-    config = member.config
+def evaluate_row(row, member, evaluators, shared, text, memo, lengths, prov, corpus_sha, reuse):
+    """{evaluator: [value per length]} of one row read from `member`, and {evaluator: code
+    record}: each evaluator's record in `member.evaluations` when its key (the row, the
+    evaluator's settings, the text and `member.cache_key(row)`) matches and it was made by this
+    code (or by any code, with `reuse`), else evaluated now and written there.
+
+    `member` is one trained seed (`_Seed`) or a published checkpoint
+    (`pretrained.Checkpoint`): `model(key, length)`, `cache_key(row)` and `evaluations`. `memo`
+    holds the values of (model, evaluator, length) already computed, shared by the rows that read
+    the same model at a length.
+    """
     out, by = {}, {}
-    trained = json.loads(config_lib.to_json(member.train_config))
     for evaluator, own in evaluators:
         settings = {**own, **shared}
         key = {
@@ -153,16 +167,16 @@ def _evaluate_row(row, member, evaluators, shared, text, memo, lengths, prov, co
             "evaluator": evaluator.name,
             "settings": {k: v for k, v in settings.items() if k not in _NOT_IN_KEY},
             "text": text.plan.fingerprint,
-            "params": member.params_of(row.finetune)[1],
-            "trained": trained,
+            **member.cache_key(row),
         }
         key = json.loads(json.dumps(key))
         code = prov_lib.code_record(prov, corpus_sha, prov_lib.evaluator_code_sha256(evaluator))
-        path = member.run_dir / "evaluations" / f"{_safe(row.name)}.{evaluator.name}.json"
+        path = member.evaluations / f"{_safe(row.name)}.{evaluator.name}.json"
         if path.exists():
             saved = json.loads(path.read_text())
             if saved.get("key") == key and (prov_lib.same_origin(saved, code) or reuse):
                 out[evaluator.name], by[evaluator.name] = saved["values"], saved.get("code") or {}
+                say(f"{row.name} {evaluator.name}: reused {path}")
                 continue
             if saved.get("key") == key:
                 say(
@@ -171,7 +185,7 @@ def _evaluate_row(row, member, evaluators, shared, text, memo, lengths, prov, co
                 )
         values = []
         for length in lengths:
-            model_key = row.reads(config, length)
+            model_key = row.reads(member.config, length)
             slot = (model_key, evaluator.name, length)
             if slot not in memo:
                 memo[slot] = evaluator.run(member.model(model_key, length), text, length, settings)
@@ -181,7 +195,8 @@ def _evaluate_row(row, member, evaluators, shared, text, memo, lengths, prov, co
     return out, by
 
 
-def _combine(evaluator: registry.Evaluator, per_seed: list) -> Any:
+def combine(evaluator: registry.Evaluator, per_seed: list) -> Any:
+    """One row's value of `evaluator` from its values per seed (`Evaluator.combine`)."""
     if evaluator.combine == "all":
         return per_seed
     if evaluator.combine == "first":
@@ -326,7 +341,7 @@ def run(
             memo: dict = {}
             for row in entry_rows:
                 start = time.perf_counter()
-                values, by = _evaluate_row(
+                values, by = evaluate_row(
                     row,
                     member,
                     evaluators,
@@ -345,7 +360,7 @@ def run(
                 tuned.setdefault(kind, []).append(info)
         for row in entry_rows:
             outputs[row.name] = {
-                e.name: _combine(e, [s[e.name] for s in per_row[row.name]]) for e, _ in evaluators
+                e.name: combine(e, [s[e.name] for s in per_row[row.name]]) for e, _ in evaluators
             }
             seconds[row.name] = round(spent[row.name], 1)
             evaluated = by_row[row.name] or {}
