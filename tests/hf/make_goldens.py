@@ -84,6 +84,19 @@ def cases() -> dict[str, tuple[str, dict, dict]]:
             ),
             {},
         ),
+        "rope_longrope": (
+            "LlamaConfig",
+            dict(
+                LLAMA,  # max_position_embeddings 64 over 16: the attention factor's ratio is 4
+                rope_scaling={
+                    "rope_type": "longrope",
+                    "short_factor": [1.0, 1.5, 2.0, 3.0],
+                    "long_factor": [1.2, 2.5, 4.0, 6.5],
+                    "original_max_position_embeddings": 16,
+                },
+            ),
+            {},
+        ),
         "qwen2": (
             "Qwen2Config",
             dict(LLAMA, tie_word_embeddings=False, use_sliding_window=False),

@@ -171,7 +171,16 @@ def test_mpt_slope_formula_is_transformers_own():
 
 
 @pytest.mark.parametrize(
-    "case", ["qwen2", "gpt2", "bloom", "llama_mqa_tied", "neox_sequential", "mpt_six_heads"]
+    "case",
+    [
+        "qwen2",
+        "gpt2",
+        "bloom",
+        "llama_mqa_tied",
+        "neox_sequential",
+        "mpt_six_heads",
+        "rope_longrope",
+    ],
 )
 def test_save_then_load_gives_the_same_parameters(tmp_path, case):
     model = hf.from_pretrained(GOLDENS / case)
@@ -220,7 +229,10 @@ def test_a_model_without_a_hugging_face_twin_is_not_saved(tmp_path):
 # ---- Live tests: transformers in this process (skipped where it is absent, as on CI). ----
 
 
-@pytest.mark.parametrize("case", ["qwen2", "gpt2", "bloom", "neox_parallel", "gemma", "mpt"])
+@pytest.mark.parametrize(
+    "case",
+    ["qwen2", "gpt2", "bloom", "neox_parallel", "gemma", "mpt", "rope_longrope", "rope_yarn"],
+)
 def test_transformers_reads_save_pretrained_to_the_same_logits(tmp_path, case):
     pytest.importorskip("transformers")
     import torch

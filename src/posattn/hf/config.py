@@ -101,6 +101,9 @@ def _rope(
         params["original_max_position_embeddings"] = orig or m_l
         if kind == "yarn" and params.get("factor") is None:
             params["factor"] = m_l / params["original_max_position_embeddings"]
+        if kind == "longrope" and params.get("factor") is None:
+            # Its attention factor then comes from max_position_embeddings / original (Phi-3).
+            params["max_position_embeddings"] = m_l
     if kind == "dynamic":
         # transformers' dynamic NTK reads config.max_position_embeddings as the training length.
         params["original_max_position_embeddings"] = m_l
@@ -363,13 +366,25 @@ def model_config(hf: dict, *, dtype: str | None = None) -> ModelConfig:
     return ModelConfig.from_keys(keys).validate()
 
 
+def _hf_rope(cfg: ModelConfig) -> tuple[dict[str, Any], int]:
+    """(rope_parameters, max_position_embeddings) of a RoPE model, as `_rope` reads them back:
+    the scaling's keys that are set; the training length from the dict (dynamic NTK's is
+    config.max_position_embeddings), or LongRoPE's extended length when its factor is left to
+    max_position_embeddings / original_max_position_embeddings."""
+    params = {"rope_type": "default"}
+    params.update({k: v for k, v in (cfg.settings.scaling_dict or {}).items() if v is not None})
+    params["rope_theta"] = cfg.settings.base
+    length = params.pop("max_position_embeddings", None)
+    length = length or params.get("original_max_position_embeddings") or 2048
+    return params, int(length)
+
+
 def hf_config(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
     """A transformers config.json dict for `cfg` as a `model_type` model (the inverse)."""
     common = dict(model_type=model_type, vocab_size=cfg.vocab_size, dtype="float32")
     common["tie_word_embeddings"] = cfg.tie_embeddings
     if model_type in ("llama", "mistral", "qwen2", "gemma"):
-        params = {"rope_type": "default", **(cfg.settings.scaling_dict or {})}
-        params["rope_theta"] = cfg.settings.base
+        params, max_positions = _hf_rope(cfg)
         arch = {
             "llama": "LlamaForCausalLM",
             "mistral": "MistralForCausalLM",
@@ -388,7 +403,7 @@ def hf_config(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
             hidden_act={"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}.get(
                 cfg.activation, cfg.activation
             ),
-            max_position_embeddings=int(params.get("original_max_position_embeddings") or 2048),
+            max_position_embeddings=max_positions,
             rope_parameters=params,
         )
         if model_type == "llama":
@@ -411,10 +426,8 @@ def hf_config(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
             activation_function={"gelu_tanh": "gelu_new"}.get(cfg.activation, cfg.activation),
         )
     if model_type == "gpt_neox":
-        params = {"rope_type": "default", **(cfg.settings.scaling_dict or {})}
-        params.update(
-            rope_theta=cfg.settings.base, partial_rotary_factor=cfg.settings.partial_factor
-        )
+        params, max_positions = _hf_rope(cfg)
+        params["partial_rotary_factor"] = cfg.settings.partial_factor
         return dict(
             common,
             architectures=["GPTNeoXForCausalLM"],
@@ -426,7 +439,7 @@ def hf_config(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
             hidden_act={"gelu_tanh": "gelu_new"}.get(cfg.activation, cfg.activation),
             use_parallel_residual=cfg.parallel_residual,
             attention_bias=True,
-            max_position_embeddings=int(params.get("original_max_position_embeddings") or 2048),
+            max_position_embeddings=max_positions,
             rope_parameters=params,
         )
     if model_type == "bloom":
