@@ -1,4 +1,5 @@
-"""The forward pass every evaluator reads a model with, and RoPE's eval-time scalings.
+"""The forward pass every evaluator reads a model with, and RoPE's eval-time scalings (one graph
+per length for all of a model's scalings: `rope_row_model`).
 
 Shape legend: W windows, B batch (windows per forward pass), T window length, V vocabulary.
 
@@ -289,9 +290,9 @@ def rope_row_model(
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, constants) that read windows of `length` tokens with the parameters of the RoPE
     model `cfg` under `scaling` (None: its own rope_scaling, if any; a dict replaces it, as in
-    `with_rope_scaling`), with one graphdef
-    for every scaling at that length (`TableRotary`): the eval-time rows and fine-tunes of one
-    trained model share their compiled programs length by length.
+    `with_rope_scaling`), with one graphdef for every scaling at that length (`TableRotary`): the
+    eval-time rows and fine-tunes of one trained model share their compiled programs length by
+    length.
 
     The numbers are those of `with_rope_scaling`: the same frequencies and attention factor, as
     arrays instead of graph constants. `model_config_of` of the result is `cfg` itself.
