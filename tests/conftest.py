@@ -3,8 +3,10 @@
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -13,6 +15,34 @@ import pytest
 os.environ.setdefault("JAX_ENABLE_X64", "0")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config):
+    """One XLA compilation cache for the whole run, empty at its start and removed at its end.
+
+    Most of the suite's time is XLA compiling small programs, and many tests compile the same
+    one (the same config's train step, a resumed run's step, a rerun's evaluation). With
+    JAX's persistent compilation cache in a directory of this run, a program compiled once is
+    loaded by every later test, xdist worker and subprocess (they inherit the environment) that
+    builds the same one; a cache hit is the executable XLA compiled, so nothing tested changes.
+    JAX's threshold stays (programs that compiled in under a second are not written: caching
+    every eager op made a test ten times slower). A cache directory set by the user
+    (JAX_COMPILATION_CACHE_DIR) is left alone; JAX_ENABLE_COMPILATION_CACHE=false turns it off."""
+    if hasattr(config, "workerinput") or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return  # an xdist worker inherits the controller's directory
+    path = tempfile.mkdtemp(prefix="posattn-tests-xla-cache-")
+    config._posattn_xla_cache = path
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+    if "jax" in sys.modules:  # imported before this hook (by a plugin): set it there too
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", path)
+
+
+def pytest_unconfigure(config):
+    path = getattr(config, "_posattn_xla_cache", None)
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

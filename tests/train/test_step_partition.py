@@ -52,7 +52,7 @@ one = jax.make_mesh((1, 1), ("data", "fsdp"), axis_types=auto, devices=jax.devic
 result = {}
 for family in FAMILIES:
     config = config_lib.load_config(ROOT / "configs" / "tiny.py", [
-        f"model.position={family}", "model.d_model=64", "model.num_layers=2",
+        f"model.position={family}", "model.d_model=64", "model.num_layers=1",
         "model.num_heads=4", "model.num_kv_heads=2", "data.seq_len=32", "train.batch_size=16"])
     base = compiled_flops(config, one)
     for fsdp in (1, 2):
