@@ -42,10 +42,9 @@ from posattn import config as config_lib
 from posattn import data as data_lib
 from posattn import rotary
 from posattn.data.corpus import file_splits
-from posattn.train import restore_trained
 
 from . import provenance as prov_lib
-from .provenance import ProducedByOtherCode, describe_origin, same_origin
+from .provenance import describe_origin
 from .settings import (
     check_finetune_keys,
     finetune_batch_size,
@@ -54,7 +53,13 @@ from .settings import (
     finetune_multiple,
     finetune_scaling,
 )
-from .training import run_finetune, say
+from .training import (
+    finetuned_params,
+    read_finetune_marker,
+    run_finetune,
+    say,
+    write_finetune_marker,
+)
 
 __all__ = [
     "TrainingTokens",
@@ -273,32 +278,18 @@ def finetuned(
     tune = tune_config(config, kind, tokens.directory)
     settings = settings_of(config, kind, tune, checkpoint_sha, tokens)
     run_dir = finetune_dir(workdir, name, kind, settings)
-    marker = run_dir / "finetuned.json"
     row = f"{name}+{kind}+ft"
-    meta = json.loads(marker.read_text()) if marker.exists() else None
-    if meta is not None and not (same_origin(meta, code) or reuse):
-        raise ProducedByOtherCode(
-            f"{run_dir} was fine-tuned by {describe_origin(meta)}; this is commit "
-            f"{str(code['commit'])[:12]}, code sha256 {code['code_sha256'][:12]}. Rerun with "
-            f"--reuse to report its numbers, or move {run_dir} away to fine-tune again."
-        )
+    meta = read_finetune_marker(run_dir, code, reuse=reuse)
     if meta is None:
         say(
             f"{row}: fine-tuning for {tune.train.steps} steps of {tune.train.batch_size} x "
             f"{tune.data.seq_len} tokens under {finetune_scaling(config, kind)} in {run_dir}"
         )
         info = run_finetune(tune, run_dir, row)
-        meta = {"settings": settings, "code": code, "info": info}
-        tmp = marker.with_name(f".{marker.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(meta) + "\n")
-        os.replace(tmp, marker)
+        meta = write_finetune_marker(run_dir, settings, code, info)
     else:
         say(f"{row}: reused the fine-tune in {run_dir} (by {describe_origin(meta)})")
-    restored = restore_trained(tune, run_dir / "checkpoints")
-    if restored is None or restored[2] != int(tune.train.steps):
-        raise RuntimeError(
-            f"{run_dir} holds no finished checkpoint; delete {marker} and rerun to fine-tune again"
-        )
+    restored = finetuned_params(tune, run_dir)
     record = {
         "row": row,
         "steps": int(tune.train.steps),

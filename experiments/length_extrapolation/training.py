@@ -240,16 +240,9 @@ def finetuned(
     """
     settings = _finetune_settings(config, train_config, kind, seed, params_sha256(trained_params))
     run_dir = finetune_dir(fam_dir, kind, seed, settings)
-    marker = run_dir / "finetuned.json"
     row = f"{fam_dir.name}+{kind}+ft"
     tune_config = finetune_config(config, train_config, kind)
-    meta = json.loads(marker.read_text()) if marker.exists() else None
-    if meta is not None and not (same_origin(meta, code) or reuse):
-        raise ProducedByOtherCode(
-            f"{run_dir} was fine-tuned by {describe_origin(meta)}; this is commit "
-            f"{str(code['commit'])[:12]}, code sha256 {code['code_sha256'][:12]}. Rerun with "
-            f"--reuse to report its numbers, or move {run_dir} away to fine-tune again."
-        )
+    meta = read_finetune_marker(run_dir, code, reuse=reuse)
     if meta is None:
         old = fam_dir / "finetune" / f"{kind}-seed{int(seed)}.npz"
         if old.exists():
@@ -262,16 +255,51 @@ def finetuned(
             f"{tune_config.data.seq_len} in {run_dir}"
         )
         info = finetune(config, train_config, kind, source, run_dir)
-        meta = {"settings": settings, "code": code, "info": info}
-        tmp = marker.with_name(f".{marker.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(meta) + "\n")
-        os.replace(tmp, marker)  # a killed run never leaves half a marker
+        meta = write_finetune_marker(run_dir, settings, code, info)
+    return finetuned_params(tune_config, run_dir)[1]["params"], meta["info"]
+
+
+def read_finetune_marker(run_dir: pathlib.Path, code: dict, *, reuse: bool) -> dict | None:
+    """The `finetuned.json` record of the fine-tune in `run_dir` (None: not finished there).
+
+    Raises:
+      ProducedByOtherCode: it was made by other code than `code` and `reuse` is off.
+    """
+    marker = run_dir / "finetuned.json"
+    meta = json.loads(marker.read_text()) if marker.exists() else None
+    if meta is not None and not (same_origin(meta, code) or reuse):
+        raise ProducedByOtherCode(
+            f"{run_dir} was fine-tuned by {describe_origin(meta)}; this is commit "
+            f"{str(code['commit'])[:12]}, code sha256 {code['code_sha256'][:12]}. Rerun with "
+            f"--reuse to report its numbers, or move {run_dir} away to fine-tune again."
+        )
+    return meta
+
+
+def write_finetune_marker(run_dir: pathlib.Path, settings: dict, code: dict, info: dict) -> dict:
+    """Writes (atomically: a killed run never leaves half of one) and returns the record that
+    says the fine-tune in `run_dir` finished: its settings, the code that ran it, its losses."""
+    meta = {"settings": settings, "code": code, "info": info}
+    marker = run_dir / "finetuned.json"
+    tmp = marker.with_name(f".{marker.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(meta) + "\n")
+    os.replace(tmp, marker)
+    return meta
+
+
+def finetuned_params(tune_config, run_dir: pathlib.Path):
+    """`restore_trained` of the fine-tune in `run_dir` at its last step: (cfg, state, step).
+
+    Raises:
+      RuntimeError: its checkpoints hold no finished run (the marker says otherwise).
+    """
     restored = restore_trained(tune_config, run_dir / "checkpoints")
     if restored is None or restored[2] != int(tune_config.train.steps):
         raise RuntimeError(
-            f"{run_dir} holds no finished checkpoint; delete {marker} and rerun to fine-tune again"
+            f"{run_dir} holds no finished checkpoint; delete {run_dir / 'finetuned.json'} and "
+            "rerun to fine-tune again"
         )
-    return restored[1]["params"], meta["info"]
+    return restored
 
 
 def say(message: str) -> None:
