@@ -110,6 +110,11 @@ def get_config(arg=None):
     # Training seeds per family (from train.seed on), each its own run (adding seeds never
     # retrains one); > 1 reports mean ± standard error over seeds. The record runs 3.
     config.seeds = 1
+    # Worker processes that train and evaluate the units (one seed of one entry) side by side,
+    # each on its own core: 0 picks one per CPU core (at most one per unit left and per ~3 GiB
+    # of memory; 1 on an accelerator), 1 runs everything in this process. The numbers do not
+    # depend on it (experiments/length_extrapolation/workers.py).
+    config.workers = 0
     config.rope_scalings = ("linear", "ntk", "dynamic", "yarn")  # extra rows rope+<kind>
     # Position interpolation as Chen et al. 2023 run it: the trained RoPE model fine-tuned at
     # multiple x L under rope_scaling {kind, factor = multiple, original L}, kept at every length

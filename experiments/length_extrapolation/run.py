@@ -27,6 +27,7 @@ from posattn.eval import lengths as lengths_lib
 
 from . import provenance as prov_lib
 from . import report, results
+from . import workers as workers_lib
 from .rows import ModelKey, Row, build_rows
 from .settings import (
     check_experiment,
@@ -92,9 +93,9 @@ def _write_json(path: pathlib.Path, value: Any) -> None:
 class _Seed:
     """One trained seed of one entry: its restored model, and the models its rows read."""
 
-    def __init__(self, config, row: Row, seed: int, run_dir, entry_dir, corpus, code, reuse):
+    def __init__(self, config, row: Row, seed: int, run_dir, entry_dir, code, reuse):
         self.config, self.seed, self.run_dir, self.entry_dir = config, seed, run_dir, entry_dir
-        self.corpus, self.code, self.reuse = corpus, code, reuse
+        self.code, self.reuse = code, reuse
         self.train_config = seed_config(row.train_config, seed)
         self.cfg, self.graphdef, self.params, self.constants = restore_model(
             self.train_config, run_dir, attention_impl=config.eval.attention_impl
@@ -252,6 +253,103 @@ def _output_dir(workdir: pathlib.Path, config) -> pathlib.Path:
     return workdir
 
 
+def _unit(job: dict, entry: str, seed: int) -> dict:
+    """One seed of one entry: trained (or reused), then every row of the entry evaluated (or read
+    from its caches). Runs here or in a worker process (`workers.run_units`): `job` is plain data
+    and the rows and evaluators are rebuilt from its config."""
+    config, workdir, reuse, code = job["config"], job["workdir"], job["reuse"], job["code"]
+    evaluators = evaluators_of(config)
+    if [e.name for e, _ in evaluators] != job["evaluators"]:
+        raise config_lib.ConfigError(
+            f"the evaluators registered in this worker process "
+            f"({[e.name for e, _ in evaluators]}) are not the run's ({job['evaluators']}): an "
+            "evaluator registered after its module was imported (in a script's main block) is "
+            "unknown to worker processes; register it at import time, or set config.workers=1"
+        )
+    rows = [r for r in build_rows(config) if r.entry == entry]
+    head = next(r for r in rows if r.scaling is None and r.finetune is None)
+    seeds = seed_list(config)
+    run_dir = member_dir(workdir, entry, seed, seeds[0])
+    tc = seed_config(head.train_config, seed)
+    if finished_run(tc, run_dir, code, reuse=reuse) is None:
+        say(f"{head.name} seed {seed}: training ({tc.train.steps} steps at L={tc.data.seq_len})")
+    info, reused = train_member(tc, run_dir, code, reuse=reuse)
+    what = "reused (trained earlier" if reused else "trained (in this run"
+    say(
+        f"{head.name} seed {seed}: {what}, {info['seconds']} s, by "
+        f"{prov_lib.describe_origin(info)}), last step's train loss "
+        f"{info['final_train_loss']:.4f}; evaluating at {job['lengths']}"
+    )
+    base = member_dir(workdir, entry, seeds[0], seeds[0])
+    member = _Seed(config, head, seed, run_dir, base, code, reuse)
+    memo: dict = {}
+    out: dict[str, Any] = {"info": info, "values": {}, "by": {}, "spent": {}}
+    for row in rows:
+        start = time.perf_counter()
+        out["values"][row.name], out["by"][row.name] = evaluate_row(
+            row,
+            member,
+            evaluators,
+            job["shared"],
+            job["text"],
+            memo,
+            job["lengths"],
+            job["prov"],
+            job["corpus_sha"],
+            reuse,
+        )
+        out["spent"][row.name] = time.perf_counter() - start
+    out["finetune"] = member.finetune_info
+    return out
+
+
+def _unit_cached(job, rows, head, seed, evaluators) -> bool:
+    """Whether a unit looks computed already: its training finished and every evaluation file
+    of its rows exists (then it runs here, reading its caches, rather than in a worker)."""
+    workdir, code, seeds = job["workdir"], job["code"], seed_list(job["config"])
+    run_dir = member_dir(workdir, head.entry, seed, seeds[0])
+    tc = seed_config(head.train_config, seed)
+    if finished_run(tc, run_dir, code, reuse=job["reuse"]) is None:
+        return False
+    files = [
+        run_dir / "evaluations" / f"{_safe(r.name)}.{e.name}.json"
+        for r in rows
+        if r.entry == head.entry
+        for e, _ in evaluators
+    ]
+    return all(f.exists() for f in files)
+
+
+# A unit's time against the others' in the default (its training; experiments/README.md): FIRE's
+# MLP bias makes its step ~1.5x a plain one. Only the order in which workers take units uses it.
+_TRAINING_COST = {"fire": 1.5}
+
+
+def _run_units(job, requested, rows, trained_rows, seeds, evaluators) -> tuple[dict, int]:
+    """({(entry, seed): `_unit`'s output} of every unit, the worker processes used): the units
+    left to compute in `workers.worker_count` processes, the longest first (the most rows, then
+    `_TRAINING_COST`), the cached ones here."""
+    keys = [(head.entry, seed) for head in trained_rows for seed in seeds]
+    heads = {head.entry: head for head in trained_rows}
+    cost = {
+        h.entry: sum(r.entry == h.entry for r in rows)
+        + _TRAINING_COST.get(h.train_config.model.position, 1.0)
+        for h in trained_rows
+    }
+    pending = [
+        (entry, seed)
+        for entry, seed in keys
+        if not _unit_cached(job, rows, heads[entry], seed, evaluators)
+    ]
+    pending.sort(key=lambda k: -cost[k[0]])  # stable: the config's order among equals
+    count = workers_lib.worker_count(requested, len(pending))
+    done = workers_lib.run_units(_unit, job, pending, count)
+    for key in keys:
+        if key not in done:
+            done[key] = _unit(job, *key)
+    return done, count
+
+
 def run(
     config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, reuse: bool = False
 ) -> dict[str, Any]:
@@ -265,6 +363,7 @@ def run(
         instead of refusing them; each row of results.json names its own provenance.
     """
     check_experiment(config)
+    requested = workers_lib.check_workers(config)
     workdir = pathlib.Path(workdir)
     lengths = eval_lengths(config)
     corpus = data_lib.load_corpus(config.data.corpus)
@@ -311,59 +410,36 @@ def run(
         "batch_tokens": int(ev.batch_size) * max(lengths),
         "seed": int(ev.seed),
     }
+    job = {
+        "config": config,
+        "workdir": workdir,
+        "text": text,
+        "code": code,
+        "prov": prov,
+        "corpus_sha": corpus.sha256,
+        "lengths": lengths,
+        "shared": shared,
+        "reuse": reuse,
+        "evaluators": [e.name for e, _ in evaluators],
+    }
     begin = time.perf_counter()
+    done, workers = _run_units(job, requested, rows, trained_rows, seeds, evaluators)
     outputs, training, origins, seconds, tuned = {}, {}, {}, {}, {}
     for head in trained_rows:
         entry_rows = [r for r in rows if r.entry == head.entry]
-        infos, members = [], []
-        for seed in seeds:
-            run_dir = member_dir(workdir, head.entry, seed, seeds[0])
-            tc = seed_config(head.train_config, seed)
-            if finished_run(tc, run_dir, code, reuse=reuse) is None:
-                steps, L = tc.train.steps, tc.data.seq_len
-                say(f"{head.name} seed {seed}: training ({steps} steps at L={L})")
-            info, reused = train_member(tc, run_dir, code, reuse=reuse)
-            what = "reused (trained earlier" if reused else "trained (in this run"
-            say(
-                f"{head.name} seed {seed}: {what}, {info['seconds']} s, by "
-                f"{prov_lib.describe_origin(info)}), last step's train loss "
-                f"{info['final_train_loss']:.4f}; evaluating at {lengths}"
-            )
-            infos.append(info)
-            members.append((seed, run_dir))
+        units = [done[(head.entry, seed)] for seed in seeds]
+        infos = [u["info"] for u in units]
         training[head.name] = _training_record(infos, seeds)
-        per_row = {r.name: [] for r in entry_rows}
-        by_row = {r.name: None for r in entry_rows}
-        spent = dict.fromkeys(per_row, 0.0)
-        for seed, run_dir in members:
-            base = member_dir(workdir, head.entry, seeds[0], seeds[0])
-            member = _Seed(config, head, seed, run_dir, base, corpus, code, reuse)
-            memo: dict = {}
-            for row in entry_rows:
-                start = time.perf_counter()
-                values, by = evaluate_row(
-                    row,
-                    member,
-                    evaluators,
-                    shared,
-                    text,
-                    memo,
-                    lengths,
-                    prov,
-                    corpus.sha256,
-                    reuse,
-                )
-                spent[row.name] += time.perf_counter() - start
-                per_row[row.name].append(values)
-                by_row[row.name] = by_row[row.name] or by
-            for kind, info in member.finetune_info.items():
+        for unit in units:
+            for kind, info in unit["finetune"].items():
                 tuned.setdefault(kind, []).append(info)
         for row in entry_rows:
+            per_seed = [u["values"][row.name] for u in units]
             outputs[row.name] = {
-                e.name: combine(e, [s[e.name] for s in per_row[row.name]]) for e, _ in evaluators
+                e.name: combine(e, [s[e.name] for s in per_seed]) for e, _ in evaluators
             }
-            seconds[row.name] = round(spent[row.name], 1)
-            evaluated = by_row[row.name] or {}
+            seconds[row.name] = round(sum(u["spent"][row.name] for u in units), 1)
+            evaluated = next((u["by"][row.name] for u in units if u["by"][row.name]), {})
             named = "loss" if "loss" in evaluated else next(iter(evaluated), None)
             origins[row.name] = {
                 "trained": infos[0].get("code") or {},
@@ -386,7 +462,11 @@ def run(
         text,
         outputs,
         training,
-        timing={"total_seconds": round(time.perf_counter() - begin, 1), "eval_seconds": seconds},
+        timing={
+            "total_seconds": round(time.perf_counter() - begin, 1),
+            "eval_seconds": seconds,
+            "workers": workers,
+        },
         provenance=prov,
         origins=origins,
     )

@@ -20,6 +20,7 @@ import length_extrapolation as experiment  # noqa: E402
 from length_extrapolation import training  # noqa: E402
 
 MINUTE = [
+    "--config.workers=1",
     "--config.families=('learned','rope')",
     "--config.rope_scalings=('yarn',)",
     "--config.data.seq_len=32",
@@ -478,3 +479,49 @@ def test_a_run_trained_before_a_config_key_existed_is_still_the_same_config(tmp_
     saved["data"]["batch_offset"] = 5
     (tmp_path / "trained.json").write_text(json.dumps({"config": saved, "code": code}))
     assert training.finished_run(train_config, tmp_path, code, reuse=False) is None
+
+
+def test_worker_processes_give_one_cores_numbers_and_a_sigterm_resumes(tmp_path):
+    """`config.workers=2` trains and evaluates the units (here alibi and nope) in two worker
+    processes, each on one core. A SIGTERM to the
+    command, once both workers have saved a checkpoint, reaches the workers: they save and stop,
+    the run fails with "rerun to resume", and the same command resumes both trainings and
+    finishes with every number equal to one process's on one core."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    script = str(ROOT / "experiments" / "length_extrapolation.py")
+    argv = [sys.executable, script, *LEARNED, "--config.families=('alibi','nope')"]
+    argv += ["--config.train.steps=400", "--config.train.checkpoint_every=50"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    core = min(os.sched_getaffinity(0))
+    alone = subprocess.run(
+        [*argv, "--workdir", str(one)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=lambda: os.sched_setaffinity(0, {core}),
+    )
+    assert alone.returncode == 0, alone.stdout + alone.stderr
+    argv += ["--config.workers=2", "--workdir", str(two)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not all(any((two / e / "checkpoints").glob("[0-9]*")) for e in ("alibi", "nope")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, out + err
+    assert "stopped by SIGTERM" in err and "rerun" in err, err
+    assert out.count("preempted (SIGTERM)") == 2 and not (two / "results.json").exists()
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "2 units in 2 worker processes" in again.stdout
+    assert again.stdout.count("resuming") == 2, again.stdout
+    a, b = _read(one / "results.json"), _read(two / "results.json")
+    assert a["families"] == b["families"]
+    assert (a["timing"]["workers"], b["timing"]["workers"]) == (0, 2)
+    for name in ("alibi", "nope"):
+        assert a["training"][name]["final_train_loss"] == b["training"][name]["final_train_loss"]

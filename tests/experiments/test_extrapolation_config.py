@@ -32,6 +32,7 @@ def test_bad_settings_fail_before_compute(tmp_path):
     assert experiment.main(["--config.eval.sliding_stride=65", "--workdir", str(tmp_path)]) == 2
     assert experiment.main(["--config.eval.max_tokens=0", "--workdir", str(tmp_path)]) == 2
     assert experiment.main(["--config.induction.gaps=(2000,)", "--workdir", str(tmp_path)]) == 2
+    assert experiment.main(["--config.workers=-1", "--workdir", str(tmp_path)]) == 2
     assert experiment.main(["--config.rope_scalings=('yarn:beta=2',)", "--workdir", str(tmp_path)])
     assert experiment.main(
         ["--config.rope_scalings=('dynamic:factor=0.5',)", "--workdir", str(tmp_path)]
