@@ -112,8 +112,9 @@ def get_config(arg=None):
     config.seeds = 1
     # Worker processes that train and evaluate the units (one seed of one entry) side by side,
     # each on its own core: 0 picks one per CPU core (at most one per unit left and per ~3 GiB
-    # of memory; 1 on an accelerator), 1 runs everything in this process. The numbers do not
-    # depend on it (experiments/length_extrapolation/workers.py).
+    # of memory; this process on an accelerator), 1 runs everything in this process. Worker runs
+    # give the same numbers whatever their count; one process with several XLA threads differs
+    # from them in the last bits (experiments/README.md, "Worker processes").
     config.workers = 0
     config.rope_scalings = ("linear", "ntk", "dynamic", "yarn")  # extra rows rope+<kind>
     # Position interpolation as Chen et al. 2023 run it: the trained RoPE model fine-tuned at

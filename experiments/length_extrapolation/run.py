@@ -1,5 +1,9 @@
 """The run: for each row, train or reuse each seed, then every enabled evaluator at every length.
 
+The work is split in units, one seed of one entry (its training, then its rows' evaluations):
+`_unit`, run in worker processes one core each or in this process (`workers.py`,
+`config.workers`); this process then combines the units' outputs in the config's order.
+
 Caches: a row's evaluator output for one seed lives in
 `<seed dir>/evaluations/<row>.<evaluator>.json` and is reused when it holds the same key (the
 row's settings, the evaluator's settings, the evaluation text's fingerprint, the parameters'

@@ -3,16 +3,19 @@ evaluations) run in worker processes, one per CPU core, or in this process.
 
 Why: at the default's shape (d_model 64, T 64, batch 32) a training step is a few hundred small
 ops, bound by their overhead rather than by arithmetic, and one process uses a second core
-poorly (XLA:CPU's threads mostly wait on one another). Two processes, each pinned to its own
-core, train two families at once; experiments/README.md has the measured speed-up and the
-command. Every number is the same as in one process: each unit writes what it always wrote (the
-run's checkpoints, `trained.json`, the evaluation caches), and XLA:CPU's products do not depend
-on the thread count here (the default command's results.json compared key by key,
-experiments/README.md).
+poorly. Two processes, each pinned to its own core, compute two units at once: the default
+command measured 1.12-1.21x faster on two cores (experiments/README.md, "Worker processes"), and
+a machine with more cores runs more units at once. Each unit writes what it always wrote (the
+run's checkpoints, `trained.json`, the evaluation caches).
 
-`config.workers`: 0 (the default) picks the count: on CPU, the cores this process may run on, at
-most the units left to compute and one per ~3 GiB of available memory; 1 on an accelerator (one
-device, one process). 1 runs everything here, as before.
+The numbers: every unit is computed by one XLA thread on one core, so they are the same whatever
+the machine's core count, the worker count or the order. They differ in their last bits from a
+one-process run (`workers=1`) with several threads, because XLA:CPU splits some products by its
+thread count, and training amplifies that (experiments/README.md has the measured differences).
+
+`config.workers`: 0 (the default) picks the count (`worker_count`): on CPU one per usable core,
+at most one per unit left to compute and one per ~3 GiB of available memory; this process on an
+accelerator (one device, one process). 1 runs everything in this process, as before.
 
 Signals: each worker runs in its own process group, so a Ctrl-C reaches this process only; it
 passes SIGTERM to every worker (the training loop then saves a checkpoint and stops, as it does
@@ -141,7 +144,8 @@ def run_units(
         for cpu in cpus[:workers]:
             queue.put(cpu)
     where = " (one core each)" if queue else ""
-    say(f"{len(keys)} units in {workers} worker process{'es' if workers > 1 else ''}{where}")
+    units = f"{len(keys)} unit{'s' if len(keys) > 1 else ''}"
+    say(f"{units} in {workers} worker process{'es' if workers > 1 else ''}{where}")
     pool = futures.ProcessPoolExecutor(
         workers, mp_context=context, initializer=_start_worker, initargs=(queue, os.getpid())
     )

@@ -285,6 +285,7 @@ def test_provenance_other_code_is_refused_reused_or_reevaluated(tmp_path, capsys
 
 
 SEEDS = [
+    "--config.workers=1",
     "--config.families=('alibi',)",
     "--config.rope_scalings=()",
     "--config.finetune.enabled=False",
@@ -496,13 +497,14 @@ def test_worker_processes_give_one_cores_numbers_and_a_sigterm_resumes(tmp_path)
     argv = [sys.executable, script, *LEARNED, "--config.families=('alibi','nope')"]
     argv += ["--config.train.steps=400", "--config.train.checkpoint_every=50"]
     one, two = tmp_path / "one", tmp_path / "two"
-    core = min(os.sched_getaffinity(0))
+    core = min(os.sched_getaffinity(0))  # one process on one core: pinned, then the command
+    pin = f"import os, sys; os.sched_setaffinity(0, {{{core}}}); os.execv(sys.executable, "
+    pin += "[sys.executable, *sys.argv[1:]])"
     alone = subprocess.run(
-        [*argv, "--workdir", str(one)],
+        [sys.executable, "-c", pin, *argv[1:], "--workdir", str(one)],
         capture_output=True,
         text=True,
         timeout=600,
-        preexec_fn=lambda: os.sched_setaffinity(0, {core}),
     )
     assert alone.returncode == 0, alone.stdout + alone.stderr
     argv += ["--config.workers=2", "--workdir", str(two)]
