@@ -20,8 +20,9 @@ accelerator (one device, one process). 1 runs everything in this process, as bef
 Signals: each worker runs in its own process group, so a Ctrl-C reaches this process only; it
 passes SIGTERM to every worker (the training loop then saves a checkpoint and stops, as it does
 alone), and a second Ctrl-C passes SIGINT (which stops at once). A worker whose parent dies gets
-SIGTERM from the kernel (Linux), so no orphan keeps training. Either way the run fails with
-"rerun to resume", and rerunning the same command resumes every unit where it stopped.
+SIGTERM from the kernel (Linux): it saves and stops, then exits, so no orphan keeps training.
+Either way the run fails with "rerun to resume" (or its parent is gone), and rerunning the same
+command resumes every unit where it stopped.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -120,10 +122,32 @@ def _stop(signum, frame):
     raise Interrupted(f"stopped by {signal.Signals(signum).name} while evaluating")
 
 
+_busy = threading.Event()  # a unit is running in this worker
+
+
+def _watch_parent(parent: int) -> None:
+    """Ends this worker once its parent is gone and no unit runs (the parent's death sent
+    SIGTERM: the running unit saves and stops first); a pool worker would otherwise wait for
+    work forever."""
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent and not _busy.is_set():
+            os._exit(1)
+
+
+def _call(fn, job, key):
+    _busy.set()
+    try:
+        return fn(job, *key)
+    finally:
+        _busy.clear()
+
+
 def _start_worker(cpus, parent: int) -> None:
     os.setpgrp()  # Ctrl-C reaches the parent only; it passes the signal on
     signal.signal(signal.SIGTERM, _stop)
     _die_with_parent(parent)
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     cpu = cpus.get() if cpus is not None else None
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
@@ -169,7 +193,7 @@ def run_units(
     out: dict[Any, Any] = {}
     failure: BaseException | None = None
     try:
-        running = {pool.submit(fn, job, *key): key for key in keys}
+        running = {pool.submit(_call, fn, job, key): key for key in keys}
         for done in futures.as_completed(running):
             try:
                 out[running[done]] = done.result()
