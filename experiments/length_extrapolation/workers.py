@@ -117,9 +117,12 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _stop(signum, frame):
-    """A worker's SIGTERM outside training (evaluating): end the unit with Interrupted. (The
-    training loop installs its own handler while it runs: it saves a checkpoint, then stops.)"""
-    raise Interrupted(f"stopped by {signal.Signals(signum).name} while evaluating")
+    """A worker's SIGTERM outside training: a unit being evaluated ends with Interrupted (the
+    training loop installs its own handler while it runs: it saves a checkpoint, then stops). An
+    idle worker ignores it: it has nothing to save, and dying would break the pool and end the
+    others before they saved."""
+    if _busy.is_set():
+        raise Interrupted(f"stopped by {signal.Signals(signum).name} while evaluating")
 
 
 _busy = threading.Event()  # a unit is running in this worker
