@@ -45,7 +45,9 @@ from .training import Interrupted, say
 
 __all__ = ["WorkerDied", "check_workers", "run_units", "usable_cpus", "worker_count"]
 
-_BYTES_PER_WORKER = 3 << 30  # peak RSS of one unit of the default is ~1.7 GB
+# Memory a worker may need: the default's largest process peaked at 1.3 GB with two workers, and
+# the whole command at 1.7 GB in one process (experiments/README.md); 3 GiB leaves room for more.
+_BYTES_PER_WORKER = 3 << 30
 
 
 class WorkerDied(RuntimeError):

@@ -295,12 +295,18 @@ def _export(platform, name, T=256, window=None, forget=False):
 
 
 @pytest.fixture
-def pretend_tpu(monkeypatch):
+def pretend_tpu(platform, monkeypatch):
     """Mosaic asks the default device for its TPU generation while lowering some operations; on a
-    CPU machine, answer as a v5e would (a private jax module: skipped where it moved)."""
+    CPU machine, answer as a v5e would (a private jax module: the TPU case is skipped where it
+    moved; the CUDA case needs nothing)."""
+    if platform != "tpu":
+        return
     tpu_info = pytest.importorskip("jax._src.pallas.mosaic.tpu_info")
     if not hasattr(tpu_info, "get_device_kind"):
-        pytest.skip("jax moved get_device_kind")
+        pytest.skip(
+            "this jax has no jax._src.pallas.mosaic.tpu_info.get_device_kind, the private "
+            "function the test replaces to lower for a TPU on a CPU machine"
+        )
     monkeypatch.setattr(tpu_info, "get_device_kind", lambda: "TPU v5 lite")
     monkeypatch.setattr(tpu_info, "get_num_device_cores", lambda: 1)
 
