@@ -129,7 +129,7 @@ class Case:
         optim = steps.OptimConfig.from_config(config.train)
         tx = steps.make_optimizer(optim)
         graphdef = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(params=0))))
-        self.state = jax.jit(functools.partial(steps.init_train_state, cfg, tx))(jax.random.key(0))
+        self.state = steps.jit_init_train_state(cfg, tx)(jax.random.key(0))
         self.step = jax.jit(functools.partial(steps.train_step, graphdef, optim), donate_argnums=0)
         corpus = data.load_corpus(config.data.corpus)
         options = data.batch_options(config.data, causal=cfg.causal, vocab_size=cfg.vocab_size)

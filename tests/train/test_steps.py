@@ -241,3 +241,22 @@ def test_hyperparams_are_found_by_type_not_by_position_in_the_chain():
         changed = steps.with_hyperparams(state, {"learning_rate": jnp.asarray(0.5)})
         assert float(steps.hyperparams(changed)["learning_rate"]) == 0.5
         assert jax.tree.structure(changed) == jax.tree.structure(state)
+
+
+def test_the_fast_compiled_init_gives_bitwise_the_default_compiles_state():
+    """`jit_init_train_state` compiles the initialisation at XLA:CPU's backend optimisation level
+    1 (faster): every array of the state must be bitwise what the default level gives, for a
+    model whose layers hold every per-layer family's parameters (the others have none beyond a
+    layer's own), under a learned table."""
+    pattern = ("t5", "kerple_power", "kerple_log", "fire", "fox")
+    cfg = make_cfg(position="learned", layer_pattern=repr(pattern), num_layers=len(pattern))
+    tx = steps.make_optimizer(
+        steps.OptimConfig.from_config(config_lib.load_config(ROOT / "configs" / "tiny.py").train)
+    )
+    key = jax.random.key(3)
+    default = jax.jit(lambda k: steps.init_train_state(cfg, tx, k))(key)
+    fast = steps.jit_init_train_state(cfg, tx, platform="cpu")(key)
+    assert len(fast["params"]["blocks"]) == len(pattern)
+    assert jax.tree.structure(fast) == jax.tree.structure(default)
+    for a, b in zip(jax.tree.leaves(default), jax.tree.leaves(fast), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -207,9 +207,10 @@ def _put(host_tree, shardings) -> Any:
 def _initial_members(program: sweep_plan.Program) -> list[dict]:
     """Each member's initial state, as its single run builds it (`steps.init_train_state`).
 
-    Run eagerly, op by op: bitwise the same values as the jitted init of `posattn.train` (checked
-    for rope, alibi, fire and t5), without compiling a whole-model init for each member's config
-    (seconds each on a CPU; the primitives' compilations are shared by every member).
+    Run eagerly, op by op, without compiling a whole-model init for each member's config
+    (seconds each on a CPU; the primitives' compilations are shared by every member). At the
+    shipped configs' shapes that is bitwise the jitted init of `posattn.train` (checked for rope,
+    alibi, fire and t5); at some others a few arrays differ in their last bit (docs/sweeps.md).
     """
     states = []
     for member in program.members:

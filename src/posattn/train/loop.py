@@ -440,7 +440,8 @@ def _train(
         how = f"restarting from {restart_from}" if restart_from is not None else "resuming"
         workdir_lib.say(lead, f"{how} {workdir} from step {start}")
     else:
-        state = jax.jit(init, out_shardings=state_sh)(key)
+        platform = mesh.devices.flat[0].platform
+        state = steps.jit_init_train_state(cfg, tx, out_shardings=state_sh, platform=platform)(key)
         start = 0
         if cfg.init_from:  # a published checkpoint's weights (posattn.hf), AdamW moments at 0
             from posattn import hf
