@@ -144,10 +144,11 @@ def init_train_state(
 
 
 # XLA:CPU spends most of an initialisation's compile in LLVM optimising its random-number kernels
-# (threefry, one loop a parameter): seconds for a 0.1M-parameter model, more than its train step.
-# At backend optimisation level 1 the same program compiles ~2.3x faster and gives bitwise the
-# same arrays (every family, at two shapes: tests/train/test_steps.py checks a model mixing them);
-# the program runs once a run, so its speed does not matter. Other backends keep their default.
+# (threefry): seconds for a 0.1M-parameter model, more than its train step. At backend
+# optimisation level 1 the same program compiles 1.6-2.7x faster a family and gives bitwise the
+# same arrays (every family at two shapes, `benchmarks/init_compile.py`; tests/train/test_steps.py
+# checks a model mixing them); the program runs once a run, so its own speed does not matter.
+# Other backends keep their default.
 _CPU_INIT_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
 
 
