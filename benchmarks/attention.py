@@ -45,13 +45,13 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import platform
 import subprocess
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
+from _machine import cpu_name  # benchmarks/_machine.py, beside this script
 
 from posattn import positions
 from posattn.attention import attention
@@ -455,14 +455,7 @@ def main():
     if args._child:
         impl, bias_name, T, run_it = args._child.split(",")
         return child_rss(impl, bias_name, int(T), run_it == "1")
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in open("/proc/cpuinfo")
-            if line.startswith("model name")
-        ),
-        platform.processor(),
-    )
+    cpu = cpu_name()
     print(
         f"# posattn attention benchmark\n{cpu}, {os.cpu_count()} cores; jax {jax.__version__}, "
         f"{jax.devices()[0].platform}; load average {os.getloadavg()[0]:.1f}\n"

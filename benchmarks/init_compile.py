@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import functools
 import pathlib
-import platform
 import statistics
 import sys
 import time
@@ -39,20 +38,13 @@ from posattn import config as config_lib  # noqa: E402
 from posattn import families as families_lib  # noqa: E402
 from posattn.train import steps  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _machine import cpu_name  # noqa: E402
+
 SHAPES = {
     "experiment": ["model.d_model=64", "model.num_heads=4", "model.num_kv_heads=4"],
     "test": ["model.d_model=32", "model.num_heads=4", "model.num_kv_heads=2", "data.seq_len=32"],
 }
-
-
-def _cpu_name() -> str:
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def measure(shape: str, family: str, rounds: int) -> tuple[float, float, bool]:
@@ -91,7 +83,7 @@ def main(argv=None) -> int:
     if jax.default_backend() != "cpu":
         parser.error(f"this measures XLA:CPU; JAX's backend here is {jax.default_backend()!r}")
     jax.config.update("jax_enable_compilation_cache", False)
-    print(f"# {_cpu_name()}, {len(jax.devices())} device(s), jax {jax.__version__}")
+    print(f"# {cpu_name()}, {len(jax.devices())} device(s), jax {jax.__version__}")
     print("| shape | family | default compile (s) | posattn's (s) | ratio | same state |")
     print("|---|---|---:|---:|---:|---|")
     totals = [0.0, 0.0]

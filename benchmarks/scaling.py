@@ -34,9 +34,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import subprocess
 import sys
+
+from _machine import cpu_name  # benchmarks/_machine.py, beside this script
 
 DEVICES = 8
 _CHILD = "POSATTN_SCALING_CHILD"
@@ -52,16 +53,6 @@ def _reexec_with_devices() -> None:
         **{_CHILD: "1"},
     )
     sys.exit(subprocess.call([sys.executable, *sys.argv], env=env))
-
-
-def _cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _meshes(jax, D):
@@ -246,7 +237,7 @@ def main(argv=None) -> None:
     print(f"# benchmarks/scaling.py {' '.join(sys.argv[1:])}")
     print(
         f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} devices, "
-        f"CPU: {_cpu_model()}"
+        f"CPU: {cpu_name()}"
     )
     for name in args.sections:
         SECTIONS[name](args)
