@@ -29,6 +29,10 @@ def build(cfg, seed=0):
     return TransformerLM(cfg, rngs=nnx.Rngs(params=seed))
 
 
+# The forward pass as one compiled program: op-by-op dispatch would compile each op separately.
+forward = nnx.jit(lambda model, tokens: model(tokens))
+
+
 def n_params(tree):
     return sum(x.size for x in jax.tree.leaves(tree))
 
@@ -51,7 +55,7 @@ def test_every_family_is_causal(position):
     model = build(make_cfg(position=position, d_model=32, num_layers=2))
     tokens = jax.random.randint(jax.random.key(0), (2, 24), 0, 256)
     changed = tokens.at[:, 15].set((tokens[:, 15] + 7) % 256)
-    a, b = model(tokens), model(changed)
+    a, b = forward(model, tokens), forward(model, changed)
     assert a.shape == (2, 24, 256) and bool(jnp.all(jnp.isfinite(a)))
     np.testing.assert_allclose(a[:, :15], b[:, :15], rtol=1e-5, atol=1e-5)
     assert not np.allclose(a[:, 15:], b[:, 15:])
@@ -61,7 +65,9 @@ def test_nope_encoder_is_permutation_equivariant():
     model = build(make_cfg(position="nope", kind="encoder", d_model=32, num_layers=2))
     tokens = jax.random.randint(jax.random.key(1), (1, 20), 0, 256)
     perm = jax.random.permutation(jax.random.key(2), 20)
-    np.testing.assert_allclose(model(tokens)[:, perm], model(tokens[:, perm]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        forward(model, tokens)[:, perm], forward(model, tokens[:, perm]), rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("position", ["rope", "alibi", "sinusoidal"])
@@ -69,24 +75,28 @@ def test_position_families_break_equivariance(position):
     model = build(make_cfg(position=position, kind="encoder", d_model=32, num_layers=2))
     tokens = jax.random.randint(jax.random.key(1), (1, 20), 0, 256)
     perm = jax.random.permutation(jax.random.key(2), 20)
+    # Eager calls (the tests above compile the forward): the model runs op by op as well.
     assert not np.allclose(model(tokens)[:, perm], model(tokens[:, perm]), atol=1e-4)
 
 
 def test_grouped_query_and_kv_sharing_shrink_parameters():
-    full = n_params(nnx.state(build(make_cfg(num_kv_heads=4)), nnx.Param))
-    gqa = n_params(nnx.state(build(make_cfg(num_kv_heads=1)), nnx.Param))
-    shared = n_params(nnx.state(build(make_cfg(num_kv_heads=4, kv_share=2)), nnx.Param))
+    def count(cfg):
+        return n_params(nnx.state(nnx.eval_shape(lambda: build(cfg)), nnx.Param))
+
+    full = count(make_cfg(num_kv_heads=4))
+    gqa = count(make_cfg(num_kv_heads=1))
+    shared = count(make_cfg(num_kv_heads=4, kv_share=2))
     D, H = 64, 16
     assert full - gqa == 2 * 2 * D * 3 * H  # 2 layers x (k, v) x 3 fewer kv heads
     assert full - shared == 2 * D * 4 * H  # the upper layer of the pair has no k, v projections
     tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 256)
     for cfg in (make_cfg(num_kv_heads=1), make_cfg(kv_share=2)):
-        assert bool(jnp.all(jnp.isfinite(build(cfg)(tokens))))
+        assert bool(jnp.all(jnp.isfinite(forward(build(cfg), tokens))))
 
 
 def test_t5_and_kerple_biases_are_shared_across_layers_unless_kerple_per_layer():
     def count(name, **kw):
-        state = nnx.state(build(make_cfg(**kw)), nnx.Param)
+        state = nnx.state(nnx.eval_shape(lambda: build(make_cfg(**kw))), nnx.Param)
         return len([p for path, p in nnx.to_flat_state(state) if name in path])
 
     assert count("table", position="t5") == 1
@@ -96,21 +106,21 @@ def test_t5_and_kerple_biases_are_shared_across_layers_unless_kerple_per_layer()
         for scan in (False, True):
             cfg = make_cfg(position=kind, scan_layers=scan)
             tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 256)
-            assert bool(jnp.all(jnp.isfinite(build(cfg)(tokens))))
+            assert bool(jnp.all(jnp.isfinite(forward(build(cfg), tokens))))
 
 
 def test_learned_positions_past_the_table_raise():
     model = build(make_cfg(position="learned", max_len=64))
-    model(jnp.zeros((1, 64), jnp.int32))
+    model(jnp.zeros((1, 64), jnp.int32))  # eager: the positions are concrete, so it raises
     with pytest.raises(ValueError, match="64"):
         model(jnp.zeros((1, 65), jnp.int32))
 
 
 def test_bfloat16_compute_is_close_to_float32():
     tokens = jax.random.randint(jax.random.key(0), (2, 32), 0, 256)
-    f32 = build(make_cfg(position="alibi"))(tokens)
+    f32 = forward(build(make_cfg(position="alibi")), tokens)
     model = build(make_cfg(position="alibi", dtype="bfloat16"))
-    bf16 = model(tokens)
+    bf16 = forward(model, tokens)
     assert bf16.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(bf16)))
     # The softmax of every layer (and every other exponential) runs in float32, in the forward
     # program and in the gradient of the loss.
@@ -305,7 +315,7 @@ def test_bfloat16_parameters_are_stored_as_bfloat16_and_give_close_logits():
     assert bias_values and all(dtypes[k] == jnp.float32 for k in bias_values)  # few, kept exact
     assert all(dtype == jnp.bfloat16 for k, dtype in dtypes.items() if k not in bias_values)
     # The bfloat16 model is the float32 model's initial values rounded.
-    a, b = build(f32)(TOKENS), build(bf16)(TOKENS)
+    a, b = forward(build(f32), TOKENS), forward(build(bf16), TOKENS)
     assert b.dtype == jnp.float32
     np.testing.assert_allclose(jax.nn.softmax(b), jax.nn.softmax(a), atol=1e-2)
 
