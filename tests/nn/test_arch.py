@@ -118,6 +118,11 @@ def _logits(graphdef, params, constants, tokens):
     return nnx.merge(graphdef, params, constants)(tokens)
 
 
+def _graphdef(cfg):
+    """The model's structure alone (by eval_shape: nothing initialised or compiled)."""
+    return nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(0))))
+
+
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_switches_agree_across_layouts_remat_and_the_cache(name):
     cfg = _cfg(**VARIANTS[name])
@@ -128,8 +133,7 @@ def test_switches_agree_across_layouts_remat_and_the_cache(name):
     assert np.all(np.isfinite(full))
 
     # scan_layers: the same values stacked give the same logits.
-    scanned = TransformerLM(cfg.replace(scan_layers=True), rngs=nnx.Rngs(0))
-    g_s = nnx.graphdef(scanned)
+    g_s = _graphdef(cfg.replace(scan_layers=True))
     p_s, c_s = convert_layout((params, constants), cfg, scan_layers=True)
     np.testing.assert_allclose(
         jax.jit(_logits, static_argnums=0)(g_s, p_s, c_s, tokens), full, atol=2e-5
@@ -139,7 +143,7 @@ def test_switches_agree_across_layouts_remat_and_the_cache(name):
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     grad = jax.jit(jax.grad(steps.loss_fn), static_argnums=2)
     grads = grad(params, constants, graphdef, batch)
-    g_r = nnx.graphdef(TransformerLM(cfg.replace(remat="full"), rngs=nnx.Rngs(0)))
+    g_r = _graphdef(cfg.replace(remat="full"))
     grads_r = grad(params, constants, g_r, batch)
     for (path, a), b in zip(
         jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads_r), strict=True
@@ -149,7 +153,7 @@ def test_switches_agree_across_layouts_remat_and_the_cache(name):
 
     # KV-cache decode: the cached steps' logits equal the full forward's at every position.
     cache = decode.init_cache(cfg, batch_size=2, capacity=9)
-    logits, cache = decode.prefill(
+    logits, cache = jax.jit(decode.prefill, static_argnums=0)(
         graphdef, params, constants, cache, tokens[:, :5], jnp.array([5, 5], jnp.int32)
     )
     np.testing.assert_allclose(logits, full[:, 4], atol=2e-5)
