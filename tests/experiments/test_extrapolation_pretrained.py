@@ -14,6 +14,7 @@ import ml_collections
 import numpy as np
 import pytest
 from conftest import ROOT
+from flax import nnx
 
 import posattn.hf as hf
 from posattn import data
@@ -107,7 +108,8 @@ def _direct(path, tok, text_dir, length, *, bos, model=None):
                 windows.append(window)
                 nbytes += len(text[ends[s] : ends[s + length]].encode("utf-8"))
     windows = np.stack(windows)
-    logits = np.asarray(model(jnp.asarray(windows[:, :-1])), np.float64)  # (W, T, V)
+    logits = nnx.jit(lambda m, t: m(t))(model, jnp.asarray(windows[:, :-1]))
+    logits = np.asarray(logits, np.float64)  # (W, T, V)
     m = logits.max(-1, keepdims=True)
     logp = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
     targets = windows[:, 1:]

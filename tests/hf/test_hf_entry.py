@@ -7,6 +7,7 @@ import shutil
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import posattn.hf as hf
 from posattn import config as config_lib
@@ -31,8 +32,9 @@ def _with_tokenizer(tmp_path, case="llama_gqa"):
 
 def _greedy_by_full_forward(model, prompt, n):
     ids = list(prompt)
+    forward = nnx.jit(lambda m, t: m(t))
     for _ in range(n):
-        logits = model(jnp.asarray([ids]))
+        logits = forward(model, jnp.asarray([ids]))
         ids.append(int(jnp.argmax(logits[0, -1])))
     return ids[len(prompt) :]
 
