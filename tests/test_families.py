@@ -144,16 +144,12 @@ def _check_grads_fd(name, params, *, eps, rtol, atol, seed=0):
     """
     q_pos, k_pos = jnp.arange(24), jnp.arange(24)
     w = jax.random.normal(jax.random.key(seed), (4, 24, 24))
-
-    def f(p):
-        return jnp.sum(w * _bias(name, p, q_pos, k_pos))
+    bias = jax.jit(lambda p: _bias(name, p, q_pos, k_pos))  # one program, not one per op
 
     def f64(p):
-        return float(
-            np.sum(np.asarray(w, np.float64) * np.asarray(_bias(name, p, q_pos, k_pos), np.float64))
-        )
+        return float(np.sum(np.asarray(w, np.float64) * np.asarray(bias(p), np.float64)))
 
-    grads = jax.grad(f)(params)
+    grads = jax.jit(jax.grad(lambda p: jnp.sum(w * _bias(name, p, q_pos, k_pos))))(params)
     for i, leaf_name in enumerate(sorted(params)):
         key = jax.random.fold_in(jax.random.key(seed + 1), i)
         direction = jax.random.normal(key, jnp.shape(params[leaf_name]))
