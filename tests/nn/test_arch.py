@@ -165,7 +165,7 @@ def test_switches_agree_across_layouts_remat_and_the_cache(name):
 
 def test_an_untied_head_is_its_own_parameter_and_head_dim_is_free():
     cfg = _cfg(tie_embeddings=False, head_dim=24)
-    state = nnx.state(TransformerLM(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+    state = nnx.state(nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(0))), nnx.Param)
     assert state["head"].shape == (64, 32)
     assert state["blocks"][0]["attn"]["wq"].shape == (32, 4, 24)
     assert state["blocks"][0]["attn"]["wk"].shape == (32, 2, 24)
