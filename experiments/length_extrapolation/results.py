@@ -227,8 +227,8 @@ def evaluation_blocks(config, text: heldout.EvalText, lengths, rows: dict[str, d
             "samples": config.passkey.samples,
             "chance_loss": float(np.log(10)),
             **{
-                key: {n: r["passkey"][key] for n, r in rows.items() if "passkey" in r}
-                for key in ("acc", "digit_acc", "loss")
+                key: {n: r["passkey"].get(key) for n, r in rows.items() if "passkey" in r}
+                for key in ("acc", "digit_acc", "loss", "se")  # no "se": evaluated before it
             },
         }
     if config.induction.enabled:

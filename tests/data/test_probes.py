@@ -82,7 +82,24 @@ def test_probe_scores_are_the_models_nll_at_the_scored_positions():
     pk = retrieval.passkey_scores(
         *model, lengths=[32, 64], depths=[0.0, 1.0], samples=2, digits=3, seed=0, batch_tokens=64
     )
-    assert set(pk) == {"acc", "digit_acc", "loss"}
+    assert set(pk) == {"acc", "digit_acc", "loss", "se"}
     assert np.all(np.isnan(pk["loss"][1])) and np.all(pk["loss"][0] > 0)
+    assert np.all(np.isnan(pk["se"][1]))
     assert np.all((0 <= pk["digit_acc"][0]) & (pk["digit_acc"][0] <= 1))
     assert np.all(pk["acc"][0] <= pk["digit_acc"][0])
+    # Rebuild the cell (32, depth 1.0): its loss is the mean of each sample's NLL per digit, its
+    # se their standard error.
+    per_sample = []
+    for s in range(2):
+        made = probes.passkey_sample(
+            np.random.default_rng([0, 32, 1, s, 0xD15]),
+            length=33,
+            depth=1.0,
+            digits=3,
+            distractors=True,
+        )
+        seq = made.tokens[None].astype(np.int32)
+        nll, _ = lengths_lib.token_stats(*model, seq[:, :-1], seq[:, 1:], chunk=32)
+        per_sample.append(float(np.asarray(nll)[0, probes.target_positions(made.answer)].mean()))
+    assert pk["loss"][0, 1] == pytest.approx(np.mean(per_sample), rel=1e-5)
+    assert pk["se"][0, 1] == pytest.approx(np.std(per_sample, ddof=1) / np.sqrt(2), rel=1e-4)

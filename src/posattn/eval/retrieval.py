@@ -87,10 +87,12 @@ def passkey_scores(
 
     Returns:
       {"acc": exact-match share, "digit_acc": share of digits right, "loss": mean NLL per digit
-      (nats)}, each float64[A, Dp], NaN where the model cannot read the length.
+      (nats), "se": the standard error of the loss over samples (each sample's NLL per digit;
+      NaN for one sample)}, each float64[A, Dp], NaN where the model cannot read the length.
     """
     cfg = lengths_lib.model_config_of(graphdef, params, constants)
-    out = {k: np.full((len(lengths), len(depths)), np.nan) for k in ("acc", "digit_acc", "loss")}
+    keys = ("acc", "digit_acc", "loss", "se")
+    out = {k: np.full((len(lengths), len(depths)), np.nan) for k in keys}
     for a, length in enumerate(lengths):
         if not lengths_lib.can_read(cfg, int(length)):
             continue
@@ -118,6 +120,8 @@ def passkey_scores(
         )
         shape = (len(depths), samples)
         out["loss"][a] = loss.reshape(shape).mean(axis=1)
+        if samples > 1:
+            out["se"][a] = loss.reshape(shape).std(axis=1, ddof=1) / np.sqrt(samples)
         out["digit_acc"][a] = hit.reshape(shape).mean(axis=1)
         out["acc"][a] = exact.reshape(shape).mean(axis=1)
     return out
@@ -240,7 +244,7 @@ def _cells(grid: np.ndarray) -> list[float | None]:
 
 def passkey_evaluator(model, text, length: int, settings: Mapping[str, Any]) -> dict:
     """The "passkey" evaluator (`posattn.eval.registry`) at one length: {"acc", "digit_acc",
-    "loss"}, each a list over `depths` (None where the model cannot read the length)."""
+    "loss", "se"}, each a list over `depths` (None where the model cannot read the length)."""
     grids = passkey_scores(
         *model,
         lengths=[int(length)],
