@@ -84,6 +84,7 @@ from flax import nnx
 from posattn import attention as attention_lib
 from posattn import config as config_lib
 from posattn import data, families
+from posattn.attention import native as native_lib
 from posattn.nn.layers import compute_dtype
 from posattn.nn.model import TransformerLM
 from posattn.train import steps
@@ -252,13 +253,19 @@ def crossover(shapes: list[str], rounds: int) -> None:
     """Attention forward + backward alone per implementation: the measurement behind "auto"."""
     from posattn import positions
 
-    impls = ("chunked", "blockwise", "xla")
+    impls = ("chunked", "native", "blockwise", "xla")
+    if not native_lib.available():
+        impls = tuple(i for i in impls if i != "native")
+        print(f"# native kernel unavailable: {native_lib.why_unavailable()}")
+    others = [i for i in impls if i != "chunked"]
     print(
         "\n| B, T, N, H | "
         + " | ".join(f"{i} ms" for i in impls)
-        + " | blockwise / chunked | xla / chunked |"
+        + " | "
+        + " | ".join(f"{i} / chunked" for i in others)
+        + " |"
     )
-    print("|---|" + "---|" * (len(impls) + 2))
+    print("|---|" + "---|" * (len(impls) + len(others)))
     for shape in shapes:
         B, T, N, H = (int(x) for x in shape.split(","))
         keys = jax.random.split(jax.random.key(0), 4)
@@ -287,7 +294,9 @@ def crossover(shapes: list[str], rounds: int) -> None:
         print(
             f"| {B}, {T}, {N}, {H} | "
             + " | ".join(f"{ms[i]:.1f}" for i in impls)
-            + f" | {ms['blockwise'] / ms['chunked']:.2f} | {ms['xla'] / ms['chunked']:.2f} |",
+            + " | "
+            + " | ".join(f"{ms[i] / ms['chunked']:.2f}" for i in others)
+            + " |",
             flush=True,
         )
 

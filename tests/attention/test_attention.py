@@ -14,7 +14,7 @@ import pytest
 from conftest import primitive_input_dtypes
 
 from posattn import attention as attn_lib
-from posattn.attention import attention, cudnn
+from posattn.attention import attention, cudnn, native
 
 B, T, S, N, K, H = 2, 5, 7, 4, 2, 8
 
@@ -232,7 +232,7 @@ def test_jit_with_traced_offset_and_vmap():
         (dict(bias=(jnp.zeros(3), None)), r"\(BiasFn, params\)"),
         (dict(q_offset=jnp.zeros((B + 1,), jnp.int32)), "q_offset"),
         (dict(kv_lengths=jnp.zeros((B, 1), jnp.int32)), "kv_lengths"),
-        (dict(implementation="flash"), "allowed: auto, reference, xla, chunked, blockwise"),
+        (dict(implementation="flash"), "allowed: auto, reference, xla, chunked, native, blockwise"),
     ],
 )
 def test_invalid_inputs_raise_clear_errors(bad, message):
@@ -243,7 +243,10 @@ def test_invalid_inputs_raise_clear_errors(bad, message):
         attention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
 
 
-def test_auto_rule_and_logged_once(caplog):
+def test_auto_rule_and_logged_once(caplog, monkeypatch):
+    # The rule where the native kernel cannot run (test_native.py checks the rule where it can).
+    monkeypatch.setattr(native, "supports", lambda q, k: "not built")
+
     def spec(B, T):
         return jax.ShapeDtypeStruct((B, T, 8, 64), jnp.float32)
 
@@ -315,15 +318,16 @@ def test_cudnn_refuses_what_it_cannot_run():
 
 
 def test_auto_decides_per_backend(monkeypatch):
-    """CPU: the measured chunked/blockwise rule. GPU and TPU: never "chunked" (tuned on CPU);
-    "pallas" where that kernel exists for the inputs, else "cudnn" on a GPU where cuDNN takes the
-    inputs, else "blockwise"."""
+    """CPU without the native kernel: the measured chunked/blockwise rule. GPU and TPU: never
+    "chunked" (tuned on CPU); "pallas" where that kernel exists for the inputs, else "cudnn" on
+    a GPU where cuDNN takes the inputs, else "blockwise"."""
 
     def spec(B=2, T=256, H=64, dtype=jnp.bfloat16):
         return jax.ShapeDtypeStruct((B, T, 8, H), dtype)
 
     fn_bias = (alibi_like, SLOPES)
     choose = functools.partial(attn_lib.choose_implementation, causal=True)
+    monkeypatch.setattr(native, "supports", lambda q, k: "not built")
     assert choose(spec(), spec(), fn_bias, backend="cpu") == "chunked"
     no_kernel = types.SimpleNamespace(unsupported_reason=lambda q, k, **kw: "no kernel")
     monkeypatch.setattr(attn_lib, "_pallas_module", lambda: no_kernel)

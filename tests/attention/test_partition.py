@@ -27,7 +27,7 @@ CODE = r"""
 import json
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-from posattn.attention import attention, chunked
+from posattn.attention import attention, chunked, native
 
 B, T, N, K, H = 16, 32, 4, 2, 16
 keys = jax.random.split(jax.random.key(0), 4)
@@ -70,8 +70,9 @@ meshes = {
     "data2xfsdp4_auto": ((2, 4), ("data", "fsdp"), AxisType.Auto),
     "data2xfsdp4_explicit": ((2, 4), ("data", "fsdp"), AxisType.Explicit),
 }
-result = {}
-for impl in ("reference", "xla", "chunked", "blockwise"):
+result = {"native_available": native.available()}
+IMPLS = ("reference", "xla", "chunked", "blockwise") + (("native",) if native.available() else ())
+for impl in IMPLS:
     flops1, _, want = run(impl, False)
     for name, (shape, names, kind) in meshes.items():
         mesh = jax.make_mesh(shape, names, axis_types=(kind,) * len(names))
@@ -79,7 +80,7 @@ for impl in ("reference", "xla", "chunked", "blockwise"):
             flops, gathers, got = run(impl, False, mesh)
         result[f"{impl}/{name}"] = dict(ratio=flops / flops1, gathers=gathers, diff=diff(got, want))
 data8 = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
-for impl in ("chunked", "blockwise", "pallas"):  # pallas: interpret mode on CPU
+for impl in ("chunked", "blockwise", "pallas") + (("native",) if native.available() else ()):
     _, _, want = run(impl, True)
     with jax.set_mesh(data8):
         _, gathers, got = run(impl, True, data8)
@@ -111,10 +112,25 @@ def test_every_implementation_partitions_over_the_batch(measured, impl, mesh):
     assert got["diff"] < 1e-5, f"{impl} under {mesh}: relative difference {got['diff']}"
 
 
-@pytest.mark.parametrize("impl", ["chunked", "blockwise", "pallas"])
+@pytest.mark.parametrize("mesh", MESHES)
+def test_the_native_kernel_runs_per_device(measured, mesh):
+    """The C++ kernel (a custom call XLA cannot partition) runs on each device's rows: no
+    all-gather, the unsharded values. Its FLOPs are invisible to XLA's cost analysis, so no
+    ratio here."""
+    if not measured["native_available"]:
+        pytest.skip("native kernel unavailable on this machine")
+    got = measured[f"native/{mesh}"]
+    assert not got["gathers"], f"native under {mesh}: the compiled program all-gathers"
+    assert got["diff"] < 1e-5, f"native under {mesh}: relative difference {got['diff']}"
+
+
+@pytest.mark.parametrize("impl", ["chunked", "blockwise", "pallas", "native"])
 def test_per_row_offsets_and_lengths_under_a_mesh(measured, impl):
-    """Per-row offsets and lengths under 8-way data parallelism, the fused kernel included (its
-    interpret-mode loops make the FLOP count meaningless, so only gathers and values here)."""
+    """Per-row offsets and lengths under 8-way data parallelism, the fused kernels included
+    (interpret-mode loops and a custom call make the FLOP count meaningless, so only gathers and
+    values here)."""
+    if impl == "native" and not measured["native_available"]:
+        pytest.skip("native kernel unavailable on this machine")
     got = measured[f"{impl}/per_row"]
     assert not got["gathers"]
     assert got["diff"] < 1e-5, f"{impl}: relative difference {got['diff']}"
@@ -130,7 +146,7 @@ NO_CONTEXT_CODE = r"""
 import contextlib, json, warnings
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-from posattn.attention import attention
+from posattn.attention import attention, native
 
 B, T, N, K, H = 8, 16, 4, 2, 8
 keys = jax.random.split(jax.random.key(1), 5)
@@ -155,8 +171,9 @@ rows = NamedSharding(mesh, P("data"))
 shardings = (rows,) * 4 + (NamedSharding(mesh, P()),)
 args = (q, k, v, log_forget, slopes)
 committed = [jax.device_put(x, s) for x, s in zip(args, shardings)]
-result = {}
-for impl in ("reference", "xla", "chunked", "blockwise"):
+result = {"native_available": native.available()}
+IMPLS = ("reference", "xla", "chunked", "blockwise") + (("native",) if native.available() else ())
+for impl in IMPLS:
     loss = grad_fn(impl)
     want = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*args)
     step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), in_shardings=shardings)
@@ -190,7 +207,7 @@ def no_context():
     return json.loads(line[len("RESULT ") :])
 
 
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS + ("native",))
 @pytest.mark.parametrize("mode", ["set_mesh", "committed", "legacy_with_mesh", "in_shardings_only"])
 def test_sharded_inputs_with_or_without_a_mesh_context(no_context, impl, mode):
     """`jit(grad(loss), in_shardings=NamedSharding(mesh, P("data")))` over a windowed FoX
@@ -199,6 +216,8 @@ def test_sharded_inputs_with_or_without_a_mesh_context(no_context, impl, mode):
     (output gradients for q, k, v, log_forget and the ALiBi slopes) equal the unsharded ones, and
     where the kernel runs per device (shard_map: every mode but the last, where no mesh is
     visible while tracing and XLA partitions the program) nothing is all-gathered."""
+    if impl == "native" and not no_context["native_available"]:
+        pytest.skip("native kernel unavailable on this machine")
     got = no_context[f"{impl}/{mode}"]
     assert got["diff"] < 1e-5, f"{impl} {mode}: relative difference {got['diff']}"
     if mode != "in_shardings_only":

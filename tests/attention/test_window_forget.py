@@ -30,7 +30,7 @@ from attention_cases import (
 from conftest import primitive_input_dtypes
 
 from posattn import attention as attn_lib
-from posattn.attention import attention, blockwise, chunked, cudnn, masks
+from posattn.attention import attention, blockwise, chunked, cudnn, masks, native
 from posattn.attention.blockwise import blockwise_attention
 from posattn.positions import alibi_slopes
 
@@ -281,6 +281,7 @@ def test_auto_and_cudnn_with_windows_and_forget(monkeypatch):
     assert choose(spec, spec, None, log_forget=lf) == "blockwise"
     cpu = jax.ShapeDtypeStruct((4, 512, 8, 64), jnp.float32)
     lf_cpu = jax.ShapeDtypeStruct((4, 512, 8), jnp.float32)
+    monkeypatch.setattr(native, "supports", lambda q, k: "not built")  # its rule: test_native.py
     assert attn_lib.choose_implementation(cpu, cpu, None, backend="cpu") == "chunked"
     per_row = attn_lib.choose_implementation(cpu, cpu, None, backend="cpu", log_forget=lf_cpu)
     assert per_row == "blockwise"  # B N T S = 8 Mi: the per-row bias limit

@@ -24,6 +24,8 @@ The package:
                 that see no key, grouped-query reshapes) shared by chunked.py and blockwise.py
   chunked.py    "chunked": each batch row's logits materialised, a few rows at a time, head-major,
                 with a hand-written backward: the fast path at training lengths on CPU
+  native/       "native": a C++ kernel through XLA's FFI (CPU), compiled on first use: forward and
+                backward in one pass per block of query rows, causal keys skipped
   blockwise.py  "blockwise": tiled online softmax, recomputing backward, memory linear in T
   cudnn.py      "cudnn": cuDNN's fused attention on a GPU, for the shapes and dtypes it takes
   pallas.py     "pallas": the fused Pallas kernel evaluating the bias inside (GPU, TPU; interpret
@@ -46,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posattn.attention import blockwise, chunked, cudnn, partition
+from posattn.attention import blockwise, chunked, cudnn, native, partition
 from posattn.attention.masks import materialize_bias, query_positions, visibility_mask
 from posattn.attention.reference import reference_attention, xla_attention
 
@@ -66,7 +68,16 @@ __all__ = [
 BiasFn = Callable[[Any, jax.Array, jax.Array], jax.Array]
 Bias = jax.Array | tuple[BiasFn, Any] | None
 
-IMPLEMENTATIONS = ("auto", "reference", "xla", "chunked", "blockwise", "cudnn", "pallas")
+IMPLEMENTATIONS = (
+    "auto",
+    "reference",
+    "xla",
+    "chunked",
+    "native",
+    "blockwise",
+    "cudnn",
+    "pallas",
+)
 
 # "auto" on CPU takes "chunked" while one head's logits T * S stay below
 # AUTO_CHUNKED_MAX_HEAD_LOGITS and "blockwise" from there. Measured on the 2-core Xeon of
@@ -209,6 +220,11 @@ def _dispatch(
             return xla_attention(q, k, v, **kwargs)
         case "chunked":
             return chunked.attention_from_bias(q, k, v, static_offset=static_offset, **kwargs)
+        case "native":
+            reason = native.supports(q, k)
+            if reason is not None:
+                raise ValueError(f"attention: implementation='native' cannot run here: {reason}")
+            return native.attention_from_bias(q, k, v, static_offset=static_offset, **kwargs)
         case "blockwise":
             return blockwise.blockwise_attention(q, k, v, **kwargs)
         case "cudnn":
@@ -260,11 +276,14 @@ def choose_implementation(
 ) -> str:
     """The rule behind implementation="auto", per backend; logs its choice once per input kind.
 
-    CPU: "chunked" while one head's logits T * S stay below AUTO_CHUNKED_MAX_HEAD_LOGITS (and,
-    with `per_row` positions or lengths, whose bias it materialises for every row, while
-    B * N * T * S stays below AUTO_BLOCKWISE_MIN_LOGITS), otherwise "blockwise", the only
-    implementation whose memory stays linear in T. "xla" is never faster than "chunked" in our
-    measurements (docs/attention.md).
+    CPU: "native" where its kernel built (`posattn.attention.native.supports`) while the logit
+    bias it materialises stays within AUTO_BLOCKWISE_MIN_LOGITS elements (none for a static
+    causal mask without a bias; [1, N, T, S] for a position bias; a slice per row with per-row
+    positions, lengths or forget gates). Otherwise "chunked" while one head's logits T * S stay
+    below AUTO_CHUNKED_MAX_HEAD_LOGITS (and, with `per_row` positions or lengths, whose bias it
+    materialises for every row, while B * N * T * S stays below AUTO_BLOCKWISE_MIN_LOGITS), and
+    "blockwise", the only implementation whose memory stays linear in T, past that. "xla" is
+    never faster than "chunked" in our measurements (docs/attention.md).
 
     GPU and TPU: never a kernel tuned on CPU. "pallas" (the fused kernel that evaluates the bias
     inside) where it exists for the inputs; else, on a GPU, "cudnn" where cuDNN takes the shapes
@@ -295,6 +314,11 @@ def choose_implementation(
             not per_row_bias or B * N * T * S < AUTO_BLOCKWISE_MIN_LOGITS
         )
         choice = "chunked" if small else "blockwise"
+        materialised = _native_materialised(
+            B, N, T, S, bias, per_row, causal, static_offset, window, log_forget
+        )
+        if materialised <= AUTO_BLOCKWISE_MIN_LOGITS and native.supports(q, k) is None:
+            choice = "native"
     elif _pallas_supports(
         q,
         k,
@@ -347,6 +371,18 @@ def choose_implementation(
 
 # ----------------------------------------------------------------------------------------------
 # Static validation: shapes only, so it runs once at trace time and never on traced values.
+
+
+def _native_materialised(B, N, T, S, bias, per_row, causal, static_offset, window, log_forget):
+    """Elements of the logit bias "native" materialises for these inputs (0: none; the kernel's
+    key ranges give a static causal mask and its window)."""
+    has_bias = bias is not None or log_forget is not None
+    ranged = causal and static_offset is not None
+    masked = per_row or (causal and not ranged) or (window is not None and not ranged)
+    if not (has_bias or masked):
+        return 0
+    rows = B if per_row or log_forget is not None else 1
+    return rows * (N if has_bias else 1) * T * S
 
 
 def _bias_kind(bias: Bias) -> str:

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from posattn import families
-from posattn.attention import IMPLEMENTATIONS
+from posattn.attention import IMPLEMENTATIONS, native
 from posattn.nn import pattern as pattern_lib
 
 __all__ = ["ConfigError", "ModelConfig", "config_keys", "continuous_keys", "defaults", "describe"]
@@ -279,6 +279,17 @@ class ModelConfig:
             )
         if self.attention_impl not in IMPLEMENTATIONS:
             _fail("attention_impl", self.attention_impl, "allowed: " + _listing(IMPLEMENTATIONS))
+        if self.attention_impl == "native":
+            if self.head_dim not in native.HEAD_DIMS:
+                _fail(
+                    "attention_impl",
+                    "native",
+                    f"the native kernel takes head dims {native.HEAD_DIMS}, this model has "
+                    f"{self.head_dim}; use 'auto'",
+                )
+            reason = native.why_unavailable()
+            if reason is not None:
+                _fail("attention_impl", "native", f"cannot run here: {reason}; use 'auto'")
         value = self.init_scale
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if not (number and math.isfinite(value) and value > 0):

@@ -1,0 +1,586 @@
+// posattn's CPU attention kernel: softmax(scale q k^T + bias) v, forward and backward, as XLA FFI
+// custom calls (posattn/attention/native/__init__.py builds and registers it; docs/attention.md).
+//
+// Shape legend: B batch, T queries, S keys, N query heads, K key/value heads, G = N / K, H head
+// dim. Layouts are row-major: q, out, dq [B, T, N, H]; k, v, dk, dv [B, S, K, H]; the logit bias
+// and its gradient [Bb, Nb, T, S] with Bb in {1, B} and Nb in {1, N} (broadcast), or empty;
+// the forward's row statistics m (guarded row max) and inv_l (1 / row sum) [B, N, T].
+//
+// The math is the chunked kernel's (posattn/attention/chunked.py, FlashAttention-2's equations
+// with a whole row as one tile): s = scale q.k + bias (-inf hides a key), m = max(s) (0 for a
+// row that sees no key), p = exp(s - m), l = sum(p), out = (p v) / l. Backward: p is recomputed
+// as exp(s - m) * inv_l, dv = p^T dO, dp = dO v^T, D = rowsum(p * dp), ds = p * (dp - D),
+// dq = scale ds k, dk = scale ds^T q, dbias = ds summed over the rows and heads it broadcasts to.
+//
+// What makes it fast where XLA:CPU is not: per (batch row, key/value head) the keys are packed
+// once ([H, S] transposed, so that a query row's logits are FMAs over contiguous keys), every pass
+// over a row block happens while its logits are in L1, causal and windowed rows only visit the
+// keys they can see (a static offset: `causal_offset`, `window`), and nothing [T, S]-sized is
+// written to memory except the bias gradient when one is asked for.
+//
+// Determinism: work is split into items that each own disjoint outputs (a bias gradient shared by
+// batch rows or heads is owned by one item that visits them in order), so results do not depend
+// on the number of threads or on scheduling.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kW = 16;  // keys per block of the logits' products (RowDots)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Eight float32 lanes (GCC vector extensions: AVX2's ymm; other ISAs get the same code): the
+// softmax passes are written on these so that they vectorise whatever the compiler's heuristics.
+typedef float vf __attribute__((vector_size(32)));
+typedef int32_t vi __attribute__((vector_size(32)));
+constexpr int kV = 8;
+
+inline vf Splat(float x) { return vf{x, x, x, x, x, x, x, x}; }
+inline vf Load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void Store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+inline vi Broadcast(int32_t x) { return vi{x, x, x, x, x, x, x, x}; }
+inline float HorizontalMax(vf v) {
+  float m = v[0];
+  for (int i = 1; i < kV; ++i) m = std::max(m, v[i]);
+  return m;
+}
+inline float HorizontalSum(vf v) {
+  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+
+// exp(x) in float32 to ~1 ulp (Cephes' expf polynomial after x = n ln 2 + r, the rounding to n
+// by adding 1.5 * 2^23); x = -inf (a hidden key), or anything below float's range, gives 0.
+inline vf Exp(vf x) {
+  const vf lo = Splat(-87.5f), hi = Splat(88.5f), magic = Splat(12582912.0f);
+  const vi under = x < lo;
+  vf c = x < lo ? lo : x;
+  c = c > hi ? hi : c;
+  const vf t = c * 1.44269504088896341f + magic;
+  const vf n = t - magic;
+  vf r = c - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  const vf z = r * r;
+  vf y = Splat(1.9875691500e-4f);
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * z + r + 1.0f;
+  const vi bits = (((vi)t - (vi)magic) + 127) << 23;
+  return under ? Splat(0.0f) : y * (vf)bits;
+}
+
+// Runs fn(item) for item in [0, n) on the caller and XLA's intra-op threads. The caller takes
+// items too and waits only for the items, never for a task to start, so a busy (or one-thread)
+// pool cannot deadlock it; late tasks find nothing left and return.
+template <typename Pool, typename Fn>
+void ParallelFor(Pool& pool, int64_t n, const Fn& fn) {
+  const int64_t threads = std::min<int64_t>(pool.num_threads(), n);
+  if (threads <= 1) {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  struct Shared {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  auto shared = std::make_shared<Shared>();
+  auto work = [shared, n, &fn]() {
+    int64_t finished = 0;
+    for (int64_t i; (i = shared->next.fetch_add(1)) < n;) {
+      fn(i);
+      ++finished;
+    }
+    if (finished && shared->done.fetch_add(finished) + finished == n) {
+      std::lock_guard<std::mutex> lock(shared->mu);
+      shared->cv.notify_all();
+    }
+  };
+  // A task that starts after the caller returned touches only `shared` (kept alive by its copy),
+  // never `fn`: it finds no item left.
+  for (int64_t t = 1; t < threads; ++t) {
+    pool.Schedule([shared, n, work]() {
+      if (shared->next.load() >= n) return;
+      work();
+    });
+  }
+  work();
+  std::unique_lock<std::mutex> lock(shared->mu);
+  shared->cv.wait(lock, [&] { return shared->done.load() == n; });
+}
+
+// Per-thread scratch, grown on demand and reused by every item and call on that thread (its
+// contents are overwritten before they are read: the packers zero their padding).
+float* Scratch(int slot, size_t floats) {
+  thread_local std::vector<float> buffers[8];
+  std::vector<float>& buffer = buffers[slot];
+  if (buffer.size() < floats) buffer.resize(floats);
+  return buffer.data();
+}
+
+struct Dims {
+  int64_t B, T, S, N, K, H, G, Bb, Nb;
+  bool has_bias;
+  bool causal;
+  int64_t offset;  // position of query 0 (static)
+  int64_t window;  // 0: none; causal windows only
+  float scale;
+};
+
+// The keys query t may see by position (causal, window); the bias may hide more.
+inline void KeyRange(const Dims& d, int64_t t, int64_t* lo, int64_t* hi) {
+  const int64_t pos = d.offset + t;
+  *hi = d.causal ? std::min<int64_t>(d.S, pos + 1) : d.S;
+  *lo = (d.causal && d.window > 0) ? std::max<int64_t>(0, pos - d.window + 1) : 0;
+  if (*hi < 0) *hi = 0;
+  if (*lo > *hi) *lo = *hi;
+}
+
+inline const float* BiasSlice(const Dims& d, const float* bias, int64_t b, int64_t n) {
+  if (!d.has_bias) return nullptr;
+  const int64_t bb = d.Bb == 1 ? 0 : b, nb = d.Nb == 1 ? 0 : n;
+  return bias + (bb * d.Nb + nb) * d.T * d.S;
+}
+
+// Packs rows x[b, :, kh, :] ([S, H], stride K * H) transposed by blocks of kW keys into
+// out[Sp / kW, H, kW] (zero padded), so that a block of keys' products reads one contiguous run.
+template <int H>
+void PackTransposed(const Dims& d, const float* x, int64_t b, int64_t kh, int64_t Sp, float* out) {
+  std::fill(out, out + H * Sp, 0.0f);
+  for (int64_t s = 0; s < d.S; ++s) {
+    const float* row = x + ((b * d.S + s) * d.K + kh) * H;
+    float* col = out + (s / kW) * H * kW + s % kW;
+    for (int h = 0; h < H; ++h) col[h * kW] = row[h];
+  }
+}
+
+// Copies rows x[b, :, kh, :] into out[Sp, H] (contiguous, the rows past S zero).
+template <int H>
+void PackRows(const Dims& d, const float* x, int64_t b, int64_t kh, int64_t Sp, float* out) {
+  for (int64_t s = 0; s < d.S; ++s) {
+    std::memcpy(out + s * H, x + ((b * d.S + s) * d.K + kh) * H, H * sizeof(float));
+  }
+  std::fill(out + d.S * H, out + Sp * H, 0.0f);
+}
+
+// dots[r][j] = sum_h a[r][h] * bt[j / kW][h][j % kW] for rows r < R and keys j in
+// [j0, RoundUp(j1, kW)) (j0 a multiple of kW; bt packed by `PackTransposed`).
+template <int H, int R>
+inline void RowDots(const float (&a)[R][H], const float* bt, int64_t j0, int64_t j1, float* dots,
+                    int64_t ld) {
+  static_assert(kW == 2 * kV, "two vectors of keys per block");
+  for (int64_t j = j0; j < j1; j += kW) {
+    const float* block = bt + (j / kW) * H * kW;
+    vf acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Splat(0.0f);
+    for (int h = 0; h < H; ++h) {
+      const vf c0 = Load(block + h * kW), c1 = Load(block + h * kW + kV);
+      for (int r = 0; r < R; ++r) {
+        const vf av = Splat(a[r][h]);
+        acc[r][0] += av * c0;
+        acc[r][1] += av * c1;
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      Store(dots + r * ld + j, acc[r][0]);
+      Store(dots + r * ld + j + kV, acc[r][1]);
+    }
+  }
+}
+
+// out[r][:] = sum_{j in [j0, j1)} w[r][j] * x[j][:] for r < R (x [Sp, H] contiguous).
+template <int H, int R>
+inline void WeightedRows(const float* w, int64_t ld, int64_t j0, int64_t j1, const float* x,
+                         float (&out)[R][H]) {
+  constexpr int C = (H + kV - 1) / kV;  // vectors per row (H = 8: one)
+  vf acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = Splat(0.0f);
+  for (int64_t j = j0; j < j1; ++j) {
+    vf xr[C];
+    for (int c = 0; c < C; ++c) xr[c] = Load(x + j * H + c * kV);
+    for (int r = 0; r < R; ++r) {
+      const vf wv = Splat(w[r * ld + j]);
+      for (int c = 0; c < C; ++c) acc[r][c] += wv * xr[c];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) std::memcpy(&out[r][c * kV], &acc[r][c], kV * sizeof(float));
+}
+
+// dk[j][:] += sum_r ds[r][j] qs[r][:] and dv[j][:] += sum_r p[r][j] do[r][:], j in [j0, j1).
+template <int H, int R>
+inline void KeyGrads(const float* ds, const float* p, int64_t ld, int64_t j0, int64_t j1,
+                     const float (&qs)[R][H], const float (&dout)[R][H], float* dk, float* dv) {
+  constexpr int C = H / kV;
+  vf qv[R][C], dov[R][C];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) {
+      qv[r][c] = Load(&qs[r][c * kV]);
+      dov[r][c] = Load(&dout[r][c * kV]);
+    }
+  }
+  for (int64_t j = j0; j < j1; ++j) {
+    vf dkj[C], dvj[C];
+    for (int c = 0; c < C; ++c) {
+      dkj[c] = Load(dk + j * H + c * kV);
+      dvj[c] = Load(dv + j * H + c * kV);
+    }
+    for (int r = 0; r < R; ++r) {
+      const vf sv = Splat(ds[r * ld + j]), pv = Splat(p[r * ld + j]);
+      for (int c = 0; c < C; ++c) {
+        dkj[c] += sv * qv[r][c];
+        dvj[c] += pv * dov[r][c];
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      Store(dk + j * H + c * kV, dkj[c]);
+      Store(dv + j * H + c * kV, dvj[c]);
+    }
+  }
+}
+
+// Rows of query heads per block: enough to reuse each packed key vector, few enough that the
+// accumulators stay in registers.
+template <int H>
+constexpr int RowsPerBlock() {
+  return H <= 16 ? 4 : (H <= 32 ? 2 : 1);
+}
+
+// A row block: its rows' key ranges and the span [a, e) of keys any of them sees, widened to
+// whole vectors [a8, e8) for the softmax passes (keys outside a row's range are masked there).
+template <int R>
+struct Block {
+  int rows;
+  int64_t lo[R], hi[R], a, e, a8, e8;
+};
+
+template <int R>
+Block<R> MakeBlock(const Dims& d, int64_t t0) {
+  Block<R> blk;
+  blk.rows = static_cast<int>(std::min<int64_t>(R, d.T - t0));
+  for (int r = 0; r < R; ++r) {
+    KeyRange(d, t0 + std::min(r, blk.rows - 1), &blk.lo[r], &blk.hi[r]);
+    if (r >= blk.rows) blk.hi[r] = blk.lo[r];  // padding rows see nothing
+  }
+  blk.a = blk.lo[0], blk.e = blk.hi[0];
+  for (int r = 1; r < blk.rows; ++r) {
+    blk.a = std::min(blk.a, blk.lo[r]);
+    blk.e = std::max(blk.e, blk.hi[r]);
+  }
+  blk.a8 = blk.a / kV * kV;
+  blk.e8 = RoundUp(blk.e, kV);
+  return blk;
+}
+
+// Row r of the logits `sr` (scaled products, over [a8, e8)) plus its bias row, -inf outside the
+// row's key range, in place.
+template <int R>
+inline void BiasAndMask(const Block<R>& blk, int r, const float* br, float* sr) {
+  if (br) {
+    for (int64_t j = blk.a; j < blk.e; ++j) sr[j] += br[j];
+  }
+  const vi lo = Broadcast(static_cast<int32_t>(blk.lo[r]));
+  const vi hi = Broadcast(static_cast<int32_t>(blk.hi[r]));
+  vi idx = vi{0, 1, 2, 3, 4, 5, 6, 7} + static_cast<int32_t>(blk.a8);
+  for (int64_t j = blk.a8; j < blk.e8; j += kV, idx += kV) {
+    Store(sr + j, (idx >= lo) & (idx < hi) ? Load(sr + j) : Splat(kNegInf));
+  }
+}
+
+template <int H, typename Pool>
+void Forward(Pool& pool, const Dims& d, const float* q, const float* k, const float* v,
+             const float* bias, float* out, float* m_out, float* inv_l_out) {
+  constexpr int R = RowsPerBlock<H>();
+  const int64_t Sp = RoundUp(std::max<int64_t>(d.S, 1), kW);
+  ParallelFor(pool, d.B * d.K, [&](int64_t item) {
+    const int64_t b = item / d.K, kh = item % d.K;
+    float* kt = Scratch(0, H * Sp);
+    float* vr = Scratch(1, Sp * H);
+    float* s = Scratch(2, R * Sp);
+    PackTransposed<H>(d, k, b, kh, Sp, kt);
+    PackRows<H>(d, v, b, kh, Sp, vr);
+    for (int64_t g = 0; g < d.G; ++g) {
+      const int64_t n = kh * d.G + g;
+      const float* bs = BiasSlice(d, bias, b, n);
+      for (int64_t t0 = 0; t0 < d.T; t0 += R) {
+        const Block<R> blk = MakeBlock<R>(d, t0);
+        float qa[R][H] = {};
+        for (int r = 0; r < blk.rows; ++r) {
+          const float* qr = q + ((b * d.T + t0 + r) * d.N + n) * H;
+          for (int h = 0; h < H; ++h) qa[r][h] = qr[h] * d.scale;
+        }
+        float inv_l[R], mrow[R];
+        if (blk.e > blk.a) RowDots<H, R>(qa, kt, blk.a / kW * kW, blk.e, s, Sp);
+        for (int r = 0; r < R; ++r) {
+          float* sr = s + r * Sp;
+          BiasAndMask(blk, r, bs && r < blk.rows ? bs + (t0 + r) * d.S : nullptr, sr);
+          vf vmax = Splat(kNegInf);
+          for (int64_t j = blk.a8; j < blk.e8; j += kV) {
+            const vf x = Load(sr + j);
+            vmax = x > vmax ? x : vmax;
+          }
+          const float mx = HorizontalMax(vmax);
+          const float m = mx == kNegInf ? 0.0f : mx;  // a row that sees no key
+          vf vsum = Splat(0.0f);
+          for (int64_t j = blk.a8; j < blk.e8; j += kV) {
+            const vf p = Exp(Load(sr + j) - m);
+            Store(sr + j, p);
+            vsum += p;
+          }
+          const float l = HorizontalSum(vsum);
+          mrow[r] = m;
+          inv_l[r] = 1.0f / (l > 0.0f ? l : 1.0f);
+        }
+        float o[R][H];
+        WeightedRows<H, R>(s, Sp, blk.a8, blk.e8, vr, o);
+        for (int r = 0; r < blk.rows; ++r) {
+          const int64_t t = t0 + r;
+          float* orow = out + ((b * d.T + t) * d.N + n) * H;
+          for (int h = 0; h < H; ++h) orow[h] = o[r][h] * inv_l[r];
+          m_out[(b * d.N + n) * d.T + t] = mrow[r];
+          inv_l_out[(b * d.N + n) * d.T + t] = inv_l[r];
+        }
+      }
+    }
+  });
+}
+
+template <int H, typename Pool>
+void Backward(Pool& pool, const Dims& d, bool bias_grad, const float* q,
+              const float* k, const float* v, const float* bias, const float* d_out,
+              const float* m_in, const float* inv_l_in, float* dq, float* dk, float* dv,
+              float* d_bias) {
+  constexpr int R = RowsPerBlock<H>();
+  const int64_t Sp = RoundUp(std::max<int64_t>(d.S, 1), kW);
+  // An item owns (a set of batch rows) x (a set of key/value heads): every (b, kh) when the
+  // bias gradient is not shared; all b of a head group when it is shared by the batch rows; all
+  // heads when it is shared by the heads. It visits them in order, so sums are deterministic.
+  const bool share_b = bias_grad && d.Bb == 1 && d.B > 1;
+  const bool share_n = bias_grad && d.Nb == 1 && d.N > 1;
+  const int64_t items_b = share_b ? 1 : d.B, items_k = share_n ? 1 : d.K;
+  if (bias_grad) std::fill(d_bias, d_bias + d.Bb * d.Nb * d.T * d.S, 0.0f);
+  ParallelFor(pool, items_b * items_k, [&](int64_t item) {
+    const int64_t ib = item / items_k, ik = item % items_k;
+    const int64_t b_begin = share_b ? 0 : ib, b_end = share_b ? d.B : ib + 1;
+    const int64_t k_begin = share_n ? 0 : ik, k_end = share_n ? d.K : ik + 1;
+    float* kt = Scratch(0, H * Sp);
+    float* vt = Scratch(1, H * Sp);
+    float* kr = Scratch(2, Sp * H);
+    float* dk_acc = Scratch(3, Sp * H);
+    float* dv_acc = Scratch(4, Sp * H);
+    float* p = Scratch(5, R * Sp);
+    float* ds = Scratch(6, R * Sp);
+    float* dp = Scratch(7, R * Sp);
+    for (int64_t b = b_begin; b < b_end; ++b) {
+      for (int64_t kh = k_begin; kh < k_end; ++kh) {
+        PackTransposed<H>(d, k, b, kh, Sp, kt);
+        PackTransposed<H>(d, v, b, kh, Sp, vt);
+        PackRows<H>(d, k, b, kh, Sp, kr);
+        std::fill(dk_acc, dk_acc + Sp * H, 0.0f);
+        std::fill(dv_acc, dv_acc + Sp * H, 0.0f);
+        for (int64_t g = 0; g < d.G; ++g) {
+          const int64_t n = kh * d.G + g;
+          const float* bs = BiasSlice(d, bias, b, n);
+          float* dbs = bias_grad ? const_cast<float*>(BiasSlice(d, d_bias, b, n)) : nullptr;
+          for (int64_t t0 = 0; t0 < d.T; t0 += R) {
+            const Block<R> blk = MakeBlock<R>(d, t0);
+            if (blk.e <= blk.a) {  // no row of the block sees a key: dq is 0
+              for (int r = 0; r < blk.rows; ++r) {
+                std::fill_n(dq + ((b * d.T + t0 + r) * d.N + n) * H, H, 0.0f);
+              }
+              continue;
+            }
+            float qs[R][H] = {}, doa[R][H] = {};
+            float mrow[R] = {}, il[R] = {};
+            for (int r = 0; r < blk.rows; ++r) {
+              const int64_t t = t0 + r;
+              const float* qr = q + ((b * d.T + t) * d.N + n) * H;
+              const float* dr = d_out + ((b * d.T + t) * d.N + n) * H;
+              for (int h = 0; h < H; ++h) {
+                qs[r][h] = qr[h] * d.scale;
+                doa[r][h] = dr[h];
+              }
+              mrow[r] = m_in[(b * d.N + n) * d.T + t];
+              il[r] = inv_l_in[(b * d.N + n) * d.T + t];
+            }
+            const int64_t a16 = blk.a / kW * kW;
+            RowDots<H, R>(qs, kt, a16, blk.e, p, Sp);
+            RowDots<H, R>(doa, vt, a16, blk.e, dp, Sp);
+            for (int r = 0; r < R; ++r) {
+              float* pr = p + r * Sp;
+              const float* dpr = dp + r * Sp;
+              float* dsr = ds + r * Sp;
+              BiasAndMask(blk, r, bs && r < blk.rows ? bs + (t0 + r) * d.S : nullptr, pr);
+              const float m = mrow[r], inv_l = il[r];
+              vf vdelta = Splat(0.0f);
+              for (int64_t j = blk.a8; j < blk.e8; j += kV) {
+                const vf pj = Exp(Load(pr + j) - m) * inv_l;
+                Store(pr + j, pj);
+                vdelta += pj * Load(dpr + j);
+              }
+              const float delta = HorizontalSum(vdelta);
+              for (int64_t j = blk.a8; j < blk.e8; j += kV) {
+                Store(dsr + j, Load(pr + j) * (Load(dpr + j) - delta));
+              }
+              if (dbs && r < blk.rows) {
+                float* dbr = dbs + (t0 + r) * d.S;
+                for (int64_t j = blk.a; j < blk.e; ++j) dbr[j] += dsr[j];
+              }
+            }
+            float dqa[R][H];  // dq = scale ds k
+            WeightedRows<H, R>(ds, Sp, blk.a8, blk.e8, kr, dqa);
+            for (int r = 0; r < blk.rows; ++r) {
+              float* dqr = dq + ((b * d.T + t0 + r) * d.N + n) * H;
+              for (int h = 0; h < H; ++h) dqr[h] = dqa[r][h] * d.scale;
+            }
+            // dk += scale ds^T q (qs holds scale q), dv += p^T dO
+            KeyGrads<H, R>(ds, p, Sp, blk.a8, blk.e8, qs, doa, dk_acc, dv_acc);
+          }
+        }
+        for (int64_t s = 0; s < d.S; ++s) {
+          std::memcpy(dk + ((b * d.S + s) * d.K + kh) * H, dk_acc + s * H, H * sizeof(float));
+          std::memcpy(dv + ((b * d.S + s) * d.K + kh) * H, dv_acc + s * H, H * sizeof(float));
+        }
+      }
+    }
+  });
+}
+
+ffi::Error MakeDims(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k, ffi::Buffer<ffi::F32>& v,
+                    ffi::Buffer<ffi::F32>& bias, float scale, int64_t causal, int64_t offset,
+                    int64_t window, Dims* d) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), bd = bias.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) {
+    return ffi::Error::InvalidArgument("posattn native attention: q, k, v must be 4-D");
+  }
+  d->B = qd[0], d->T = qd[1], d->N = qd[2], d->H = qd[3];
+  d->S = kd[1], d->K = kd[2];
+  if (kd[0] != d->B || kd[3] != d->H || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] ||
+      vd[3] != kd[3] || d->K == 0 || d->N % d->K != 0) {
+    return ffi::Error::InvalidArgument("posattn native attention: inconsistent q, k, v shapes");
+  }
+  d->G = d->N / d->K;
+  d->has_bias = bias.element_count() > 0;
+  d->Bb = d->Nb = 1;
+  if (d->has_bias) {
+    if (bd.size() != 4 || !(bd[0] == 1 || bd[0] == d->B) || !(bd[1] == 1 || bd[1] == d->N) ||
+        bd[2] != d->T || bd[3] != d->S) {
+      return ffi::Error::InvalidArgument(
+          "posattn native attention: the bias must be [B or 1, N or 1, T, S]");
+    }
+    d->Bb = bd[0], d->Nb = bd[1];
+  }
+  d->scale = scale;
+  d->causal = causal != 0;
+  d->offset = offset;
+  d->window = window;
+  return ffi::Error::Success();
+}
+
+#define POSATTN_DISPATCH_H(H_VALUE, CALL)                                                  \
+  switch (H_VALUE) {                                                                       \
+    case 8: { constexpr int H = 8; CALL; break; }                                          \
+    case 16: { constexpr int H = 16; CALL; break; }                                        \
+    case 32: { constexpr int H = 32; CALL; break; }                                        \
+    case 64: { constexpr int H = 64; CALL; break; }                                        \
+    case 128: { constexpr int H = 128; CALL; break; }                                      \
+    default:                                                                               \
+      return ffi::Error::InvalidArgument("posattn native attention: head dim not in "      \
+                                         "{8, 16, 32, 64, 128}");                          \
+  }
+
+ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                       ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> bias, float scale,
+                       int64_t causal, int64_t offset, int64_t window,
+                       ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> m,
+                       ffi::ResultBuffer<ffi::F32> inv_l) {
+  Dims d;
+  if (auto err = MakeDims(q, k, v, bias, scale, causal, offset, window, &d); err.failure()) {
+    return err;
+  }
+  POSATTN_DISPATCH_H(d.H, Forward<H>(pool, d, q.typed_data(), k.typed_data(), v.typed_data(),
+                                     bias.typed_data(), out->typed_data(), m->typed_data(),
+                                     inv_l->typed_data()));
+  return ffi::Error::Success();
+}
+
+ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                        ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> bias,
+                        ffi::Buffer<ffi::F32> d_out, ffi::Buffer<ffi::F32> m,
+                        ffi::Buffer<ffi::F32> inv_l, float scale, int64_t causal, int64_t offset,
+                        int64_t window, int64_t bias_grad, ffi::ResultBuffer<ffi::F32> dq,
+                        ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv,
+                        ffi::ResultBuffer<ffi::F32> d_bias) {
+  Dims d;
+  if (auto err = MakeDims(q, k, v, bias, scale, causal, offset, window, &d); err.failure()) {
+    return err;
+  }
+  const bool grad = bias_grad != 0 && d.has_bias;
+  POSATTN_DISPATCH_H(d.H, Backward<H>(pool, d, grad, q.typed_data(), k.typed_data(),
+                                      v.typed_data(), bias.typed_data(), d_out.typed_data(),
+                                      m.typed_data(), inv_l.typed_data(), dq->typed_data(),
+                                      dk->typed_data(), dv->typed_data(), d_bias->typed_data()));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PosattnAttentionForward, ForwardImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // bias (empty: none)
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("causal")
+                                  .Attr<int64_t>("offset")
+                                  .Attr<int64_t>("window")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // m
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // inv_l
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PosattnAttentionBackward, BackwardImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // bias (empty: none)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // d_out
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // m
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // inv_l
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("causal")
+                                  .Attr<int64_t>("offset")
+                                  .Attr<int64_t>("window")
+                                  .Attr<int64_t>("bias_grad")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dq
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dk
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dv
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // d_bias
+);

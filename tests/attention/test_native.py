@@ -1,0 +1,254 @@
+"""The native CPU kernel ("native", posattn.attention.native) equals the reference: forward and
+every gradient (q, k, v, bias parameters, log_forget) over the kernel grid and the window/forget
+grid of the other implementations, plus what is its own: the key ranges of a static causal offset
+(negative offsets, rows that see no key, windows), bias gradients shared by the batch rows or the
+heads, results independent of the thread count, dtypes, vmap, and the build that falls back.
+"""
+
+import functools
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from attention_cases import (
+    GRID,
+    WINDOW_GRID,
+    _assert_close,
+    _inputs,
+    _oracle_case,
+    _reference_case,
+    _value_and_grads,
+    alibi_like,
+    window_case,
+)
+
+from posattn.attention import attention, native
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(
+    not native.available(), reason=f"native kernel unavailable: {native.why_unavailable()}"
+)
+
+
+@pytest.mark.parametrize("bias_kind, case", GRID)
+def test_matches_reference(bias_kind, case):
+    inputs, bias, kw, want = _reference_case(bias_kind, case)
+    got = _value_and_grads("native", *inputs, bias, **kw)
+    _assert_close(got, want, rtol=1e-5)
+    if case == "fully_masked_rows":
+        np.testing.assert_array_equal(got[0][0, :20], 0.0)  # positions -20..-1 see no key
+        np.testing.assert_array_equal(got[0][1], 0.0)  # kv_lengths 0
+
+
+@pytest.mark.parametrize("bias_kind, case", WINDOW_GRID)
+def test_windows_and_forget_gates_match_the_oracle(bias_kind, case):
+    inputs, bias, kw = window_case(bias_kind, case)
+    got = _value_and_grads("native", *inputs, bias, **kw)
+    _assert_close(got, _oracle_case(bias_kind, case), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("H", native.HEAD_DIMS)
+@pytest.mark.parametrize("q_offset, window", [(0, None), (-20, None), (9, None), (0, 5), (-3, 17)])
+def test_static_causal_key_ranges(H, q_offset, window):
+    """A static causal offset hands the kernel key ranges instead of a mask: every head dim it
+    is built for, offsets that leave the first rows without keys, windows; ALiBi's bias (shared
+    by the batch rows, so its gradient is summed over them) and no bias."""
+    key = jax.random.key(H)
+    kq, kk, kv, kd = jax.random.split(key, 4)
+    B, T, S, N, K = 3, 29, 33, 4, 2
+    q = jax.random.normal(kq, (B, T, N, H))
+    k, v = (jax.random.normal(x, (B, S, K, H)) for x in (kk, kv))
+    d_out = jax.random.normal(kd, (B, T, N, H))
+    kw = dict(causal=True, q_offset=q_offset, window=window)
+    for bias in (None, (alibi_like, jnp.array([0.5, 0.25, 0.125, 0.0625]))):
+        want = _value_and_grads("reference", q, k, v, d_out, bias, **kw)
+        got = _value_and_grads("native", q, k, v, d_out, bias, **kw)
+        _assert_close(got, want, rtol=1e-5, name=f"H={H} bias={bias is not None} ")
+        if q_offset < 0:
+            np.testing.assert_array_equal(got[0][:, :-q_offset], 0.0)
+
+
+def test_bias_gradient_shared_by_heads():
+    """A logit bias of one head slice [B, 1, T, S] (broadcast over the heads) gets the sum over
+    heads as its gradient, and one of [1, N, T, S] the sum over the batch rows."""
+    q, k, v, d_out = _inputs(2, jax.random.key(3), T=45)
+    B, T, N, _ = q.shape
+    S = k.shape[1]
+    for shape in ((B, 1, T, S), (1, N, T, S), (B, N, T, S)):
+        bias = jax.random.normal(jax.random.key(len(shape) + shape[0] + shape[1]), shape)
+
+        def loss(fn, q, k, v, bias):
+            return jnp.sum(fn(q, k, v, bias) * d_out)
+
+        def native_fn(q, k, v, bias):
+            return native.native_attention(q, k, v, bias, scale=0.3, bias_grad=True)
+
+        def reference_fn(q, k, v, bias, heads=2 if shape[1] == N else 1):
+            s = jnp.einsum("btkgh,bskh->bkgts", q.reshape(B, T, 2, 2, -1), k) * 0.3
+            s = s + bias.reshape(bias.shape[0], -1, heads, T, S)
+            p = jax.nn.softmax(s, axis=-1)
+            return jnp.einsum("bkgts,bskh->btkgh", p, v).reshape(q.shape)
+
+        got = jax.jit(jax.value_and_grad(lambda *a: loss(native_fn, *a), (0, 1, 2, 3)))(
+            q, k, v, bias
+        )
+        want = jax.value_and_grad(lambda *a: loss(reference_fn, *a), (0, 1, 2, 3))(q, k, v, bias)
+        _assert_close(got, want, rtol=1e-5, name=f"{shape} ")
+
+
+def test_bfloat16_inputs_keep_their_dtype():
+    q, k, v, d_out = (x.astype(jnp.bfloat16) for x in _inputs(2, jax.random.key(5)))
+    got = _value_and_grads("native", q, k, v, d_out, None, causal=True)
+    assert got[0].dtype == jnp.bfloat16 and got[1][0].dtype == jnp.bfloat16
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, d_out)]
+    _assert_close(got, _value_and_grads("reference", *f32, None, causal=True), rtol=2e-2)
+
+
+def test_jit_vmap_and_a_traced_scale():
+    """Under vmap (a sweep's members) and with a traced scale (its gradient through q)."""
+    q, k, v, d_out = _inputs(2, jax.random.key(6))
+
+    def run(impl, q, k, v, scale):
+        return attention(q, k, v, causal=True, scale=scale, implementation=impl)
+
+    members = jnp.stack([q, 2 * q])
+    scales = jnp.array([0.25, 0.5])
+    got = jax.jit(jax.vmap(lambda q, s: run("native", q, k, v, s)))(members, scales)
+    want = jax.vmap(lambda q, s: run("reference", q, k, v, s))(members, scales)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    grad = jax.grad(lambda s, impl: jnp.sum(run(impl, q, k, v, s) * d_out))
+    np.testing.assert_allclose(
+        jax.jit(grad, static_argnums=1)(0.3, "native"), grad(0.3, "reference"), rtol=1e-4
+    )
+
+
+_THREADS_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    if sys.argv[2] == "one":
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # XLA then runs one thread
+    import jax, jax.numpy as jnp, numpy as np
+    from posattn.attention import attention
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k, v, d = (jax.random.normal(x, (8, 64, 4, 16)) for x in keys)
+    slopes = jnp.array([0.5, 0.25, 0.125, 0.0625])
+    def loss(q, k, v, slopes):
+        bias = -slopes[:, None, None] * (jnp.arange(64)[:, None] - jnp.arange(64)).astype(float)
+        out = attention(q, k, v, bias=bias, causal=True, implementation="native")
+        return jnp.sum(out * d)
+    grads = jax.jit(jax.grad(loss, (0, 1, 2, 3)))(q, k, v, slopes)
+    np.save(sys.argv[1], np.concatenate([np.ravel(g) for g in grads]))
+    """
+)
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs two CPUs to compare one thread against several",
+)
+def test_results_do_not_depend_on_the_thread_count(tmp_path):
+    """The kernel splits its work so that no sum depends on which thread did what: one CPU and
+    all of them give bitwise the same gradients (the bias gradient sums over batch rows)."""
+    outputs = []
+    for name in ("one", "all"):
+        path = tmp_path / f"{name}.npy"
+        subprocess.run([sys.executable, "-c", _THREADS_SCRIPT, str(path), name], check=True)
+        outputs.append(np.load(path))
+    np.testing.assert_array_equal(outputs[0], outputs[1])
+
+
+def test_build_falls_back_with_the_reason(tmp_path):
+    """With no compiler (or POSATTN_NATIVE=0) the kernel says why, "auto" keeps "chunked", and
+    asking for "native" by name is a clear error."""
+    script = textwrap.dedent(
+        """
+        import jax, jax.numpy as jnp
+        from posattn import attention as attn
+        from posattn.attention import native
+        assert not native.available()
+        print("REASON", native.why_unavailable())
+        q = jnp.ones((1, 8, 2, 16))
+        spec = jax.ShapeDtypeStruct(q.shape, q.dtype)
+        print("AUTO", attn.choose_implementation(spec, spec, None, causal=True))
+        try:
+            attn.attention(q, q, q, causal=True, implementation="native")
+        except ValueError as e:
+            print("ERROR", e)
+        from posattn import config as config_lib
+        try:
+            config = config_lib.load_config(
+                "configs/tiny.py", ["--config.model.attention_impl=native"]
+            )
+            config_lib.validate(config)
+        except config_lib.ConfigError as e:
+            print("CONFIG", e)
+        """
+    )
+    for env_change, reason in (
+        ({"POSATTN_NATIVE": "0"}, "POSATTN_NATIVE=0"),
+        ({"CXX": "", "PATH": str(tmp_path)}, "no C++ compiler"),
+    ):
+        env = {**os.environ, **env_change, "POSATTN_CACHE_DIR": str(tmp_path / "cache")}
+        out = subprocess.run(
+            [sys.executable, "-c", script],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        assert f"REASON {reason}" in out
+        assert "AUTO chunked" in out
+        assert "ERROR attention: implementation='native' cannot run here" in out
+        assert (
+            f"CONFIG config.model.attention_impl='native' is invalid: cannot run here: {reason}"
+            in out
+        )
+
+
+def test_auto_takes_native_where_what_it_materialises_fits():
+    """On a CPU "auto" takes the kernel wherever the logit bias it materialises (none for a
+    static causal mask without a bias: it skips hidden keys itself) stays within
+    AUTO_BLOCKWISE_MIN_LOGITS elements, and "blockwise" past it."""
+    from posattn import attention as attn_lib
+
+    def spec(B, T, H=64):
+        return jax.ShapeDtypeStruct((B, T, 8, H), jnp.float32)
+
+    choose = functools.partial(attn_lib.choose_implementation, backend="cpu", causal=True)
+    fn_bias = (alibi_like, jnp.ones(8))
+    assert choose(spec(1, 128), spec(1, 128), None) == "native"
+    # No bias and a static causal mask: nothing materialised, whatever the length.
+    assert choose(spec(1, 16384), spec(1, 16384), None) == "native"
+    # A bias of [1, N, T, S]: 8 Mi elements at T = S = 1024, over it at 1025.
+    assert choose(spec(4, 1024), spec(4, 1024), fn_bias) == "native"
+    assert choose(spec(4, 1025), spec(4, 1025), fn_bias) == "blockwise"
+    # Per-row offsets or lengths: one mask per row [B, 1, T, S] (a bias: [B, N, T, S]).
+    assert choose(spec(8, 1024), spec(8, 1024), None, per_row=True) == "native"
+    assert choose(spec(9, 1024), spec(9, 1024), None, per_row=True) == "blockwise"
+    assert choose(spec(2, 1024), spec(2, 1024), fn_bias, per_row=True) == "blockwise"
+    # A traced offset: the causal mask is materialised (one slice for the batch).
+    assert choose(spec(1, 4096), spec(1, 4096), None, static_offset=None) == "blockwise"
+    # A head dim the kernel is not built for.
+    assert choose(spec(1, 128, H=48), spec(1, 128, H=48), None) == "chunked"
+
+
+def test_a_config_asking_for_native_where_it_cannot_run_fails_before_compute():
+    from posattn import config as config_lib
+
+    with pytest.raises(config_lib.ConfigError, match="native kernel takes head dims"):
+        config_lib.load_config(
+            ROOT / "configs" / "tiny.py",
+            ["--config.model.attention_impl=native", "--config.model.head_dim=24"],
+        )
+    config = config_lib.load_config(
+        ROOT / "configs" / "tiny.py", ["--config.model.attention_impl=native"]
+    )
+    config_lib.validate(config)  # head dim 16: fine
