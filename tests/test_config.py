@@ -75,6 +75,11 @@ def test_rope_scaling_dict_literal():
         (["data.passkey_fraction=1.5"], ["passkey_fraction", "[0, 1]"]),
         (["data.passkey_fraction=0.1", "model.kind=encoder"], ["passkey_fraction", "encoder"]),
         (["data.probe_weight=-2.0"], ["probe_weight", ">= 0"]),
+        (["data.induction_span=3"], ["data.induction_span", "at least 4"]),
+        (
+            ["data.induction_fraction=0.2", "data.seq_len=32", "data.induction_span=17"],
+            ["data.induction_span", "fit twice", "33 bytes"],
+        ),
     ],
 )
 def test_invalid_settings_name_the_key(overrides, words):

@@ -72,6 +72,10 @@ DATA: dict[str, tuple[Any, str]] = {
         "share of training rows given a random string repeated later in the row (in-context "
         "copying, as the induction probe asks; posattn.data.probes)",
     ),
+    "induction_span": (
+        12,
+        "the longest random string of an induction row (4 to this many letters, drawn uniformly)",
+    ),
     "batch_offset": (
         0,
         "training step s reads batch s + batch_offset of the stream of train.seed (a fine-tune "

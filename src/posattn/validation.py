@@ -98,6 +98,22 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
             data.probe_weight,
             "must be a finite weight >= 0 (1: the probe rows' answers weigh as any target)",
         )
+    if "induction_span" in data:
+        _positive_int(data, "data", "induction_span")
+        _require(
+            data.induction_span >= 4,
+            "data.induction_span",
+            data.induction_span,
+            "must be at least 4 (an induction row's string has 4 to induction_span letters)",
+        )
+        if data.get("induction_fraction"):
+            _require(
+                2 * data.induction_span <= data.seq_len + 1,
+                "data.induction_span",
+                data.induction_span,
+                f"must fit twice into a training row of data.seq_len + 1 = {data.seq_len + 1} "
+                "bytes (the string and its repeat); lower it or raise data.seq_len",
+            )
     for name in ("passkey_fraction", "induction_fraction"):
         if data.get(name) and not cfg.causal:
             raise ConfigError(

@@ -163,6 +163,27 @@ def test_induction_rows_repeat_a_random_string_inside_the_window_and_leave_the_r
         data.train_batch(corpus, **{**base, "seq_len": 16}, induction_fraction=0.5)
 
 
+def test_induction_span_sets_the_longest_string():
+    """`induction_span` draws each row's string uniformly from 4 to that many letters (its repeat
+    but the first letter is what `probe_weight` weighs), inside the window; a span under 4 or too
+    long for the window is refused."""
+    corpus = _corpus(20000)
+    base = dict(seed=5, batch_size=64, seq_len=64, induction_fraction=1.0, probe_weight=2.0)
+    spans = []
+    for step in range(8):
+        batch = data.train_batch(corpus, step=step, **base, induction_span=24)
+        spans += ((batch["weights"] == 2.0).sum(axis=1) + 1).tolist()
+        letters = batch["targets"][batch["weights"] == 2.0]
+        assert ((letters >= ord("a")) & (letters <= ord("z"))).all()
+    assert min(spans) == 4 and max(spans) == 24 and len(set(spans)) == 21
+    default = data.train_batch(corpus, step=0, **base)  # 4..12 letters
+    assert ((default["weights"] == 2.0).sum(axis=1) + 1).max() <= 12
+    with pytest.raises(data.DataError, match="induction_span=3 must be at least 4"):
+        data.train_batch(corpus, step=0, **base, induction_span=3)
+    with pytest.raises(data.DataError, match="induction_span=33 letters and its repeat"):
+        data.train_batch(corpus, step=0, **base, induction_span=33)
+
+
 def test_probe_weight_weighs_exactly_the_answers_and_both_copies_lie_inside_the_window():
     """The probe rows teach what the evaluation scores at L: a passkey row holds its needle and
     its question inside the L + 1 bytes and weighs the key's digits after the final `passkey=`; an

@@ -38,6 +38,7 @@ def batch_options(data_config, *, causal: bool, vocab_size: int) -> dict:
             "passkey_fraction": float(data_config.passkey_fraction),
             "passkey_distractors": bool(data_config.passkey_distractors),
             "induction_fraction": float(data_config.induction_fraction),
+            "induction_span": int(data_config.induction_span),
             "probe_weight": float(data_config.probe_weight),
         }
     return {"mask_rate": float(data_config.mask_rate), "mask_id": vocab_size}
@@ -93,6 +94,7 @@ def train_batch(
     passkey_fraction: float = 0.0,
     passkey_distractors: bool = False,
     induction_fraction: float = 0.0,
+    induction_span: int = probes.TRAIN_SPAN,
     probe_weight: float = 1.0,
 ) -> dict[str, np.ndarray]:
     """The training batch of `step`: random windows of the train split, a pure function of
@@ -120,6 +122,8 @@ def train_batch(
         (`mix_inductions`: the evaluation's induction probe at random spans and gaps inside L),
         so that in-context copying, which the induction probe measures, is rewarded by the
         training loss. Its own stream of (seed, step): 0 leaves every batch as it was.
+      induction_span: the longest string of an induction row: each row's span is uniform in
+        [4, induction_span] letters.
       probe_weight: the loss weight of the targets a mixed-in row is scored on, as the
         evaluation scores them: a passkey row's key digits after the final `passkey=`, an
         induction row's repeat but its first letter (always the row's last targets). Every
@@ -187,6 +191,7 @@ def train_batch(
             rows=rows,
             batch_size=batch_size,
             skip=taken,
+            max_span=induction_span,
         )
         scored += scored_repeats
     inputs, targets = windows[:, :-1], windows[:, 1:]
@@ -282,11 +287,12 @@ def mix_inductions(
     rows: slice,
     batch_size: int,
     skip: np.ndarray | None = None,
+    max_span: int = probes.TRAIN_SPAN,
 ) -> np.ndarray:
     """This process's `rows` of the global batch with chosen rows turned into induction rows.
 
-    An induction row keeps its own text and gets a random lowercase string of 4 to
-    `probes.TRAIN_SPAN` letters written into it and repeated at its end after a random gap
+    An induction row keeps its own text and gets a random lowercase string of 4 to `max_span`
+    letters written into it and repeated at its end after a random gap
     (`probes.induction_sample`, the evaluation's probe, with every span and gap that fits the
     window). The choice and content depend only on (seed, step, row), as for the passkeys.
 
@@ -297,6 +303,7 @@ def mix_inductions(
       rows: which global rows `windows` holds.
       batch_size: the global batch size B.
       skip: bool[B], global rows already taken (by passkeys), left as they are.
+      max_span: the longest string (>= 4; `data.induction_span`).
     """
     return _mix_inductions(
         windows,
@@ -306,6 +313,7 @@ def mix_inductions(
         rows=rows,
         batch_size=batch_size,
         skip=skip,
+        max_span=max_span,
     )[0]
 
 
@@ -318,17 +326,21 @@ def _mix_inductions(
     rows: slice,
     batch_size: int,
     skip: np.ndarray | None,
+    max_span: int = probes.TRAIN_SPAN,
 ) -> tuple[np.ndarray, np.ndarray]:
     """`mix_inductions` and int[b]: the scored letters of each induction row (its repeat but the
     first letter: the row's last span - 1 targets), 0 for a row left as it was."""
     if not 0.0 <= fraction <= 1.0:
         raise DataError(f"data.induction_fraction={fraction!r} must lie in [0, 1]")
     n = windows.shape[1]
-    if fraction and n < 2 * probes.TRAIN_SPAN:
+    if fraction and max_span < 4:
+        raise DataError(f"data.induction_span={max_span!r} must be at least 4 letters")
+    if fraction and n < 2 * max_span:
         raise DataError(
             f"data.induction_fraction={fraction} needs windows of at least "
-            f"{2 * probes.TRAIN_SPAN} bytes to hold a string and its repeat; "
-            f"data.seq_len={n - 1} is too short (raise it or set the fraction to 0)"
+            f"{2 * max_span} bytes to hold a string of data.induction_span={max_span} letters "
+            f"and its repeat; data.seq_len={n - 1} is too short (raise it, lower the span or "
+            "set the fraction to 0)"
         )
     chosen = _chosen_rows(seed, step, _INDUCTION_STREAM, fraction, batch_size)
     if skip is not None:
@@ -340,7 +352,7 @@ def _mix_inductions(
             rng = np.random.default_rng(
                 np.random.SeedSequence([seed, step, _INDUCTION_STREAM, row])
             )
-            span = int(rng.integers(4, probes.TRAIN_SPAN + 1))
+            span = int(rng.integers(4, max_span + 1))
             gap = int(rng.integers(0, n - 2 * span + 1))
             sample = probes.induction_sample(
                 rng, windows[local].astype(np.uint8), span=span, gap=gap
