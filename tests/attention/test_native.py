@@ -219,14 +219,15 @@ def test_auto_takes_native_where_what_it_materialises_fits():
     AUTO_BLOCKWISE_MIN_LOGITS elements, and "blockwise" past it."""
     from posattn import attention as attn_lib
 
-    def spec(B, T, H=64):
+    def spec(B, T, H=16):
         return jax.ShapeDtypeStruct((B, T, 8, H), jnp.float32)
 
     choose = functools.partial(attn_lib.choose_implementation, backend="cpu", causal=True)
     fn_bias = (alibi_like, jnp.ones(8))
     assert choose(spec(1, 128), spec(1, 128), None) == "native"
+    assert choose(spec(1, 4096, H=16), spec(1, 4096, H=16), fn_bias) == "blockwise"
     # No bias and a static causal mask: nothing materialised, whatever the length.
-    assert choose(spec(1, 16384), spec(1, 16384), None) == "native"
+    assert choose(spec(1, 16384, H=32), spec(1, 16384, H=32), None) == "native"
     # A bias of [1, N, T, S]: 8 Mi elements at T = S = 1024, over it at 1025.
     assert choose(spec(4, 1024), spec(4, 1024), fn_bias) == "native"
     assert choose(spec(4, 1025), spec(4, 1025), fn_bias) == "blockwise"
@@ -238,6 +239,10 @@ def test_auto_takes_native_where_what_it_materialises_fits():
     assert choose(spec(1, 4096), spec(1, 4096), None, static_offset=None) == "blockwise"
     # A head dim the kernel is not built for.
     assert choose(spec(1, 128, H=48), spec(1, 128, H=48), None) == "chunked"
+    # Heads of 64 or more from T = S = 1024: "blockwise" was faster there.
+    assert choose(spec(1, 1023, H=64), spec(1, 1023, H=64), None) == "native"
+    assert choose(spec(1, 1024, H=64), spec(1, 1024, H=64), None) == "blockwise"
+    assert choose(spec(1, 1024, H=32), spec(1, 1024, H=32), None) == "native"
 
 
 def test_a_config_asking_for_native_where_it_cannot_run_fails_before_compute():
