@@ -11,18 +11,18 @@ What the numbers are and why (experiments/README.md has the measured times and t
     byte embedding). Two layers is the least that can form an induction head, which the probes
     need; at this size a CPU step is mostly fixed overhead, so width buys little.
   * data: bytes of the Python standard library (real text; held-out files are the evaluation
-    split), L = 64, batch 32 x 64 = 2048 bytes per step; 20% of the rows are passkey sequences
-    (keys of 1-5 digits at random depths, distractor numbers in the filler: the format the
-    evaluation asks for, needle and question inside the L + 1 bytes; `posattn.data.probes`) and
-    their key digits weigh 8 in the loss (`data.probe_weight`): at weight 1 they are 1% of the
-    loss and 2000 steps teach nothing (the passkey stayed at chance, ln 10 per digit, even at
-    L); at 8 (7% of the loss) the passkey loss per digit at L is 0.01 for RoPE, 0.40 for ALiBi,
-    1.45 for NoPE, for +0.01 to +0.03 nats of text loss at L (experiments/README.md, "Probe rows
-    that teach retrieval at L", has the table).
-    Induction rows stay off (`data.induction_fraction=0`): no mix measured teaches the
-    induction probe within this budget at a small text cost; 20% induction rows at weight 8
-    (`--config.data.induction_fraction=0.2`) bring it under ln 26 for RoPE and ALiBi but not
-    NoPE, and cost 0.11-0.18 nats of text loss at L.
+    split), L = 64, batch 32 x 64 = 2048 bytes per step, with the probes' skills mixed in
+    (`posattn.data.probes`): 20% of the rows are passkey sequences (keys of 1-5 digits at random
+    depths, distractor numbers in the filler: the evaluated format, needle and question inside
+    the L + 1 bytes) and 30% induction rows (the row's own text with a random string of 4-24
+    letters written into it and repeated at its end after a random gap), the answers weighing 8
+    in the loss (`data.probe_weight`: the key's digits, the repeat but its first letter). At
+    weight 1 2000 steps teach neither probe; with strings of at most 12 letters (the earlier
+    default span) 2000 steps teach induction to none but ALiBi and RoPE partly; with 4-24
+    letters and 30% of the rows the induction probe at L falls to 0.3-0.8 nats per letter (ln 26
+    = 3.26 is a uniform guess) for six of the ten families and the passkey is retrieved by four,
+    for 0.14-0.27 nats of text loss at L against training without induction rows
+    (experiments/README.md, "Induction rows of up to 24 letters").
   * 2000 steps (4.1M bytes per family, 14% of the 30.2M training bytes) at peak learning
     rate 6e-3 (60 warmup steps, cosine to 10%): the budget that keeps ten families plus evaluation
     under 15 minutes on two CPU cores (45-68 s of training per family); 6e-3 was preferred to 3e-3
@@ -91,8 +91,9 @@ def get_config(arg=None):
         seq_len=L,
         passkey_fraction=0.2,
         passkey_distractors=True,
-        induction_fraction=0.0,
-        probe_weight=8.0,  # the key digits' loss weight (module docstring)
+        induction_fraction=0.3,
+        induction_span=24,
+        probe_weight=8.0,  # the probes' answers' loss weight (module docstring)
     )
     config.train.update(
         steps=2000,

@@ -64,6 +64,22 @@ MIXES = {
     "lean16": dict(passkey_fraction=0.1, induction_fraction=0.1, probe_weight=16.0),
     "ind8": dict(passkey_fraction=0.1, induction_fraction=0.2, probe_weight=8.0),
     "pk8": dict(passkey_fraction=0.2, induction_fraction=0.0, probe_weight=8.0),
+    "s24": dict(passkey_fraction=0.2, induction_fraction=0.2, probe_weight=8.0, induction_span=24),
+    "s24w4": dict(
+        passkey_fraction=0.2, induction_fraction=0.2, probe_weight=4.0, induction_span=24
+    ),
+    "s24p1": dict(
+        passkey_fraction=0.1, induction_fraction=0.2, probe_weight=8.0, induction_span=24
+    ),
+    "s24p3i3": dict(
+        passkey_fraction=0.3, induction_fraction=0.3, probe_weight=8.0, induction_span=24
+    ),
+    "s24i3w12": dict(
+        passkey_fraction=0.2, induction_fraction=0.3, probe_weight=12.0, induction_span=24
+    ),
+    "s24i3": dict(
+        passkey_fraction=0.2, induction_fraction=0.3, probe_weight=8.0, induction_span=24
+    ),
 }
 
 
@@ -132,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--families", default="rope,alibi,nope")
     parser.add_argument("--mixes", default="default,pk8,w8", help=f"of {sorted(MIXES)}")
     parser.add_argument("--steps", type=int, default=None, help="train.steps (default: config's)")
+    parser.add_argument(
+        "--learning-rate", type=float, default=None, help="train.learning_rate (default: config's)"
+    )
     parser.add_argument("--samples", type=int, default=128, help="probe samples (a depth)")
     parser.add_argument(
         "--only-trained",
@@ -168,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
             config.data.update(MIXES[mix])
             if args.steps:
                 config.train.steps = int(args.steps)
+            if args.learning_rate:
+                config.train.learning_rate = float(args.learning_rate)
             train_config = settings_lib.family_config(config, family)
             run_dir = args.workdir / mix / family
             if (
@@ -201,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                 "family": family,
                 **MIXES[mix],
                 "steps": int(config.train.steps),
+                "learning_rate": float(config.train.learning_rate),
                 "seconds": round(seconds, 1),
                 "text_loss": loss,
                 "text_loss_ci": ci,
