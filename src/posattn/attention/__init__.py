@@ -280,10 +280,11 @@ def choose_implementation(
     bias it materialises stays within AUTO_BLOCKWISE_MIN_LOGITS elements (none for a static
     causal mask without a bias; [1, N, T, S] for a position bias; a slice per row with per-row
     positions, lengths or forget gates), heads of 64 and more only below
-    AUTO_CHUNKED_MAX_HEAD_LOGITS (past it "blockwise" was faster). Otherwise "chunked" while one head's logits T * S stay
-    below AUTO_CHUNKED_MAX_HEAD_LOGITS (and, with `per_row` positions or lengths, whose bias it
-    materialises for every row, while B * N * T * S stays below AUTO_BLOCKWISE_MIN_LOGITS), and
-    "blockwise", the only implementation whose memory stays linear in T, past that. "xla" is
+    AUTO_CHUNKED_MAX_HEAD_LOGITS (past it "blockwise" was faster). Otherwise "chunked" while one
+    head's logits T * S stay below AUTO_CHUNKED_MAX_HEAD_LOGITS (and, with `per_row` positions or
+    lengths, whose bias it materialises for every row, while B * N * T * S stays below
+    AUTO_BLOCKWISE_MIN_LOGITS), and "blockwise", the only implementation whose memory stays
+    linear in T, past that. "xla" is
     never faster than "chunked" in our measurements (docs/attention.md).
 
     GPU and TPU: never a kernel tuned on CPU. "pallas" (the fused kernel that evaluates the bias
