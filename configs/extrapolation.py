@@ -92,7 +92,7 @@ def get_config(arg=None):
         passkey_fraction=0.2,
         passkey_distractors=True,
         induction_fraction=0.3,
-        induction_span=24,
+        induction_span=min(24, (L + 1) // 2),  # strings of 4-24 letters (both copies fit L + 1)
         probe_weight=8.0,  # the probes' answers' loss weight (module docstring)
     )
     config.train.update(
