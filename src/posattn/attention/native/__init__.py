@@ -41,7 +41,14 @@ import numpy as np
 
 from posattn.attention import masks
 
-__all__ = ["HEAD_DIMS", "attention_from_bias", "available", "native_attention", "why_unavailable"]
+__all__ = [
+    "HEAD_DIMS",
+    "attention_from_bias",
+    "available",
+    "native_attention",
+    "supports",
+    "why_unavailable",
+]
 
 HEAD_DIMS = (8, 16, 32, 64, 128)
 _SOURCE = pathlib.Path(__file__).with_name("attention.cc")
