@@ -497,7 +497,10 @@ def test_worker_processes_give_one_cores_numbers_and_a_sigterm_resumes(tmp_path)
 
     script = str(ROOT / "experiments" / "length_extrapolation.py")
     argv = [sys.executable, script, *LEARNED, "--config.families=('alibi','nope')"]
-    argv += ["--config.train.steps=400", "--config.train.checkpoint_every=50"]
+    # The SIGTERM goes once both workers have saved their first checkpoint; the steps after it
+    # (900, ~8 s on one core) cover the workers' difference in start-up, so that neither has
+    # finished training by then (with 400 steps after a checkpoint at 50, one sometimes had).
+    argv += ["--config.train.steps=1000", "--config.train.checkpoint_every=100"]
     one, two = tmp_path / "one", tmp_path / "two"
     core = min(os.sched_getaffinity(0))  # one process on one core: pinned, then the command
     pin = f"import os, sys; os.sched_setaffinity(0, {{{core}}}); os.execv(sys.executable, "
