@@ -89,24 +89,23 @@ def attention_from_bias(
     the materialised bias, one slice per batch row, and JAX differentiates the cumulative sum and
     the gather outside the kernel from the bias gradient.
     """
-    T, S = q.shape[1], k.shape[1]
-    q_pos = masks.query_positions(q_offset, T)  # (B or 1, T)
-    c = None if log_forget is None else masks.forget_cumsum(log_forget)  # (B, S, N)
-    logit_bias = masks.materialize_logit_bias(bias, c, q_pos, S)  # (B|1, N, T, S) or None
-    if causal or kv_lengths is not None or window is not None:
-        visible = masks.visibility_mask(
-            q_pos, S, causal=causal, kv_lengths=kv_lengths, window=window
-        )
-        logit_bias = jnp.where(
-            visible[:, None], 0.0 if logit_bias is None else logit_bias, -jnp.inf
-        )  # (B|1, N|1, T, S)
+    logit_bias, bias_grad = masks.masked_logit_bias(
+        bias,
+        log_forget,
+        q_offset,
+        q.shape[1],
+        k.shape[1],
+        causal=causal,
+        kv_lengths=kv_lengths,
+        window=window,
+    )
     return chunked_attention(
         q,
         k,
         v,
         logit_bias,
         scale=scale,
-        bias_grad=bias is not None or c is not None,
+        bias_grad=bias_grad,
         causal_offset=static_offset if causal else None,
         window=window if causal else None,
     )

@@ -106,3 +106,22 @@ def materialize_logit_bias(bias, c, q_pos: jax.Array, S: int) -> jax.Array | Non
     if not terms:
         return None
     return terms[0] if len(terms) == 1 else terms[0] + terms[1]
+
+
+def masked_logit_bias(
+    bias, log_forget, q_offset, T: int, S: int, *, causal, kv_lengths, window, ranged=False
+) -> tuple[jax.Array | None, bool]:
+    """The one logit bias a kernel that takes it materialised ("chunked", "native") adds:
+    float32[B or 1, N or 1, T, S] (or None), the position bias plus the forget term with -inf at
+    the keys the visibility mask hides, and whether it needs a gradient (a position bias or a
+    forget term; a mask alone does not). `ranged`: the kernel hides the causal keys, and the
+    window's, itself, so only per-row key lengths join the mask."""
+    q_pos = query_positions(q_offset, T)  # (B or 1, T)
+    c = None if log_forget is None else forget_cumsum(log_forget)  # (B, S, N)
+    logit_bias = materialize_logit_bias(bias, c, q_pos, S)  # (B|1, N, T, S) or None
+    if kv_lengths is not None or (not ranged and (causal or window is not None)):
+        visible = visibility_mask(q_pos, S, causal=causal, kv_lengths=kv_lengths, window=window)
+        logit_bias = jnp.where(
+            visible[:, None], 0.0 if logit_bias is None else logit_bias, -jnp.inf
+        )  # (B|1, N|1, T, S)
+    return logit_bias, bias is not None or c is not None

@@ -307,25 +307,25 @@ def attention_from_bias(
     term materialised [B or 1, N, T, S] (as "chunked" does), the visibility mask added as -inf
     only where the kernel's own key ranges do not already give it (per-row offsets or lengths,
     a window without a static causal offset)."""
-    T, S = q.shape[1], k.shape[1]
-    q_pos = masks.query_positions(q_offset, T)  # (B or 1, T)
-    c = None if log_forget is None else masks.forget_cumsum(log_forget)  # (B, S, N)
-    logit_bias = masks.materialize_logit_bias(bias, c, q_pos, S)  # (B|1, N, T, S) or None
     ranged = causal and static_offset is not None  # the kernel hides j > i (and the window)
-    if kv_lengths is not None or (window is not None and not ranged) or (causal and not ranged):
-        visible = masks.visibility_mask(
-            q_pos, S, causal=causal, kv_lengths=kv_lengths, window=window
-        )
-        logit_bias = jnp.where(
-            visible[:, None], 0.0 if logit_bias is None else logit_bias, -jnp.inf
-        )  # (B|1, N|1, T, S)
+    logit_bias, bias_grad = masks.masked_logit_bias(
+        bias,
+        log_forget,
+        q_offset,
+        q.shape[1],
+        k.shape[1],
+        causal=causal,
+        kv_lengths=kv_lengths,
+        window=window,
+        ranged=ranged,
+    )
     return native_attention(
         q,
         k,
         v,
         logit_bias,
         scale=scale,
-        bias_grad=bias is not None or c is not None,
+        bias_grad=bias_grad,
         causal_offset=static_offset if ranged else None,
         window=window if ranged else None,
     )
