@@ -71,6 +71,53 @@ def test_bias_depends_on_positions_not_tiling(name):
     np.testing.assert_allclose(tile, full[:, 16:32, 8:24], rtol=1e-5, atol=1e-6)
 
 
+RELATIVE_FAMILIES = [n for n in BIAS_FAMILIES if families.get(n).bias.relative]
+
+
+@pytest.mark.parametrize("name", RELATIVE_FAMILIES)
+def test_a_tabulated_bias_is_the_direct_one(name):
+    """A relative bias evaluated once per offset and gathered (`masks.masked_logit_bias` with
+    `tabulate`, as the materialising kernels build it) is the bias evaluated per (query, key): a
+    per-row and a traced query offset, T != S, a sliding window, key lengths and a forget term.
+    Forced on for every relative family here; Sandwich has it by default."""
+    from posattn.attention import masks
+
+    params = _init(name, jax.random.key(3))
+    bound = families.get(name).bias.bind(CTX, SETTINGS[name])
+    assert bound.tabulate == (name == "sandwich")
+    tabled, direct = (dataclasses.replace(bound, tabulate=t) for t in (True, False))
+    gates = jax.nn.log_sigmoid(jax.random.normal(jax.random.key(4), (3, 40, CTX.num_heads)))
+    cases = [
+        (jnp.array([0, 7, 30], jnp.int32), 12, 40, dict(causal=True, kv_lengths=None, window=None)),
+        (5, 20, 17, dict(causal=False, kv_lengths=jnp.array([9, 17]), window=None)),
+        (0, 24, 24, dict(causal=True, kv_lengths=None, window=6)),
+        (2, 16, 40, dict(causal=True, kv_lengths=None, window=None, log_forget=gates)),  # + FoX
+    ]
+    for q_offset, T, S, kw in cases:
+
+        def logit_bias(fn, offset, T=T, S=S, kw=kw):
+            kw = dict(kw)
+            gates = kw.pop("log_forget", None)
+            return masks.masked_logit_bias((fn, params), gates, offset, T, S, **kw)[0]
+
+        want = logit_bias(direct, q_offset)
+        for got in (
+            logit_bias(tabled, q_offset),
+            jax.jit(logit_bias, static_argnums=0)(tabled, q_offset),
+        ):
+            assert got.shape == want.shape
+            np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+            # Other shapes vectorise differently (a sum over Sandwich's d'/2 terms may round
+            # differently by an ulp): rtol beside atol, as above.
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_tabulate_needs_a_relative_bias():
+    spec = families.get("fire").bias
+    with pytest.raises(ValueError, match="tabulate=True.*relative=True"):
+        dataclasses.replace(spec, tabulate=True)
+
+
 def _fire_numpy(params, q_pos, k_pos, settings=SETTINGS["fire"]):
     """FIRE's MLP over `positions.fire_normalized_distance`, in float64 NumPy."""
     p = {k: np.asarray(v, np.float64) for k, v in params.items()}

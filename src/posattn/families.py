@@ -444,6 +444,10 @@ class BiasSpec:
       relative: the bias depends on `i - j` only (adding one shift to every query and key
         position leaves it unchanged), so a sliding window's ring-buffer cache may renumber
         positions (posattn.nn.window); False for FIRE, whose normaliser reads `i` itself.
+      tabulate: a kernel that materialises the [T, S] bias evaluates it once per offset `i - j`
+        (T + S - 1 of them) and gathers (`posattn.attention.masks.masked_logit_bias`): the same
+        values, for a relative bias that costs far more per offset than a gather (Sandwich's
+        d'/2 sines). Requires `relative`.
     """
 
     init: Callable[[Array, Context, Settings], dict[str, Array]]
@@ -452,6 +456,14 @@ class BiasSpec:
     bounds: Mapping[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
     shared_across_layers: bool | Callable[[Settings], bool] = False
     relative: bool = True
+    tabulate: bool = False
+
+    def __post_init__(self):
+        if self.tabulate and not self.relative:
+            raise ValueError(
+                "BiasSpec(tabulate=True) needs relative=True: a table per offset "
+                "i - j holds only a bias that depends on i - j alone"
+            )
 
     def shared(self, settings: Settings) -> bool:
         """Whether one bias module serves every layer, for these settings."""
@@ -461,7 +473,7 @@ class BiasSpec:
 
     def bind(self, ctx: Context, settings: Settings) -> BiasFn:
         """The `BiasFn` for these static settings, as the attention core takes it."""
-        return BoundBias(self.fn, ctx, settings)
+        return BoundBias(self.fn, ctx, settings, tabulate=self.tabulate)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -489,6 +501,7 @@ class BoundBias:
     fn: Callable[..., Array]
     ctx: Context
     settings: Settings
+    tabulate: bool = False  # BiasSpec.tabulate: materialised once per offset, then gathered
 
     def __call__(self, params: Params, q_pos: Array, k_pos: Array) -> Array:
         return self.fn(params, q_pos, k_pos, self.ctx, self.settings)
@@ -787,7 +800,7 @@ register(
     Family(
         "sandwich",
         settings=SandwichSettings,
-        bias=BiasSpec(_sandwich_init, _sandwich_fn, trainable=False),
+        bias=BiasSpec(_sandwich_init, _sandwich_fn, trainable=False, tabulate=True),
         description="Sandwich: sinusoidal inner product, ALiBi-compressed per head",
     )
 )

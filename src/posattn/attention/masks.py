@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 f32 = jnp.float32
 
@@ -95,6 +96,20 @@ def materialize_forget(c: jax.Array, q_pos: jax.Array) -> jax.Array:
     return jnp.transpose(c_q, (0, 2, 1))[:, :, :, None] - jnp.transpose(c, (0, 2, 1))[:, :, None]
 
 
+def relative_bias_table(fn, params, q_offset, T: int, S: int) -> jax.Array:
+    """float32[B or 1, N, T, S]: a relative BiasFn (one that depends on i - j only) at queries
+    q_offset + arange(T) and keys arange(S), evaluated once per offset and gathered.
+
+    A row's offsets i - j are the T + S - 1 integers from q_offset - (S - 1) up; `fn` reads each
+    at query position i - j and key position 0, which gives the same integer offset, hence the
+    same value, as the (i, j) it stands for. The gather's indices are static."""
+    lo = jnp.atleast_1d(q_offset).astype(jnp.int32) - (S - 1)  # (B|1,) smallest offset a row
+    offsets = lo[:, None] + jnp.arange(T + S - 1, dtype=jnp.int32)[None, :]  # (B|1, T+S-1)
+    table = evaluate_bias(fn, params, offsets, jnp.zeros((1,), jnp.int32))[..., 0]  # (B|1, N, O)
+    index = np.arange(T)[:, None] - np.arange(S)[None, :] + (S - 1)  # (T, S): offset - lo
+    return jnp.take(table, jnp.asarray(index, jnp.int32), axis=-1)  # (B|1, N, T, S)
+
+
 def materialize_logit_bias(bias, c, q_pos: jax.Array, S: int) -> jax.Array | None:
     """float32[B or 1, N, T, S]: the position bias plus the forget term (c the forget cumsum or
     None), or None when there is neither."""
@@ -115,10 +130,15 @@ def masked_logit_bias(
     float32[B or 1, N or 1, T, S] (or None), the position bias plus the forget term with -inf at
     the keys the visibility mask hides, and whether it needs a gradient (a position bias or a
     forget term; a mask alone does not). `ranged`: the kernel hides the causal keys, and the
-    window's, itself, so only per-row key lengths join the mask."""
+    window's, itself, so only per-row key lengths join the mask. A bias marked `tabulate`
+    (`posattn.families.BiasSpec`) is evaluated once per offset (`relative_bias_table`)."""
     q_pos = query_positions(q_offset, T)  # (B or 1, T)
     c = None if log_forget is None else forget_cumsum(log_forget)  # (B, S, N)
-    logit_bias = materialize_logit_bias(bias, c, q_pos, S)  # (B|1, N, T, S) or None
+    if isinstance(bias, tuple) and getattr(bias[0], "tabulate", False):
+        tabled = relative_bias_table(*bias, q_offset, T, S)  # (B|1, N, T, S)
+        logit_bias = tabled if c is None else tabled + materialize_forget(c, q_pos)
+    else:
+        logit_bias = materialize_logit_bias(bias, c, q_pos, S)  # (B|1, N, T, S) or None
     if kv_lengths is not None or (not ranged and (causal or window is not None)):
         visible = visibility_mask(q_pos, S, causal=causal, kv_lengths=kv_lengths, window=window)
         logit_bias = jnp.where(
