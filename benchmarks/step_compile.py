@@ -40,6 +40,7 @@ from flax import nnx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import train_throughput  # noqa: E402  (its configs: the shapes docs/benchmarks.md measures)
+from _machine import cpu_name  # noqa: E402
 
 from posattn import config as config_lib  # noqa: E402
 from posattn.nn.model import TransformerLM  # noqa: E402
@@ -112,7 +113,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     jax.config.update("jax_enable_compilation_cache", False)
     print(
-        f"# {train_throughput.cpu_model()}, {os.cpu_count()} cores; jax {jax.__version__} "
+        f"# {cpu_name()}, {os.cpu_count()} cores; jax {jax.__version__} "
         f"({jax.default_backend()}); best of {args.repeats} compiles a part"
     )
     print()

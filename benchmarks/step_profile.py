@@ -41,6 +41,7 @@ import jax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import train_throughput  # noqa: E402  (the benchmark's Case: the same step, the same batches)
+from _machine import cpu_name  # noqa: E402
 
 # Children of an op's event (or the executor itself): not ops.
 _SKIP = ("ThunkExecutor", "Slinky", "ThreadpoolListener", "end: ")
@@ -158,7 +159,7 @@ def main(argv=None):
     parser.add_argument("--top", type=int, default=15, help="longest ops listed")
     args = parser.parse_args(argv)
     print(
-        f"# {train_throughput.cpu_model()}; jax {jax.__version__} ({jax.default_backend()}); "
+        f"# {cpu_name()}; jax {jax.__version__} ({jax.default_backend()}); "
         f"load average {train_throughput.load_average()}"
     )
     for config_name in args.configs:

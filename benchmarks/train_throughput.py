@@ -72,9 +72,9 @@ import functools
 import json
 import os
 import pathlib
-import platform
 import statistics
 import subprocess
+import sys
 import time
 
 import jax
@@ -88,6 +88,9 @@ from posattn.attention import native as native_lib
 from posattn.nn.layers import compute_dtype
 from posattn.nn.model import TransformerLM
 from posattn.train import steps
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _machine import cpu_name  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = {
@@ -415,18 +418,6 @@ def load_average() -> str:
         return "n/a"
 
 
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(
-            line.split(":", 1)[1].strip()
-            for line in out.splitlines()
-            if line.startswith("Model name")
-        )
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return platform.processor() or "unknown"
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
@@ -477,7 +468,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     print(
-        f"# {cpu_model()}, {os.cpu_count()} cores; jax {jax.__version__} "
+        f"# {cpu_name()}, {os.cpu_count()} cores; jax {jax.__version__} "
         f"({jax.default_backend()}); load average at start {load_average()}"
     )
     if args.products:
