@@ -25,9 +25,13 @@ Configs (both built from configs/tiny.py through the command-line override path)
 
 The step is `posattn.train.steps.train_step` jitted with donated state, as `posattn.train` runs it
 (AdamW, clipping, bound projection, metrics), on `data.train_batch` batches of the stdlib corpus
-built before timing. A round times --steps consecutive steps (wall clock, ended by
-`block_until_ready` on the metrics) after a warm-up; the rounds of every (config, family) and of
-the baseline alternate, so each sees the same contention; min and median over rounds are printed.
+built before timing, in a process started as `python -m posattn.train` starts (with malloc's
+transparent huge pages where they help, `posattn.hostmem`; `POSATTN_HUGE_PAGES=0` times it
+without). The page faults and system (kernel) CPU time a step, the process's over the round, are
+printed beside its time: scratch served by fresh 4 KiB pages every step shows up there. A round
+times --steps consecutive steps (wall clock, ended by `block_until_ready` on the metrics) after a
+warm-up; the rounds of every (config, family) and of the baseline alternate, so each sees the same
+contention; min and median over rounds are printed.
 
 Where the time goes, measured by timing the pieces alone, in the same process, in every round:
   attention  `attention(q, k, v, bias=the family's (BiasFn, params) of layer 0, causal,
@@ -72,22 +76,28 @@ import functools
 import json
 import os
 import pathlib
+import resource
 import statistics
 import subprocess
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
-from flax import nnx
+from posattn import hostmem
 
-from posattn import attention as attention_lib
-from posattn import config as config_lib
-from posattn import data, families
-from posattn.attention import native as native_lib
-from posattn.nn.layers import compute_dtype
-from posattn.nn.model import TransformerLM
-from posattn.train import steps
+if __name__ == "__main__":
+    hostmem.reexec_with_huge_pages()  # as `python -m posattn.train` runs (posattn.hostmem)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from posattn import attention as attention_lib  # noqa: E402
+from posattn import config as config_lib  # noqa: E402
+from posattn import data, families  # noqa: E402
+from posattn.attention import native as native_lib  # noqa: E402
+from posattn.nn.layers import compute_dtype  # noqa: E402
+from posattn.nn.model import TransformerLM  # noqa: E402
+from posattn.train import steps  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _machine import cpu_name  # noqa: E402
@@ -147,13 +157,18 @@ class Case:
         self.rounds: list[dict] = []
         self.run_steps()  # compile and warm up
 
-    def run_steps(self) -> float:
-        """Seconds per step over one window of consecutive steps."""
+    def run_steps(self) -> tuple[float, float, float]:
+        """(seconds, page faults, system seconds) per step over one window of consecutive
+        steps; the last two are the process's (minor faults, kernel CPU time on every thread)."""
+        before = resource.getrusage(resource.RUSAGE_SELF)
         start = time.perf_counter()
         for batch in self.batches:
             self.state, metrics = self.step(self.state, batch)
         jax.block_until_ready(metrics)
-        return (time.perf_counter() - start) / len(self.batches)
+        seconds = time.perf_counter() - start
+        after, n = resource.getrusage(resource.RUSAGE_SELF), len(self.batches)
+        faults, system = after.ru_minflt - before.ru_minflt, after.ru_stime - before.ru_stime
+        return seconds / n, faults / n, system / n
 
     def _attention_piece(self):
         cfg = self.cfg
@@ -226,11 +241,13 @@ class Case:
         timed(gemms, operands)
 
     def run_round(self) -> dict:
-        step_s = self.run_steps()
+        step_s, faults, system_s = self.run_steps()
         attention_s = timed(*self.attention_args, repeats=3) * self.cfg.num_layers
         matmul_s = timed(*self.matmul_args, repeats=3)
         result = {
             "step_ms": step_s * 1e3,
+            "page_faults": faults,
+            "system_ms": system_s * 1e3,
             "attention_ms": attention_s * 1e3,
             "matmul_ms": matmul_s * 1e3,
         }
@@ -471,6 +488,7 @@ def main(argv=None):
         f"# {cpu_name()}, {os.cpu_count()} cores; jax {jax.__version__} "
         f"({jax.default_backend()}); load average at start {load_average()}"
     )
+    print(f"# GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r} (posattn.hostmem)")
     if args.products:
         products(args.rounds)
         print(f"# load average at the end {load_average()}")
@@ -518,10 +536,11 @@ def main(argv=None):
 
     print(
         "\n| config | family | dtype | attention impl | step ms (min / median) | "
-        "tokens/s (median) | attention alone | matmuls alone | other | "
+        "tokens/s (median) | page faults a step (system time) | attention alone | "
+        "matmuls alone | other | "
         "x-transformers ms (min / median) | ratio (median / best) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     records = []
     for case in cases:
         step = [x["step_ms"] for x in case.rounds]
@@ -532,7 +551,10 @@ def main(argv=None):
         row = (
             f"| {case.name} | {case.family} | {case.cfg.dtype} | {case.attention_impl} | "
             f"{min(step):.1f} / {med:.1f} | "
-            f"{tokens / med * 1e3:,.0f} | {att:.1f} ms ({att / med:.0%}) | "
+            f"{tokens / med * 1e3:,.0f} | "
+            f"{statistics.median(x['page_faults'] for x in case.rounds):,.0f} "
+            f"({statistics.median(x['system_ms'] for x in case.rounds):.1f} ms) | "
+            f"{att:.1f} ms ({att / med:.0%}) | "
             f"{mm:.1f} ms ({mm / med:.0%}, "
             f"{case.matmul_flops / (mm * 1e-3) / 1e9:.0f} GFLOP/s) | "
             f"{max(med - att - mm, 0.0) / med:.0%} |"

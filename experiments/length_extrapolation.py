@@ -7,6 +7,11 @@ beside this file).
 import pathlib
 import sys
 
+from posattn import hostmem
+
+if __name__ == "__main__":
+    hostmem.reexec_with_huge_pages()  # first, before JAX starts (posattn.hostmem)
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from length_extrapolation import *  # noqa: E402,F403

@@ -3,7 +3,10 @@
 
 import sys
 
-from posattn.evaluate import main
+from posattn import hostmem
 
 if __name__ == "__main__":
+    hostmem.reexec_with_huge_pages()  # first, before JAX starts (posattn.hostmem)
+    from posattn.evaluate import main
+
     sys.exit(main())

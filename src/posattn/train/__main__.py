@@ -4,8 +4,11 @@
 import logging
 import sys
 
-from posattn.train.loop import main
+from posattn import hostmem
 
 if __name__ == "__main__":
+    hostmem.reexec_with_huge_pages()  # first, before JAX starts (posattn.hostmem)
+    from posattn.train.loop import main
+
     logging.basicConfig(level=logging.WARNING)
     sys.exit(main())
