@@ -93,3 +93,23 @@ def test_a_command_reexecutes_itself_once_with_the_tunable():
     assert tunables[0] == ("" if expected is None else hostmem.TUNABLE)
     if expected is None:
         pytest.skip("this machine would not gain from the tunable: only the no-op path ran")
+
+
+def test_the_loop_warns_only_of_scratch_glibc_maps_afresh(helps):
+    assert hostmem.scratch_hint(hostmem.MMAP_LIMIT, {}) is None  # served from the heap
+    hint = hostmem.scratch_hint(194 << 20, {})
+    assert "194 MiB" in hint and f"GLIBC_TUNABLES={hostmem.TUNABLE}" in hint
+    assert hostmem.scratch_hint(194 << 20, {"GLIBC_TUNABLES": hostmem.TUNABLE}) is None
+    assert hostmem.scratch_hint(194 << 20, {hostmem.OPT_OUT: "0"}) is None
+
+
+def test_the_loop_reads_a_programs_scratch():
+    import jax
+    import jax.numpy as jnp
+
+    from posattn.train import loop
+
+    x = jnp.ones((64, 1024))
+    compiled = jax.jit(lambda x: jnp.tanh(x.T @ x).sum()).lower(x).compile()
+    assert loop._scratch_bytes(compiled) >= 1024 * 1024 * 4  # the [1024, 1024] product
+    assert loop._scratch_bytes(object()) == 0

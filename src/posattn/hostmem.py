@@ -18,7 +18,8 @@ glibc reads its tunables once, when a process starts. So the commands that run m
 call `reexec_with_huge_pages()` first: when the setting would take effect and is not set yet, the
 command re-executes itself (same process id, same arguments) with it added to `GLIBC_TUNABLES`;
 worker processes inherit it. A program that imports posattn sets it in its own environment
-before it starts (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python train.py`).
+before it starts (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python train.py`); the training loop
+logs a warning (`scratch_hint`) when its step's scratch is over 32 MiB and the setting is missing.
 
 Nothing is changed off Linux or glibc (older than 2.35 included), where the kernel's transparent
 huge pages are "never" or already "always" (`/sys/kernel/mm/transparent_hugepage/enabled`), where
@@ -32,10 +33,18 @@ import pathlib
 import sys
 from collections.abc import Mapping
 
-__all__ = ["OPT_OUT", "TUNABLE", "huge_pages_environ", "reexec_with_huge_pages"]
+__all__ = [
+    "MMAP_LIMIT",
+    "OPT_OUT",
+    "TUNABLE",
+    "huge_pages_environ",
+    "reexec_with_huge_pages",
+    "scratch_hint",
+]
 
 TUNABLE = "glibc.malloc.hugetlb=1"
 OPT_OUT = "POSATTN_HUGE_PAGES"  # "0": leave malloc as the environment has it
+MMAP_LIMIT = 32 << 20  # glibc's largest mmap threshold (64-bit): larger blocks are always mapped
 _THP_MODE = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -93,3 +102,17 @@ def reexec_with_huge_pages() -> None:
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
     except OSError:
         return
+
+
+def scratch_hint(scratch_bytes: int, environ: Mapping[str, str] | None = None) -> str | None:
+    """A warning for a CPU program whose scratch (`compiled.memory_analysis()
+    .temp_size_in_bytes`) glibc maps afresh on every run, where `TUNABLE` would help and is not
+    set (a program of the user's own, started without it); None otherwise."""
+    environ = os.environ if environ is None else environ
+    if scratch_bytes <= MMAP_LIMIT or huge_pages_environ(environ) is None:
+        return None
+    return (
+        f"each step maps its {scratch_bytes / 2**20:.0f} MiB of scratch afresh and faults it in "
+        f"4 KiB pages; start the process with GLIBC_TUNABLES={TUNABLE} to have huge pages, as "
+        f"python -m posattn.train does (docs/training.md, 'On a CPU'; {OPT_OUT}=0 silences this)"
+    )

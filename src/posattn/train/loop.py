@@ -38,7 +38,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from posattn import cli
+from posattn import cli, hostmem
 from posattn import config as config_lib
 from posattn import data as data_lib
 from posattn.nn.model import TransformerLM
@@ -693,6 +693,10 @@ def run_loop(
                 if flops is None and hasattr(step_fn, "lower"):
                     compiled = step_fn.lower(state, batch).compile()
                     flops, step_fn = _flops(compiled), compiled
+                    if lead and jax.default_backend() == "cpu":
+                        hint = hostmem.scratch_hint(_scratch_bytes(compiled))
+                        if hint:
+                            _log.warning(hint)
                     tick = time.perf_counter()  # compilation is not a step
                 profiler.before(step)
                 state, metrics = step_fn(state, batch)
@@ -786,6 +790,14 @@ def _flops(compiled) -> float | None:
         analysis = analysis[0] if analysis else {}
     value = (analysis or {}).get("flops")
     return float(value) if value and value > 0 else None
+
+
+def _scratch_bytes(compiled) -> int:
+    """The bytes of scratch a compiled program allocates on each run (0 if XLA does not say)."""
+    try:
+        return int(compiled.memory_analysis().temp_size_in_bytes)
+    except Exception:  # no memory analysis on this backend or JAX
+        return 0
 
 
 def _timing(step_time: float, tokens_per_step: int, flops, peak_flops) -> dict[str, Any]:
