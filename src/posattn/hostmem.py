@@ -1,7 +1,7 @@
 """Transparent huge pages for XLA:CPU's scratch buffers: one glibc setting, applied by the commands.
 
 Each run of a compiled program on a CPU allocates the program's scratch (all its intermediates in
-one block: 194 MB for a training step at d_model 128, 4 layers, T 256, batch 16) and frees it when
+one block: 194 MiB for a training step at d_model 128, 4 layers, T 256, batch 16) and frees it when
 the run ends. glibc's malloc serves a block that large with a fresh `mmap` every time (its mmap
 threshold cannot exceed 32 MiB, and XLA's worker threads allocate from their own arenas, which
 cannot hold such a block), so every step maps the block, the kernel zero-fills it one 4 KiB page
