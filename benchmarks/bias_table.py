@@ -21,7 +21,6 @@ import argparse
 import dataclasses
 import pathlib
 import sys
-import time
 
 import jax
 
@@ -30,16 +29,13 @@ from posattn.attention import attention, masks
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _machine import cpu_name  # noqa: E402
+from train_throughput import timed  # noqa: E402
 
 
 def best_ms(fn, *args, rounds: int) -> float:
+    """Best milliseconds of `rounds` calls after one that compiles."""
     jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
+    return timed(fn, *args, repeats=rounds) * 1e3
 
 
 def main(argv=None) -> int:

@@ -19,7 +19,9 @@ real compile:
   * "init": the run's initialisation (`steps.jit_init_train_state`, compiled as a run compiles it).
 Printed: the best compile seconds over --repeats, the kernels XLA runs at the program's top level
 (fused loops and library calls: `fusion`, `custom-call` and `dot` instructions of the entry
-computation) and the parameter leaves. Seconds vary with the machine and its load: compare rows
+computation), the scratch each run of it allocates (`compiled.memory_analysis()
+.temp_size_in_bytes`: over 32 MiB, glibc maps it afresh every run, `posattn.hostmem`) and the
+parameter leaves. Seconds vary with the machine and its load: compare rows
 within one run.
 """
 
@@ -54,16 +56,16 @@ def entry_kernels(compiled) -> int:
     return len(_KERNEL.findall(text[text.index("ENTRY") :]))
 
 
-def compile_seconds(lower, repeats: int) -> tuple[float, int]:
-    """(best seconds to lower and compile a program from scratch, its top-level kernels);
-    `lower()` returns the program lowered."""
+def compile_seconds(lower, repeats: int) -> tuple[float, int, int]:
+    """(best seconds to lower and compile a program from scratch, its top-level kernels, the
+    scratch bytes it allocates on each run); `lower()` returns the program lowered."""
     best, compiled = float("inf"), None
     for _ in range(repeats):
         jax.clear_caches()
         start = time.perf_counter()
         compiled = lower().compile()
         best = min(best, time.perf_counter() - start)
-    return best, entry_kernels(compiled)
+    return best, entry_kernels(compiled), compiled.memory_analysis().temp_size_in_bytes
 
 
 def parts(config_name: str, family: str):
@@ -117,18 +119,21 @@ def main(argv=None):
         f"({jax.default_backend()}); best of {args.repeats} compiles a part"
     )
     print()
-    print("| config | family | parameter leaves | part | compile s | kernels | share of the step |")
-    print("|---|---|---:|---|---:|---:|---:|")
+    print(
+        "| config | family | parameter leaves | part | compile s | kernels | share of the step "
+        "| scratch bytes |"
+    )
+    print("|---|---|---:|---|---:|---:|---:|---:|")
     for config_name in args.configs:
         for family in args.families:
             leaves, programs = parts(config_name, family)
             step = None
             for name, lower in programs:
-                seconds, kernels = compile_seconds(lower, args.repeats)
+                seconds, kernels, scratch = compile_seconds(lower, args.repeats)
                 step = step or seconds
                 print(
                     f"| {config_name} | {family} | {leaves} | {name} | {seconds:.2f} | {kernels} "
-                    f"| {seconds / step:.0%} |",
+                    f"| {seconds / step:.0%} | {scratch:,} |",
                     flush=True,
                 )
 
