@@ -18,7 +18,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def pytest_configure(config):
-    """One XLA compilation cache for the whole run, empty at its start and removed at its end.
+    """The suite's LLVM level (TEST_XLA_FLAG, below), and one XLA compilation cache for the whole
+    run, empty at its start and removed at its end.
 
     Most of the suite's time is XLA compiling small programs, and many tests compile the same
     one (the same config's train step, a resumed run's step, a rerun's evaluation). With
@@ -30,6 +31,7 @@ def pytest_configure(config):
     0.2-1 s programs, initialisations and evaluation steps, are shared: tests/train and tests/nn
     took 378 s against 415 s with 1 s). A cache directory set by the user
     (JAX_COMPILATION_CACHE_DIR) is left alone; JAX_ENABLE_COMPILATION_CACHE=false turns it off."""
+    _use_test_level()
     if hasattr(config, "workerinput") or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return  # an xdist worker inherits the controller's directory
     path = tempfile.mkdtemp(prefix="posattn-tests-xla-cache-")
@@ -44,6 +46,42 @@ def pytest_configure(config):
             "jax_persistent_cache_min_compile_time_secs",
             float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]),
         )
+
+
+# LLVM's optimisation level for the programs the suite compiles (XLA's own HLO passes, fusion and
+# buffer assignment included, are unchanged). At 0 a small program compiles in about two thirds of
+# the time, and the suite is mostly compiling: tests/nn took 90 s against 135 s at XLA's default
+# (`python -m pytest tests/nn -q`, 2-core AMD EPYC). The tests check the math, which no LLVM level
+# changes beyond float rounding inside their tolerances. The default level is one variable away
+# (POSATTN_TEST_XLA_DEFAULT=1 python -m pytest -q), and is kept where XLA_FLAGS names a level.
+TEST_XLA_FLAG = "--xla_backend_optimization_level=0"
+_ADDED = "POSATTN_TEST_XLA_FLAG_ADDED"  # set when this suite added TEST_XLA_FLAG to XLA_FLAGS
+# XLA's own default level (its DebugOptions: 3), for the tests whose claim is about the programs
+# users run (bit-for-bit identities that hold in the optimised build): `jax.jit(...,
+# compiler_options=XLA_DEFAULT_LEVEL)` compiles at it whatever XLA_FLAGS says.
+XLA_DEFAULT_LEVEL = {"xla_backend_optimization_level": 3}
+
+
+def _use_test_level():
+    """Adds TEST_XLA_FLAG to this process's XLA_FLAGS (before any backend starts; xdist workers
+    and subprocesses inherit it) unless asked not to or a level is named already."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    if os.environ.get("POSATTN_TEST_XLA_DEFAULT", "") not in ("", "0"):
+        return
+    if not any(f.startswith("--xla_backend_optimization_level") for f in flags):
+        os.environ["XLA_FLAGS"] = " ".join([*flags, TEST_XLA_FLAG])
+        os.environ[_ADDED] = "1"
+
+
+def xla_flags(*extra: str, optimised: bool = False) -> str:
+    """XLA_FLAGS for a subprocess: this process's, with `extra` in place of its flags of the same
+    names; `optimised`: without the suite's LLVM level (for a subprocess that runs more than it
+    compiles: a thousand steps run slower at level 0)."""
+    names = {f.split("=")[0] for f in extra}
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] not in names]
+    if optimised and os.environ.get(_ADDED):
+        flags = [f for f in flags if f != TEST_XLA_FLAG]
+    return " ".join([*flags, *extra])
 
 
 def pytest_unconfigure(config):
@@ -104,7 +142,7 @@ def run_python(code: str, *, devices: int = 1, env: dict | None = None, timeout:
     """Runs `code` in a fresh interpreter with `devices` simulated CPU devices; returns stdout."""
     full_env = dict(
         os.environ,
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        XLA_FLAGS=xla_flags(f"--xla_force_host_platform_device_count={devices}"),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=str(ROOT / "tests") + os.pathsep + os.environ.get("PYTHONPATH", ""),
     )

@@ -9,7 +9,7 @@ import jax
 import ml_collections
 import numpy as np
 import pytest
-from conftest import ROOT
+from conftest import ROOT, xla_flags
 
 from posattn import data
 from posattn.eval import heldout, registry, summary
@@ -505,15 +505,19 @@ def test_worker_processes_give_one_cores_numbers_and_a_sigterm_resumes(tmp_path)
     core = min(os.sched_getaffinity(0))  # one process on one core: pinned, then the command
     pin = f"import os, sys; os.sched_setaffinity(0, {{{core}}}); os.execv(sys.executable, "
     pin += "[sys.executable, *sys.argv[1:]])"
+    env = dict(os.environ, XLA_FLAGS=xla_flags(optimised=True))  # 4000 steps: run, not compile
     alone = subprocess.run(
         [sys.executable, "-c", pin, *argv[1:], "--workdir", str(one)],
         capture_output=True,
         text=True,
         timeout=600,
+        env=env,
     )
     assert alone.returncode == 0, alone.stdout + alone.stderr
     argv += ["--config.workers=2", "--workdir", str(two)]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
     deadline = time.monotonic() + 300
     while not all(any((two / e / "checkpoints").glob("[0-9]*")) for e in ("alibi", "nope")):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
@@ -523,7 +527,7 @@ def test_worker_processes_give_one_cores_numbers_and_a_sigterm_resumes(tmp_path)
     assert proc.returncode == 1, out + err
     assert "stopped by SIGTERM" in err and "rerun" in err, err
     assert out.count("preempted (SIGTERM)") == 2 and not (two / "results.json").exists()
-    again = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "2 units in 2 worker processes" in again.stdout
     assert again.stdout.count("resuming") == 2, again.stdout

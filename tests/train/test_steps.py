@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from conftest import ROOT
+from conftest import ROOT, XLA_DEFAULT_LEVEL
 from flax import nnx
 
 from posattn import config as config_lib
@@ -254,7 +254,9 @@ def test_the_fast_compiled_init_gives_bitwise_the_default_compiles_state():
         steps.OptimConfig.from_config(config_lib.load_config(ROOT / "configs" / "tiny.py").train)
     )
     key = jax.random.key(3)
-    default = jax.jit(lambda k: steps.init_train_state(cfg, tx, k))(key)
+    default = jax.jit(
+        lambda k: steps.init_train_state(cfg, tx, k), compiler_options=XLA_DEFAULT_LEVEL
+    )(key)
     fast = steps.jit_init_train_state(cfg, tx, platform="cpu")(key)
     assert len(fast["params"]["blocks"]) == len(pattern)
     assert jax.tree.structure(fast) == jax.tree.structure(default)

@@ -10,7 +10,7 @@ import sys
 import time
 
 import numpy as np
-from conftest import ROOT, losses, run_python, small_config
+from conftest import ROOT, losses, run_python, small_config, xla_flags
 
 from posattn.train import train_and_evaluate
 
@@ -78,7 +78,7 @@ def _two_processes(code: str) -> list[subprocess.Popen]:
     for pid in range(2):
         env = dict(
             os.environ,
-            XLA_FLAGS="--xla_force_host_platform_device_count=2",
+            XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=2", optimised=True),
             JAX_PLATFORMS="cpu",
             JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
             JAX_NUM_PROCESSES="2",
