@@ -27,7 +27,10 @@ What the numbers are and why (experiments/README.md has the measured times and t
     rate 6e-3 (60 warmup steps, cosine to 10%): the budget that keeps ten families plus evaluation
     under 15 minutes on two CPU cores (45-68 s of training per family); 6e-3 was preferred to 3e-3
     in an earlier 600-step run whose command was not recorded (experiments/README.md says how to
-    check it).
+    check it). `--config.train.steps=3000` buys the passkey at L for five or six families (T5's
+    and FIRE's seeds included) and 0.04-0.12 nats of text at L for 12% more time on an AVX-512
+    CPU (experiments/README.md, "The whole experiment at 3000 steps"); the default keeps the
+    budget of the slower machines.
   * evaluation at L, 2L, 4L, 8L, 16L (`posattn.eval.heldout`, `scoring`): chunks of 16L drawn
     round-robin over the held-out files, the same bytes at every length, under two protocols
     (non-overlapping windows, plus positions >= L alone; sliding windows of stride L scoring each
