@@ -1,0 +1,143 @@
+"""Each training seed of a length-extrapolation run, one line each: the probes and the text at L.
+
+    python experiments/seed_table.py runs/extrapolation             # every row, every seed
+    python experiments/seed_table.py runs/kerple --params           # and the learned positions
+
+`results.json` reports a row's mean over seeds; whether a probe is learned is a property of one
+trained model, so this reads the per-seed evaluations: a run's workdir keeps them in
+`<family>/evaluations/` (seed 0) and `<family>/seed<k>/evaluations/` (seed k), a committed
+record in `evaluations/<row>.seed<k>.<evaluator>.json`. It prints a markdown table at the
+training length L, a line per row and seed:
+
+* text: the non-overlapping loss at L, nats per byte (the `loss` evaluator's sums);
+* passkey: NLL per key digit at each depth (chance ln 10 = 2.30) and the share of keys exact;
+* induction: NLL per letter at the first gap (L / 2 in the default config; chance over letters
+  ln 26 = 3.26) ± 1.96 standard errors over the samples.
+
+`--params` also restores each seed's checkpoint (a workdir only: `posattn.generate.load_model`)
+and prints the parameters of its attention biases that hold at most 16 numbers (Kerple's r1 and
+r2, FIRE's c and threshold), a line per layer; `blocks[0]` alone is one set shared by the stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import re
+import sys
+
+import numpy as np
+
+LN10, LN26 = float(np.log(10.0)), float(np.log(26.0))
+
+
+def _seed_dirs(family_dir: pathlib.Path) -> list[tuple[int, pathlib.Path]]:
+    extra = [p for p in family_dir.iterdir() if p.is_dir() and re.fullmatch(r"seed\d+", p.name)]
+    return [(0, family_dir)] + sorted((int(p.name[4:]), p) for p in extra)
+
+
+EVALUATORS = ("loss", "passkey", "induction")
+
+
+def evaluation_files(workdir: pathlib.Path) -> dict[tuple[str, int], dict[str, pathlib.Path]]:
+    """(row, seed) -> {evaluator: file}, from a workdir (`<family>/[seed<k>/]evaluations/
+    <row>.<evaluator>.json`) or a record (`evaluations/<row>.seed<k>.<evaluator>.json`)."""
+    found: dict[tuple[str, int], dict[str, pathlib.Path]] = {}
+    pattern = re.compile(r"(.+?)(?:\.seed(\d+))?\.(" + "|".join(EVALUATORS) + r")\.json")
+    dirs = [(None, workdir / "evaluations")] + [
+        (seed, sd / "evaluations")
+        for family_dir in sorted(p for p in workdir.iterdir() if p.is_dir())
+        for seed, sd in _seed_dirs(family_dir)
+    ]
+    for seed, ev in dirs:
+        if not ev.is_dir():
+            continue
+        for path in sorted(ev.iterdir()):
+            m = pattern.fullmatch(path.name)
+            if m:
+                key = (m.group(1), seed if seed is not None else int(m.group(2) or 0))
+                found.setdefault(key, {})[m.group(3)] = path
+    return found
+
+
+def _first(path: pathlib.Path | None) -> dict | None:
+    """The evaluator's values at the first length (L), or None when there is no file."""
+    return None if path is None else json.loads(path.read_text())["values"][0]
+
+
+def _fmt(x: float | None, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def seed_lines(workdir: pathlib.Path) -> list[str]:
+    lines = [
+        "| row | seed | text at L | passkey per digit, by depth | keys exact "
+        "| induction per letter |",
+        "|---|---:|---:|---|---|---:|",
+    ]
+    for (row, seed), files in sorted(evaluation_files(workdir).items()):
+        loss, pk, ind = (_first(files.get(name)) for name in EVALUATORS)
+        text = "-" if loss is None else f"{np.sum(loss['sum']) / np.sum(loss['count']):.3f}"
+        pk_loss = " / ".join(_fmt(x) for x in pk["loss"]) if pk else "-"
+        pk_acc = " / ".join(_fmt(x) for x in pk["acc"]) if pk else "-"
+        ind_cell = "-"
+        if ind and ind["loss"][0] is not None:
+            ind_cell = f"{ind['loss'][0]:.2f} ± {1.96 * ind['se'][0]:.2f}"
+        lines.append(f"| {row} | {seed} | {text} | {pk_loss} | {pk_acc} | {ind_cell} |")
+    return lines
+
+
+def param_lines(workdir: pathlib.Path, max_size: int = 16) -> list[str]:
+    import jax
+
+    from posattn.generate import load_model
+
+    lines = []
+    for family_dir in sorted(p for p in workdir.iterdir() if (p / "checkpoints").is_dir()):
+        for seed, sd in _seed_dirs(family_dir):
+            _, _, params, _, step = load_model(sd)
+            found = []
+            for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+                name = jax.tree_util.keystr(path)
+                if "['bias']" not in name or np.size(leaf) > max_size:
+                    continue
+                short = name.replace("['attn']['bias']['values']", "").replace(".value", "")
+                found.append(f"    {short} {np.array2string(np.asarray(leaf), precision=3)}")
+            if found:
+                lines.append(f"{family_dir.name} seed {seed} (step {step}):")
+                lines.extend(found)
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("workdir", type=pathlib.Path, help="a length_extrapolation.py workdir")
+    parser.add_argument(
+        "--params", action="store_true", help="also print the learned position parameters"
+    )
+    args = parser.parse_args(argv)
+    if not args.workdir.is_dir():
+        print(
+            f"{args.workdir} is not a directory: pass a length_extrapolation.py --workdir",
+            file=sys.stderr,
+        )
+        return 2
+    lines = seed_lines(args.workdir)
+    if len(lines) == 2:
+        print(
+            f"{args.workdir} holds no per-seed evaluations (<family>/evaluations/*.json): "
+            "pass the --workdir of a finished length_extrapolation.py run",
+            file=sys.stderr,
+        )
+        return 2
+    print(f"At L (chance: passkey ln 10 = {LN10:.2f} a digit, induction ln 26 = {LN26:.2f})")
+    print("\n".join(lines))
+    if args.params:
+        print("\nLearned position parameters (attention biases of at most 16 numbers):")
+        print("\n".join(param_lines(args.workdir)) or "    none")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""experiments/seed_table.py: a line per row and seed, from a workdir or a committed record."""
+
+import importlib.util
+import json
+
+import pytest
+from conftest import ROOT
+
+RECORD = ROOT / "experiments" / "passkey_3000_steps_seeds_2026-12-02_avx512_cpu"
+
+
+@pytest.fixture(scope="module")
+def seed_table():
+    path = ROOT / "experiments" / "seed_table.py"
+    spec = importlib.util.spec_from_file_location("seed_table", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write(path, values):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"key": {}, "code": {}, "values": values}))
+
+
+def test_a_committed_record_gives_the_readme_table(seed_table):
+    # experiments/README.md, "Half again the steps for T5 and FIRE": T5 seed 0 half way.
+    lines = seed_table.seed_lines(RECORD)
+    assert len(lines) == 2 + 6
+    assert "| t5 | 0 | - | 0.64 / 0.62 | 0.25 / 0.22 | 0.33 ± 0.13 |" in lines
+    assert "| fire | 2 | - | 0.01 / 0.01 | 1.00 / 1.00 | 0.33 ± 0.15 |" in lines
+
+
+def test_a_workdir_gives_every_seed_and_row(seed_table, tmp_path):
+    loss = {"sum": [3.0, 1.0], "count": [2, 2]}  # 4 / 4 = 1.000 at L
+    _write(tmp_path / "rope" / "evaluations" / "rope.loss.json", [loss, None])
+    _write(tmp_path / "rope" / "evaluations" / "rope+yarn.loss.json", [loss])
+    pk = {"loss": [0.5, 1.25], "acc": [1.0, 0.5], "se": [0.1, 0.1]}
+    _write(tmp_path / "rope" / "seed1" / "evaluations" / "rope.passkey.json", [pk])
+    ind = {"loss": [2.0, None], "acc": [0.5, None], "se": [0.5, None]}
+    _write(tmp_path / "rope" / "seed1" / "evaluations" / "rope.induction.json", [ind])
+    _write(tmp_path / "rope" / "seed10" / "evaluations" / "rope.loss.json", [loss])
+    (tmp_path / "rope" / "checkpoints").mkdir()
+    assert seed_table.seed_lines(tmp_path)[2:] == [
+        "| rope | 0 | 1.000 | - | - | - |",
+        "| rope | 1 | - | 0.50 / 1.25 | 1.00 / 0.50 | 2.00 ± 0.98 |",
+        "| rope | 10 | 1.000 | - | - | - |",
+        "| rope+yarn | 0 | 1.000 | - | - | - |",
+    ]
+
+
+def test_a_directory_without_evaluations_is_refused(seed_table, tmp_path, capsys):
+    assert seed_table.main([str(tmp_path)]) == 2
+    assert "no per-seed evaluations" in capsys.readouterr().err
+    assert seed_table.main([str(tmp_path / "missing")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
