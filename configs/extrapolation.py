@@ -52,6 +52,10 @@ they tie at 16L too. T5: 32 buckets to max_distance = L / 2 (16L loss 1.64 vs 2.
 (c = 3.2, which keeps the paper's c L, is worse by 0.16 at 16L; a threshold of L ties);
 Sandwich: d-bar = 256 (16, the head dim, gives 2.29 at 16L; 256 gives 1.39); Kerple: one (r1, r2)
 for the stack, as the reference. The learned table holds exactly L positions (nothing past L).
+These choices were made on text alone; with the probes in training they are why Kerple and
+Sandwich rarely copy (no head free of position: at d-bar 64 Sandwich copies in both seeds, and
+Kerple copies in the runs where a head's (r1, r2) reaches its floor; experiments/README.md, "Why
+Kerple and Sandwich learn neither probe").
 """
 
 import ml_collections
