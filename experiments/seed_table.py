@@ -61,9 +61,21 @@ def evaluation_files(workdir: pathlib.Path) -> dict[tuple[str, int], dict[str, p
     return found
 
 
+class TableError(ValueError):
+    """A file this table reads is not an evaluation; the message names it."""
+
+
 def _first(path: pathlib.Path | None) -> dict | None:
     """The evaluator's values at the first length (L), or None when there is no file."""
-    return None if path is None else json.loads(path.read_text())["values"][0]
+    if path is None:
+        return None
+    try:
+        return json.loads(path.read_text())["values"][0]
+    except (ValueError, KeyError, IndexError, TypeError) as e:
+        raise TableError(
+            f"{path} is not an evaluation written by length_extrapolation.py ({e!r}); "
+            "delete it and rerun the experiment's command to evaluate that row again"
+        ) from None
 
 
 def _fmt(x: float | None, spec: str = ".2f") -> str:
@@ -91,12 +103,16 @@ def seed_lines(workdir: pathlib.Path) -> list[str]:
 def param_lines(workdir: pathlib.Path, max_size: int = 16) -> list[str]:
     import jax
 
-    from posattn.generate import load_model
+    from posattn.generate import GenerateError, load_model
 
     lines = []
     for family_dir in sorted(p for p in workdir.iterdir() if (p / "checkpoints").is_dir()):
         for seed, sd in _seed_dirs(family_dir):
-            _, _, params, _, step = load_model(sd)
+            try:
+                _, _, params, _, step = load_model(sd)
+            except GenerateError as e:
+                lines.append(f"{family_dir.name} seed {seed}: not restored ({e})")
+                continue
             found = []
             for path, leaf in jax.tree_util.tree_leaves_with_path(params):
                 name = jax.tree_util.keystr(path)
@@ -123,7 +139,11 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    lines = seed_lines(args.workdir)
+    try:
+        lines = seed_lines(args.workdir)
+    except TableError as e:
+        print(e, file=sys.stderr)
+        return 2
     if len(lines) == 2:
         print(
             f"{args.workdir} holds no per-seed evaluations (<family>/evaluations/*.json): "

@@ -54,3 +54,11 @@ def test_a_directory_without_evaluations_is_refused(seed_table, tmp_path, capsys
     assert "no per-seed evaluations" in capsys.readouterr().err
     assert seed_table.main([str(tmp_path / "missing")]) == 2
     assert "is not a directory" in capsys.readouterr().err
+
+
+def test_a_damaged_evaluation_is_named(seed_table, tmp_path, capsys):
+    bad = tmp_path / "alibi" / "evaluations" / "alibi.passkey.json"
+    bad.parent.mkdir(parents=True)
+    bad.write_text("{not json")
+    assert seed_table.main([str(tmp_path)]) == 2
+    assert f"{bad} is not an evaluation" in capsys.readouterr().err
