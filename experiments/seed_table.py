@@ -9,7 +9,8 @@ trained model, so this reads the per-seed evaluations: a run's workdir keeps the
 record in `evaluations/<row>.seed<k>.<evaluator>.json`. It prints a markdown table at the
 training length L, a line per row and seed:
 
-* text: the non-overlapping loss at L, nats per byte (the `loss` evaluator's sums);
+* text: the non-overlapping loss at L, nats per byte (the `loss` evaluator's sums, or, where a
+  record keeps no loss files, `results.json`'s `loss_seeds`);
 * passkey: NLL per key digit at each depth (chance ln 10 = 2.30) and the share of keys exact;
 * induction: NLL per letter at the first gap (L / 2 in the default config; chance over letters
   ln 26 = 3.26) ± 1.96 standard errors over the samples.
@@ -82,15 +83,38 @@ def _fmt(x: float | None, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _results_text(workdir: pathlib.Path) -> dict[tuple[str, int], float]:
+    """(row, seed) -> text loss at L from `results.json`'s `loss_seeds` (empty without one)."""
+    path = workdir / "results.json"
+    if not path.is_file():
+        return {}
+    try:
+        families = json.loads(path.read_text())["families"]
+        return {
+            (row, seed): loss
+            for row, entry in families.items()
+            for seed, loss in enumerate((entry.get("loss_seeds") or [[]])[0] or [])
+            if loss is not None
+        }
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+        raise TableError(
+            f"{path} is not a results.json written by length_extrapolation.py ({e!r}); "
+            "rerun the experiment's command on its workdir to write it again"
+        ) from None
+
+
 def seed_lines(workdir: pathlib.Path) -> list[str]:
     lines = [
         "| row | seed | text at L | passkey per digit, by depth | keys exact "
         "| induction per letter |",
         "|---|---:|---:|---|---|---:|",
     ]
+    from_results = _results_text(workdir)
     for (row, seed), files in sorted(evaluation_files(workdir).items()):
         loss, pk, ind = (_first(files.get(name)) for name in EVALUATORS)
-        text = "-" if loss is None else f"{np.sum(loss['sum']) / np.sum(loss['count']):.3f}"
+        text = _fmt(from_results.get((row, seed)), ".3f")
+        if loss is not None:
+            text = f"{np.sum(loss['sum']) / np.sum(loss['count']):.3f}"
         pk_loss = " / ".join(_fmt(x) for x in pk["loss"]) if pk else "-"
         pk_acc = " / ".join(_fmt(x) for x in pk["acc"]) if pk else "-"
         ind_cell = "-"

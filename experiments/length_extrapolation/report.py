@@ -7,6 +7,7 @@ import pathlib
 import numpy as np
 
 from . import plots
+from .results import se_over_seeds
 
 __all__ = ["markdown", "write"]
 
@@ -66,6 +67,16 @@ def _seed_note(fams: dict) -> str:
         "mean over seeds ± its standard error over seeds, then the interval over text; paired "
         "differences pair seed k of one row with seed k of the other; `loss_seeds` in "
         "results.json."
+    )
+
+
+def _probe_seed_note(seeds: dict) -> str:
+    if not seeds:
+        return ""
+    n = sorted({len(v) for v in seeds.values()})
+    return (
+        f"; {'/'.join(map(str, n))} training seeds: mean ± standard error over seeds, each seed's "
+        "in `loss_seeds`"
     )
 
 
@@ -165,21 +176,34 @@ def markdown(results: dict) -> str:
             {n: f["passkey_acc"] for n, f in fams.items()},
             ".2f",
         )
-        out += _table(
-            f"Passkey loss per digit (nats; chance ln 10 = {pk['chance_loss']:.2f})",
+        seeds = pk.get("loss_seeds") or {}
+        out += _ci_table(
+            f"Passkey loss per digit (nats, mean over depths; chance ln 10 = "
+            f"{pk['chance_loss']:.2f})" + _probe_seed_note(seeds),
             lengths,
-            {n: mean(g) for n, g in pk["loss"].items()},
+            {
+                n: (
+                    mean(g),
+                    None,
+                    se_over_seeds([mean(s) for s in seeds[n]]) if n in seeds else None,
+                )
+                for n, g in pk["loss"].items()
+            },
             ".3f",
         )
     if results["induction"]:
         ind = results["induction"]
+        seeds = ind.get("loss_seeds") or {}
         for at in sorted({0, len(lengths) - 1}):
-            out += _table(
+            out += _ci_table(
                 f"Induction loss per letter (nats; chance ln 26 = {ind['chance_loss']:.2f}) at "
                 f"length {lengths[at]}, by gap (bytes between the copies; {ind['span']} letters, "
-                f"{ind['samples']} samples a cell)",
+                f"{ind['samples']} samples a cell)" + _probe_seed_note(seeds),
                 ind["gaps"],
-                {n: g[at] for n, g in ind["loss"].items()},
+                {
+                    n: (g[at], None, ind["loss_seed_se"][n][at] if n in seeds else None)
+                    for n, g in ind["loss"].items()
+                },
                 ".3f",
             )
     if results["copy_acc"]:

@@ -24,6 +24,7 @@ __all__ = [
     "describe_row",
     "fmt_list",
     "mean_over_seeds",
+    "se_over_seeds",
     "passkey_by_length",
     "plain_losses",
 ]
@@ -45,6 +46,17 @@ def mean_over_seeds(values: list) -> Any:
     if isinstance(first, bool) or not isinstance(first, int | float):
         return first
     return float(np.mean(values))
+
+
+def se_over_seeds(values: list) -> Any:
+    """The elementwise standard error over seeds (sample standard deviation / sqrt(seeds)) of
+    nested lists of numbers, one per seed (None where any seed has None)."""
+    first = values[0]
+    if isinstance(first, list):
+        return [se_over_seeds(list(x)) for x in zip(*values, strict=True)]
+    if any(v is None for v in values):
+        return None
+    return float(np.std(values, ddof=1) / np.sqrt(len(values)))
 
 
 def _legacy_row(out: dict) -> dict:
@@ -84,10 +96,25 @@ def _legacy_row(out: dict) -> dict:
 
 
 def assemble(
-    config, corpus, lengths, text, outputs, training, *, timing, provenance, origins
+    config,
+    corpus,
+    lengths,
+    text,
+    outputs,
+    training,
+    *,
+    timing,
+    provenance,
+    origins,
+    probe_seeds=None,
 ) -> dict[str, Any]:
-    """results.json from {row: {evaluator: combined output}}."""
+    """results.json from {row: {evaluator: combined output}}; `probe_seeds` ({row: {"passkey" |
+    "induction": [one output per seed]}}, rows of two or more seeds) adds each seed's probe
+    losses and their standard error over seeds."""
     rows = {name: _legacy_row(out) for name, out in outputs.items()}
+    for name, by_probe in (probe_seeds or {}).items():
+        for probe, per_seed in by_probe.items():
+            rows[name][f"{probe}_seeds"] = [_legacy_row({probe: o})[probe] for o in per_seed]
     found = _assemble(config, corpus, lengths, rows, training, timing, provenance, origins)
     blocks, stats = evaluation_blocks(config, text, lengths, rows)
     found.update(blocks)
@@ -230,6 +257,7 @@ def evaluation_blocks(config, text: heldout.EvalText, lengths, rows: dict[str, d
                 key: {n: r["passkey"].get(key) for n, r in rows.items() if "passkey" in r}
                 for key in ("acc", "digit_acc", "loss", "se")  # no "se": evaluated before it
             },
+            **_seed_blocks(rows, "passkey", ("acc", "loss")),
         }
     if config.induction.enabled:
         out["induction"] = {
@@ -241,6 +269,7 @@ def evaluation_blocks(config, text: heldout.EvalText, lengths, rows: dict[str, d
                 key: {n: r["induction"][key] for n, r in rows.items() if "induction" in r}
                 for key in ("loss", "acc", "se")
             },
+            **_seed_blocks(rows, "induction", ("loss",)),
         }
     if ev.attention_windows:
         out["attention_stats"] = {
@@ -250,6 +279,17 @@ def evaluation_blocks(config, text: heldout.EvalText, lengths, rows: dict[str, d
             "rows": {n: r["attention"] for n, r in rows.items() if "attention" in r},
         }
     return out, stats
+
+
+def _seed_blocks(rows: dict, probe: str, keys: tuple[str, ...]) -> dict:
+    """`<key>_seeds` ({row: [seed][length][cell]}) and `loss_seed_se` ({row: [length][cell]})
+    for the rows of several seeds (no keys when no row has them)."""
+    have = {n: r[f"{probe}_seeds"] for n, r in rows.items() if len(r.get(f"{probe}_seeds", [])) > 1}
+    if not have:
+        return {}
+    out = {f"{key}_seeds": {n: [s[key] for s in per] for n, per in have.items()} for key in keys}
+    out["loss_seed_se"] = {n: se_over_seeds(v) for n, v in out["loss_seeds"].items()}
+    return out
 
 
 def passkey_by_length(row: dict) -> list[float | None]:

@@ -428,7 +428,7 @@ def run(
     }
     begin = time.perf_counter()
     done, workers = _run_units(job, requested, rows, trained_rows, seeds, evaluators)
-    outputs, training, origins, seconds, tuned = {}, {}, {}, {}, {}
+    outputs, training, origins, seconds, tuned, probe_seeds = {}, {}, {}, {}, {}, {}
     for head in trained_rows:
         entry_rows = [r for r in rows if r.entry == head.entry]
         units = [done[(head.entry, seed)] for seed in seeds]
@@ -442,6 +442,12 @@ def run(
             outputs[row.name] = {
                 e.name: combine(e, [s[e.name] for s in per_seed]) for e, _ in evaluators
             }
+            if len(per_seed) > 1:  # a probe is learned by one model: keep each seed's too
+                probe_seeds[row.name] = {
+                    e.name: [s[e.name] for s in per_seed]
+                    for e, _ in evaluators
+                    if e.name in ("passkey", "induction")
+                }
             seconds[row.name] = round(sum(u["spent"][row.name] for u in units), 1)
             evaluated = next((u["by"][row.name] for u in units if u["by"][row.name]), {})
             named = "loss" if "loss" in evaluated else next(iter(evaluated), None)
@@ -473,6 +479,7 @@ def run(
         },
         provenance=prov,
         origins=origins,
+        probe_seeds=probe_seeds,
     )
     found["eval_settings_sha256"] = eval_settings_sha(config)
     (out_dir / "results.json").write_text(json.dumps(found, indent=1) + "\n")

@@ -309,12 +309,25 @@ SEEDS = [
 ]
 
 
+PROBES = [  # cheap probes on: their per-seed values and spread over seeds
+    "--config.passkey.enabled=True",
+    "--config.passkey.samples=2",
+    "--config.passkey.digits=2",
+    "--config.induction.enabled=True",
+    "--config.induction.samples=2",
+    "--config.induction.span=4",
+]
+
+
 def test_adding_seeds_trains_only_the_new_ones_and_reports_mean_and_spread(tmp_path, capsys):
-    assert experiment.main([*SEEDS, "--workdir", str(tmp_path)]) == 0
+    assert experiment.main([*SEEDS, *PROBES, "--workdir", str(tmp_path)]) == 0
     one = _read(tmp_path / "results.json")["families"]["alibi"]
     metrics = (tmp_path / "alibi" / "metrics.jsonl").read_text()
     capsys.readouterr()
-    assert experiment.main([*SEEDS, "--config.seeds=2", "--workdir", str(tmp_path)]) == 0
+    one_probes = _read(tmp_path / "results.json")
+    assert "loss_seeds" not in one_probes["passkey"]  # one seed: nothing over seeds
+    argv = [*SEEDS, *PROBES, "--config.seeds=2", "--workdir", str(tmp_path)]
+    assert experiment.main(argv) == 0
     out = capsys.readouterr().out
     assert "alibi seed 0: reused" in out and "alibi seed 1: trained (in this run" in out
     assert (tmp_path / "alibi" / "metrics.jsonl").read_text() == metrics  # seed 0 untouched
@@ -327,6 +340,19 @@ def test_adding_seeds_trains_only_the_new_ones_and_reports_mean_and_spread(tmp_p
     assert row["loss_se"][0] == pytest.approx(np.std(seeds, ddof=1) / np.sqrt(2))
     assert row["loss_sliding"] == [None, None] and results["training"]["alibi"]["seeds"] == [0, 1]
     assert "±" in (tmp_path / "results.md").read_text()
+    for probe in ("passkey", "induction"):  # each seed's probe losses, the mean their mean
+        block, first = results[probe], one_probes[probe]
+        per_seed = np.array(block["loss_seeds"]["alibi"], dtype=float)  # [seed][length][cell]
+        assert per_seed.shape[0] == 2 and block["loss_seeds"]["alibi"][0] == first["loss"]["alibi"]
+        assert np.isfinite(per_seed).any()  # None (nan here) only where a gap does not fit
+        np.testing.assert_allclose(np.array(block["loss"]["alibi"], float), per_seed.mean(0))
+        se = np.std(per_seed, axis=0, ddof=1) / np.sqrt(2)
+        np.testing.assert_allclose(np.array(block["loss_seed_se"]["alibi"], float), se)
+    assert results["passkey"]["acc_seeds"]["alibi"][0] == one_probes["passkey"]["acc"]["alibi"]
+    assert (
+        "2 training seeds: mean ± standard error over seeds"
+        in (tmp_path / "results.md").read_text()
+    )
     assert experiment.main(["--config.seeds=0", "--workdir", str(tmp_path / "x")]) == 2
 
 

@@ -6,7 +6,7 @@ import json
 import pytest
 from conftest import ROOT
 
-RECORD = ROOT / "experiments" / "passkey_3000_steps_seeds_2026-12-02_avx512_cpu"
+RECORD = ROOT / "experiments" / "record_2026-12-03_3000_steps_avx512_cpu"
 
 
 @pytest.fixture(scope="module")
@@ -24,11 +24,12 @@ def _write(path, values):
 
 
 def test_a_committed_record_gives_the_readme_table(seed_table):
-    # experiments/README.md, "Half again the steps for T5 and FIRE": T5 seed 0 half way.
+    # experiments/README.md, the record at 3000 steps: T5 seed 0 half way, the text at L from
+    # results.json's loss_seeds (the record keeps no loss files).
     lines = seed_table.seed_lines(RECORD)
-    assert len(lines) == 2 + 6
-    assert "| t5 | 0 | - | 0.64 / 0.62 | 0.25 / 0.22 | 0.33 ± 0.13 |" in lines
-    assert "| fire | 2 | - | 0.01 / 0.01 | 1.00 / 1.00 | 0.33 ± 0.15 |" in lines
+    assert len(lines) == 2 + 17 * 3
+    assert "| t5 | 0 | 1.592 | 0.64 / 0.62 | 0.25 / 0.22 | 0.33 ± 0.13 |" in lines
+    assert "| fire | 2 | 1.602 | 0.01 / 0.01 | 1.00 / 1.00 | 0.33 ± 0.15 |" in lines
 
 
 def test_a_workdir_gives_every_seed_and_row(seed_table, tmp_path):
@@ -62,3 +63,8 @@ def test_a_damaged_evaluation_is_named(seed_table, tmp_path, capsys):
     bad.write_text("{not json")
     assert seed_table.main([str(tmp_path)]) == 2
     assert f"{bad} is not an evaluation" in capsys.readouterr().err
+    bad.unlink()
+    _write(bad, [{"loss": [0.5], "acc": [1.0], "se": [0.1]}])
+    (tmp_path / "results.json").write_text('{"families": []}')
+    assert seed_table.main([str(tmp_path)]) == 2
+    assert "results.json is not a results.json" in capsys.readouterr().err
