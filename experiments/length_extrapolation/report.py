@@ -70,14 +70,14 @@ def _seed_note(fams: dict) -> str:
     )
 
 
-def _probe_seed_note(seeds: dict) -> str:
-    if not seeds:
-        return ""
-    n = sorted({len(v) for v in seeds.values()})
-    return (
-        f"; {'/'.join(map(str, n))} training seeds: mean ± standard error over seeds, each seed's "
-        "in `loss_seeds`"
-    )
+def _probe_note(seeds: dict, samples: dict) -> str:
+    if seeds:
+        n = sorted({len(v) for v in seeds.values()})
+        return (
+            f"; {'/'.join(map(str, n))} training seeds: mean ± standard error over seeds, each "
+            "seed's in `loss_seeds`"
+        )
+    return "; ± standard error over the samples" if any(samples.values()) else ""
 
 
 def markdown(results: dict) -> str:
@@ -176,34 +176,41 @@ def markdown(results: dict) -> str:
             {n: f["passkey_acc"] for n, f in fams.items()},
             ".2f",
         )
-        seeds = pk.get("loss_seeds") or {}
+        seeds, samples = pk.get("loss_seeds") or {}, pk.get("se") or {}
+
+        def digit_se(n):  # over seeds; one seed: over the samples (depths independent)
+            if n in seeds:
+                return se_over_seeds([mean(s) for s in seeds[n]])
+            return [
+                None
+                if not r or any(x is None for x in r)
+                else float(np.sqrt(np.sum(np.square(r))) / len(r))
+                for r in samples.get(n) or []
+            ] or None
+
         out += _ci_table(
             f"Passkey loss per digit (nats, mean over depths; chance ln 10 = "
-            f"{pk['chance_loss']:.2f})" + _probe_seed_note(seeds),
+            f"{pk['chance_loss']:.2f})" + _probe_note(seeds, samples),
             lengths,
-            {
-                n: (
-                    mean(g),
-                    None,
-                    se_over_seeds([mean(s) for s in seeds[n]]) if n in seeds else None,
-                )
-                for n, g in pk["loss"].items()
-            },
+            {n: (mean(g), None, digit_se(n)) for n, g in pk["loss"].items()},
             ".3f",
         )
     if results["induction"]:
         ind = results["induction"]
-        seeds = ind.get("loss_seeds") or {}
+        seeds, samples = ind.get("loss_seeds") or {}, ind.get("se") or {}
+
+        def letter_se(n, at):  # over seeds; one seed: over the samples
+            if n in seeds:
+                return ind["loss_seed_se"][n][at]
+            return (samples.get(n) or [None] * len(lengths))[at]
+
         for at in sorted({0, len(lengths) - 1}):
             out += _ci_table(
                 f"Induction loss per letter (nats; chance ln 26 = {ind['chance_loss']:.2f}) at "
                 f"length {lengths[at]}, by gap (bytes between the copies; {ind['span']} letters, "
-                f"{ind['samples']} samples a cell)" + _probe_seed_note(seeds),
+                f"{ind['samples']} samples a cell)" + _probe_note(seeds, samples),
                 ind["gaps"],
-                {
-                    n: (g[at], None, ind["loss_seed_se"][n][at] if n in seeds else None)
-                    for n, g in ind["loss"].items()
-                },
+                {n: (g[at], None, letter_se(n, at)) for n, g in ind["loss"].items()},
                 ".3f",
             )
     if results["copy_acc"]:

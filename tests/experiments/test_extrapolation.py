@@ -326,6 +326,7 @@ def test_adding_seeds_trains_only_the_new_ones_and_reports_mean_and_spread(tmp_p
     capsys.readouterr()
     one_probes = _read(tmp_path / "results.json")
     assert "loss_seeds" not in one_probes["passkey"]  # one seed: nothing over seeds
+    assert "; ± standard error over the samples" in (tmp_path / "results.md").read_text()
     argv = [*SEEDS, *PROBES, "--config.seeds=2", "--workdir", str(tmp_path)]
     assert experiment.main(argv) == 0
     out = capsys.readouterr().out
