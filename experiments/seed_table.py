@@ -5,7 +5,8 @@
 
 `results.json` reports a row's mean over seeds; whether a probe is learned is a property of one
 trained model, so this reads the per-seed evaluations: a run's workdir keeps them in
-`<family>/evaluations/` (seed 0) and `<family>/seed<k>/evaluations/` (seed k), a committed
+`<family>/evaluations/` (the first seed, `train.seed`) and `<family>/seed<k>/evaluations/`
+(seed k), a committed
 record in `evaluations/<row>.seed<k>.<evaluator>.json`. It prints a markdown table at the
 training length L, a line per row and seed:
 
@@ -33,9 +34,19 @@ import numpy as np
 LN10, LN26 = float(np.log(10.0)), float(np.log(26.0))
 
 
+def _first_seed(config_path: pathlib.Path) -> int:
+    """The run's first seed (`train.seed`, whose run is the family directory itself); 0 when
+    the directory keeps no readable config."""
+    try:
+        return int(json.loads(config_path.read_text())["train"]["seed"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
 def _seed_dirs(family_dir: pathlib.Path) -> list[tuple[int, pathlib.Path]]:
     extra = [p for p in family_dir.iterdir() if p.is_dir() and re.fullmatch(r"seed\d+", p.name)]
-    return [(0, family_dir)] + sorted((int(p.name[4:]), p) for p in extra)
+    first = _first_seed(family_dir / "config.json")
+    return [(first, family_dir)] + sorted((int(p.name[4:]), p) for p in extra)
 
 
 EVALUATORS = ("loss", "passkey", "induction")
@@ -89,11 +100,12 @@ def _results_text(workdir: pathlib.Path) -> dict[tuple[str, int], float]:
     if not path.is_file():
         return {}
     try:
-        families = json.loads(path.read_text())["families"]
+        found = json.loads(path.read_text())
+        first = int(found["config"]["train"]["seed"])  # the seeds run from train.seed on
         return {
-            (row, seed): loss
-            for row, entry in families.items()
-            for seed, loss in enumerate((entry.get("loss_seeds") or [[]])[0] or [])
+            (row, first + i): loss
+            for row, entry in found["families"].items()
+            for i, loss in enumerate((entry.get("loss_seeds") or [[]])[0] or [])
             if loss is not None
         }
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:

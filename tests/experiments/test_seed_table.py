@@ -50,6 +50,21 @@ def test_a_workdir_gives_every_seed_and_row(seed_table, tmp_path):
     ]
 
 
+def test_seeds_are_named_from_train_seed(seed_table, tmp_path):
+    # --config.train.seed=5 --config.seeds=2: the family directory is seed 5, seed6/ seed 6;
+    # results.json's loss_seeds run over the same seeds.
+    pk = {"loss": [0.5], "acc": [1.0], "se": [0.1]}
+    _write(tmp_path / "t5" / "evaluations" / "t5.passkey.json", [pk])
+    _write(tmp_path / "t5" / "seed6" / "evaluations" / "t5.passkey.json", [pk])
+    (tmp_path / "t5" / "config.json").write_text(json.dumps({"train": {"seed": 5}}))
+    results = {"config": {"train": {"seed": 5}}, "families": {"t5": {"loss_seeds": [[1.5, 2.5]]}}}
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    assert seed_table.seed_lines(tmp_path)[2:] == [
+        "| t5 | 5 | 1.500 | 0.50 | 1.00 | - |",
+        "| t5 | 6 | 2.500 | 0.50 | 1.00 | - |",
+    ]
+
+
 def test_a_directory_without_evaluations_is_refused(seed_table, tmp_path, capsys):
     assert seed_table.main([str(tmp_path)]) == 2
     assert "no per-seed evaluations" in capsys.readouterr().err
