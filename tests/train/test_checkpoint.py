@@ -134,6 +134,40 @@ def _damage_fingerprint(directory, step):
     path.write_text(json.dumps(record))
 
 
+def test_the_host_fingerprint_equals_the_compiled_one_bit_for_bit():
+    # A small state on the CPU is checked in NumPy (no program to compile); checkpoints written
+    # either way must restore either way, so both give the same checksums and finiteness.
+    rng = np.random.default_rng(0)
+    values = [
+        rng.normal(size=(7, 5)).astype(np.float32),
+        np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45], np.float32),
+        jnp.asarray(rng.normal(size=300), jnp.bfloat16),
+        rng.normal(size=(3, 3)).astype(np.float16),
+        np.array([-1, 2**31 - 1, -(2**31)], np.int32),
+        np.array([-128, -1, 0, 127], np.int8),
+        np.arange(300, dtype=np.uint8),
+        np.array([True, False, True]),
+        rng.normal(size=4),  # float64: read as float32, as jnp.asarray does
+        np.zeros((0, 3), np.float32),
+        np.float32(2.5),
+        7,
+        0.1,
+        True,
+        jnp.arange(100_000, dtype=jnp.uint32),  # products past 2^32 wrap the same way
+    ]
+    host = [checkpoint_lib._host_array(x) for x in values]
+    assert all(a is not None for a in host)
+    sums, finite = checkpoint_lib._host_fingerprints(host)
+    want_sums, want_finite = jax.device_get(
+        checkpoint_lib._fingerprints([jnp.asarray(x) for x in values])
+    )
+    assert sums == [int(v) for v in want_sums]
+    assert finite == [bool(v) for v in want_finite] and finite.count(False) == 1
+    # What only a compiled program reads goes to it.
+    assert checkpoint_lib._host_array(jax.random.key(0)) is None
+    assert checkpoint_lib._host_array(np.array(["a"])) is None
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize(
     "damage, reason",

@@ -391,11 +391,60 @@ def _fingerprints(leaves: list[jax.Array]) -> tuple[list[jax.Array], list[jax.Ar
     return out, finite
 
 
+_HOST_BYTES = 1 << 26  # up to 64 MiB of host-resident arrays: NumPy, no program to compile
+
+
+def _host_array(x: Any) -> np.ndarray | None:
+    """`x` as `_fingerprints` would read it (Python and NumPy values at JAX's default dtypes),
+    without a copy for a CPU array; None for what only a compiled program reads: an array on an
+    accelerator or across hosts, or a dtype other than 2- and 4-byte floats, integers, bool."""
+    if isinstance(x, jax.Array):
+        cpu = x.is_fully_addressable and all(d.platform == "cpu" for d in x.devices())
+        return np.asarray(x) if cpu and _host_dtype(x.dtype) else None
+    if isinstance(x, np.ndarray | np.generic | int | float | bool):
+        a = np.asarray(x)
+        a = a.astype(jax.dtypes.canonicalize_dtype(a.dtype), copy=False)
+        return a if _host_dtype(a.dtype) else None
+    return None
+
+
+def _host_dtype(dtype: Any) -> bool:
+    if jnp.issubdtype(dtype, jax.dtypes.extended):  # PRNG keys and other JAX-only types
+        return False
+    if jnp.issubdtype(dtype, jnp.floating):
+        return np.dtype(dtype).itemsize in (2, 4)
+    return np.dtype(dtype).kind in "iub" and np.dtype(dtype).itemsize in (1, 2, 4)
+
+
+def _host_fingerprints(arrays: list[np.ndarray]) -> tuple[list[int], list[bool]]:
+    """`_fingerprints` in NumPy, bit for bit (uint32 products and sums wrap the same way)."""
+    out, finite = [], []
+    for a in arrays:
+        floating = jnp.issubdtype(a.dtype, jnp.floating)
+        finite.append(bool(np.all(np.isfinite(a.astype(np.float32)))) if floating else True)
+        bits = a.reshape(-1)
+        if bits.dtype.itemsize == 4:
+            bits = bits.view(np.uint32)
+        elif bits.dtype.itemsize == 2:
+            bits = bits.view(np.uint16).astype(np.uint32)
+        else:
+            bits = bits.astype(np.uint32)
+        weights = np.arange(bits.size, dtype=np.uint32) * np.uint32(2654435761) + np.uint32(1)
+        out.append(int(np.sum(bits * weights, dtype=np.uint32)))
+    return out, finite
+
+
 def _fingerprint_and_check(state: Any) -> tuple[list[int], list[str]]:
     """(one 32-bit checksum per array, the paths of the arrays holding NaN or inf)."""
     paths_leaves = jax.tree_util.tree_leaves_with_path(state)
-    leaves = [jnp.asarray(x) for _, x in paths_leaves]  # Python scalars restore as arrays
-    sums, finite = jax.device_get(_fingerprints(leaves))
+    host = [_host_array(x) for _, x in paths_leaves]
+    if all(a is not None for a in host) and sum(a.nbytes for a in host) <= _HOST_BYTES:
+        # A small state on this host: no program to compile for its tree (0.3-0.7 s on a CPU,
+        # once per tree and process).
+        sums, finite = _host_fingerprints(host)
+    else:
+        leaves = [jnp.asarray(x) for _, x in paths_leaves]  # Python scalars restore as arrays
+        sums, finite = jax.device_get(_fingerprints(leaves))
     paths = [jax.tree_util.keystr(p) for p, _ in paths_leaves]
     bad = [p for p, ok in zip(paths, finite, strict=True) if not ok]
     return [int(v) for v in sums], bad
