@@ -23,16 +23,17 @@ What the numbers are and why (experiments/README.md has the measured times and t
     = 3.26 is a uniform guess) for six of the ten families and the passkey is retrieved by four,
     for 0.14-0.27 nats of text loss at L against training without induction rows
     (experiments/README.md, "Induction rows of up to 24 letters").
-  * 2000 steps (4.1M bytes per family, 14% of the 30.2M training bytes) at peak learning
-    rate 6e-3 (60 warmup steps, cosine to 10%): the budget that keeps ten families plus evaluation
-    under 15 minutes on two CPU cores (45-68 s of training per family); 6e-3 was preferred to 3e-3
-    in an earlier 600-step run whose command was not recorded (experiments/README.md says how to
-    check it). `--config.train.steps=3000` buys the passkey at L for five or six families (T5's
-    and FIRE's seeds included) and 0.04-0.12 nats of text at L for 12% more time on an AVX-512
-    CPU (experiments/README.md, "The whole experiment at 3000 steps"); the default keeps the
-    budget of the slower machines. The same bytes in 3000 steps of 21 rows, or a constant
-    learning rate, do not give the passkey to most seeds of T5 and FIRE ("The passkey inside the
-    default's bytes"); the record runs 3000 steps (experiments/README.md, "Record: 2026-12-03").
+  * 2000 steps (4.1M bytes per family, 14% of the 30.2M training bytes) at peak learning rate 6e-3
+    (60 warmup steps, cosine to 10%): the budget that keeps ten families plus evaluation under 15
+    minutes on two CPU cores (45-68 s of training per family); 3e-3 costs 0.04-0.15 nats of text at
+    L in nine families of ten and 1e-2 ties 6e-3, neither teaching more probes
+    (experiments/README.md, "The peak learning rate, measured"). `--config.train.steps=3000` buys
+    the passkey at L for five or six families (T5's and FIRE's seeds included) and 0.04-0.12 nats of
+    text at L for 12% more time on an AVX-512 CPU (experiments/README.md, "The whole experiment at
+    3000 steps"); the default keeps the budget of the slower machines. The same bytes in 3000 steps
+    of 21 rows, or a constant learning rate, do not give the passkey to most seeds of T5 and FIRE
+    ("The passkey inside the default's bytes"); the record runs 3000 steps (experiments/README.md,
+    "Record: 2026-12-03").
   * evaluation at L, 2L, 4L, 8L, 16L (`posattn.eval.heldout`, `scoring`): chunks of 16L drawn
     round-robin over the held-out files, the same bytes at every length, under two protocols
     (non-overlapping windows, plus positions >= L alone; sliding windows of stride L scoring each
