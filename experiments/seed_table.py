@@ -2,6 +2,7 @@
 
     python experiments/seed_table.py runs/extrapolation             # every row, every seed
     python experiments/seed_table.py runs/kerple --params           # and the learned positions
+    python experiments/seed_table.py runs/nope --heads              # and the heads that copy
 
 `results.json` reports a row's mean over seeds; whether a probe is learned is a property of one
 trained model, so this reads the per-seed evaluations: a run's workdir keeps them in
@@ -19,6 +20,10 @@ training length L, a line per row and seed:
 `--params` also restores each seed's checkpoint (a workdir only: `posattn.generate.load_model`)
 and prints the parameters of its attention biases that hold at most 16 numbers (Kerple's r1 and
 r2, FIRE's c and threshold), a line per layer; `blocks[0]` alone is one set shared by the stack.
+`--heads` (a workdir only) prints, for each seed, layer and head, the weight on the previous
+token and on the token after the query's earlier occurrence, on 32 random strings of L / 2
+letters written twice (`posattn.eval.attention_stats.head_scores`): a previous-token head in one
+layer and an induction head in a later one are how a model copies (Olsson et al. 2022).
 """
 
 from __future__ import annotations
@@ -162,11 +167,50 @@ def param_lines(workdir: pathlib.Path, max_size: int = 16) -> list[str]:
     return lines
 
 
+def head_lines(workdir: pathlib.Path, samples: int = 32) -> list[str]:
+    """Each trained seed's previous-token and induction scores per layer and head
+    (`posattn.eval.attention_stats.head_scores`) on `samples` random strings of L / 2 lowercase
+    letters written twice (L: the run's `data.seq_len`; the strings drawn from seed 0)."""
+    from posattn.eval.attention_stats import head_scores
+    from posattn.generate import GenerateError, load_model
+
+    lines = [
+        "| row | seed | layer | previous-token weight, by head | induction weight, by head |",
+        "|---|---:|---:|---|---|",
+    ]
+    for family_dir in sorted(p for p in workdir.iterdir() if (p / "checkpoints").is_dir()):
+        for seed, sd in _seed_dirs(family_dir):
+            try:
+                _, graphdef, params, constants, _ = load_model(sd)
+                L = int(json.loads((sd / "config.json").read_text())["data"]["seq_len"])
+            except (GenerateError, KeyError, ValueError) as e:
+                lines.append(f"| {family_dir.name} | {seed} | not restored ({e}) | | |")
+                continue
+            period = L // 2
+            letters = np.random.default_rng(0).integers(97, 123, size=(samples, period))
+            scores = head_scores(
+                graphdef, params, constants, np.tile(letters, (1, 2)), period=period
+            )
+            for layer, (prev, ind) in enumerate(
+                zip(scores["previous_token"], scores["induction"], strict=True)
+            ):
+                lines.append(
+                    f"| {family_dir.name} | {seed} | {layer} | "
+                    f"{' '.join(f'{x:.2f}' for x in prev)} | {' '.join(f'{x:.2f}' for x in ind)} |"
+                )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("workdir", type=pathlib.Path, help="a length_extrapolation.py workdir")
     parser.add_argument(
         "--params", action="store_true", help="also print the learned position parameters"
+    )
+    parser.add_argument(
+        "--heads",
+        action="store_true",
+        help="also print each head's previous-token and induction weight (a workdir only)",
     )
     args = parser.parse_args(argv)
     if not args.workdir.is_dir():
@@ -192,6 +236,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.params:
         print("\nLearned position parameters (attention biases of at most 16 numbers):")
         print("\n".join(param_lines(args.workdir)) or "    none")
+    if args.heads:
+        print(
+            "\nHeads on random strings of L / 2 letters written twice (Olsson et al. 2022): the "
+            "weight on the previous token, and on the token after the query's earlier occurrence"
+        )
+        print("\n".join(head_lines(args.workdir)))
     return 0
 
 

@@ -82,6 +82,59 @@ def test_probabilities_reproduce_each_layers_attention():
         x, _ = block(x)
 
 
+@pytest.mark.parametrize("position", ["nope", "alibi"])
+def test_head_scores_match_closed_forms(position):
+    """With every query 0 the probabilities are the bias's softmax: the scores are its entries
+    on the first sub-diagonal and the (period - 1)-th, averaged as defined."""
+    cfg, graphdef, params, constants = _model(position)
+    params = _zero_queries(params)
+    period, T = 7, 20
+    string = np.random.default_rng(2).integers(97, 123, size=(3, period))
+    tokens = np.tile(string, (1, 3))[:, :T]
+    got = attention_stats.head_scores(graphdef, params, constants, tokens, period=period)
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    if position == "nope":
+        slopes = np.zeros(cfg.num_heads)
+    else:
+        slopes = np.asarray(positions.alibi_slopes(cfg.num_heads), np.float64)
+    for head, m in enumerate(slopes):
+        logits = np.where(j <= i, -m * (i - j), -np.inf)
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        prev = np.mean([p[q, q - 1] for q in range(1, T)])
+        ind = np.mean([p[q, q - period + 1] for q in range(period, T)])
+        for layer in range(cfg.num_layers):
+            np.testing.assert_allclose(got["previous_token"][layer][head], prev, rtol=1e-5)
+            np.testing.assert_allclose(got["induction"][layer][head], ind, rtol=1e-5)
+    if position == "nope":  # uniform over q + 1 keys: both scores are the mean of 1 / (q + 1)
+        np.testing.assert_allclose(got["previous_token"][0][0], np.mean(1 / np.arange(2, T + 1)))
+
+
+def test_head_scores_read_the_layers_probabilities():
+    _, graphdef, params, constants = _model("rope", model__num_kv_heads=2)
+    period, T = 8, 16
+    tokens = np.tile(np.random.default_rng(3).integers(97, 123, size=(2, period)), (1, 2))
+    got = attention_stats.head_scores(graphdef, params, constants, tokens, period=period)
+    probs = attention_stats.attention_probabilities(
+        graphdef, params, constants, jnp.asarray(tokens, jnp.int32)
+    )
+    for layer, p in enumerate(probs):
+        p = np.asarray(p, np.float64)  # (B, N, T, T)
+        prev = np.mean([p[:, :, q, q - 1] for q in range(1, T)], axis=(0, 1))
+        ind = np.mean([p[:, :, q, q - period + 1] for q in range(period, T)], axis=(0, 1))
+        np.testing.assert_allclose(got["previous_token"][layer], prev, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(got["induction"][layer], ind, rtol=1e-5, atol=1e-7)
+
+
+def test_head_scores_refuse_tokens_that_do_not_repeat():
+    _, graphdef, params, constants = _model("nope")
+    tokens = np.arange(16)[None]
+    with pytest.raises(ValueError, match="do not repeat with period 8"):
+        attention_stats.head_scores(graphdef, params, constants, tokens, period=8)
+    with pytest.raises(ValueError, match="2 <= period < T"):
+        attention_stats.head_scores(graphdef, params, constants, tokens, period=16)
+
+
 def test_bad_train_len():
     _, graphdef, params, constants = _model("nope")
     with pytest.raises(ValueError, match="train_len"):

@@ -1,4 +1,5 @@
-"""Attention diagnostics per layer and head: entropy, mean attended distance, mass beyond L.
+"""Attention diagnostics per layer and head: entropy, mean attended distance, mass beyond L;
+previous-token and induction scores.
 
 Shape legend: B windows, T window length, N query heads, K key/value heads, H head dim,
 Y layers.
@@ -16,6 +17,11 @@ head this computes, from the reference attention probabilities p[i, j] (the full
 Each is averaged over the window's last `min(T, L)` queries (positions T - L .. T - 1): the
 same number of queries at every length, each with at least T - L keys before it, so a length's
 numbers describe queries that have the whole window behind them.
+
+`head_scores` names the heads that copy (Olsson et al. 2022): on a random string written twice,
+each head's weight on the previous token and on the token after the query's earlier occurrence
+(an induction head's target); `experiments/seed_table.py --heads` prints them for each trained
+seed.
 
 The q/k of each layer are taken from the model's own modules (`Attention.project_q`,
 `project_kv`, the layer's `PositionBias`), so every family (RoPE rotation and its scalings,
@@ -38,7 +44,13 @@ from posattn import attention as attention_lib
 from posattn.eval import lengths as lengths_lib
 from posattn.nn import layers
 
-__all__ = ["attention_evaluator", "attention_probabilities", "attention_stats", "attention_windows"]
+__all__ = [
+    "attention_evaluator",
+    "attention_probabilities",
+    "attention_stats",
+    "attention_windows",
+    "head_scores",
+]
 
 
 def _probabilities(
@@ -138,6 +150,61 @@ def attention_stats(
     )  # (Y, 3, N)
     names = ("entropy", "distance", "mass_beyond_L")
     return {name: values[:, n].tolist() for n, name in enumerate(names)}
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_scores(graphdef, period: int):
+    def scores(params, constants, tokens):
+        def reduce(p):  # (B, N, T, T)
+            prev = jnp.diagonal(p, offset=-1, axis1=-2, axis2=-1)  # (B, N, T - 1): p[i, i - 1]
+            # p[i, i - period + 1] for i >= period: the key after the query's earlier occurrence
+            ind = jnp.diagonal(p, offset=1 - period, axis1=-2, axis2=-1)[..., 1:]
+            return jnp.stack([prev.mean(axis=(0, 2)), ind.mean(axis=(0, 2))])  # (2, N)
+
+        rows = _per_layer(graphdef, params, constants, tokens, start=0, reduce=reduce)
+        return jnp.stack(rows)  # (Y, 2, N)
+
+    return jax.jit(scores)
+
+
+def head_scores(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    constants: nnx.State,
+    tokens: np.ndarray,
+    *,
+    period: int,
+) -> dict[str, list[list[float]]]:
+    """Previous-token and induction scores per layer and head (Olsson et al. 2022, "In-context
+    Learning and Induction Heads", on repeated random tokens).
+
+    Args:
+      tokens: int[B, T] that repeat with `period` (tokens[:, i] == tokens[:, i - period] for
+        i >= period), e.g. a random string of `period` letters written twice.
+      period: 2 <= period < T.
+
+    Returns:
+      {"previous_token": mean over queries i >= 1 of p[i, i - 1],
+       "induction": mean over queries i >= period of p[i, i - period + 1], the weight on the
+       token that followed the query's token where it occurred before (what an induction head
+       attends to)}: each a list (layers) of lists (heads) of floats in [0, 1].
+    """
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 2 or not 2 <= period < tokens.shape[1]:
+        raise ValueError(
+            f"head_scores needs tokens [B, T] and 2 <= period < T; got shape {tokens.shape} and "
+            f"period={period!r}"
+        )
+    if not np.array_equal(tokens[:, period:], tokens[:, :-period]):
+        raise ValueError(
+            f"tokens do not repeat with period {period}: build them as a random string of "
+            f"{period} tokens written twice (np.tile(string, (1, 2)))"
+        )
+    values = np.asarray(
+        _compiled_scores(graphdef, int(period))(params, constants, jnp.asarray(tokens, jnp.int32)),
+        np.float64,
+    )  # (Y, 2, N)
+    return {"previous_token": values[:, 0].tolist(), "induction": values[:, 1].tolist()}
 
 
 def attention_windows(text, length: int, count: int) -> np.ndarray:
