@@ -58,7 +58,9 @@ for the stack, as the reference. The learned table holds exactly L positions (no
 These choices were made on text alone; with the probes in training they are why Kerple and
 Sandwich rarely copy (no head free of position: at d-bar 64 Sandwich copies in both seeds, and
 Kerple copies in the runs where a head's (r1, r2) reaches its floor; experiments/README.md, "Why
-Kerple and Sandwich learn neither probe").
+Kerple and Sandwich learn neither probe"). Every run that copies has a second-layer induction head
+and NoPE forms no previous-token head, in 2, 3 or 4 layers (`python experiments/seed_table.py
+WORKDIR --heads`; experiments/README.md, "The heads that copy, and why NoPE has none").
 """
 
 import ml_collections
