@@ -161,6 +161,7 @@ def get_config(arg=None):
             bootstrap=1000,  # replicates of the bootstrap over held-out files (95% intervals)
             reference="alibi",  # paired differences of every row against this one
             attention_windows=4,  # windows per length for the attention statistics (0: off)
+            head_strings=32,  # random strings (L / 2 letters, twice) for the heads' scores at L
             batch_size=8,  # windows of the longest length per forward pass (same tokens at every T)
             attention_impl="auto",  # "blockwise" keeps long windows linear in memory
             per_position_bins=32,  # the per-position curve (at the longest length), log-spaced bins

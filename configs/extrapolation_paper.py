@@ -95,6 +95,7 @@ def get_config(arg=None):
             bootstrap=1000,
             reference="alibi",
             attention_windows=2,
+            head_strings=16,
             batch_size=4,
             attention_impl="auto",
             per_position_bins=64,

@@ -22,8 +22,9 @@ What the numbers are:
     hold a few thousand tokens each (its longest a few tens of thousands), so for a long-context
     checkpoint give `eval.lengths` or a corpus of long documents (`data.corpus=DIR`).
   * passkey, induction and copy are byte-level probes: skipped, with a note in results.json.
-    The attention statistics hold a float32 [heads, L, T] softmax per layer and window: for a
-    large model at long T set `eval.attention_windows=0`.
+    The attention statistics hold a float32 [heads, L, T] softmax per layer and window, and the
+    heads' scores at L one [heads, L, L] per string (`eval.head_strings`): for a large model at
+    long T set `eval.attention_windows=0` (both off) or `eval.head_strings=0`.
   * `finetune` (off by default; `--config.finetune.enabled=True`, a RoPE checkpoint only): rows
     `<name>+<kind>+ft` for each of `finetune.kinds`, position interpolation (Chen et al. 2023)
     and YaRN (Peng et al. 2023) as the trained RoPE rows' `+ft`: the checkpoint fine-tuned at
@@ -74,6 +75,7 @@ def get_config(arg=None):
         sliding_max_tokens=0,
         sliding_stride=0,  # 0: L
         attention_windows=2,
+        head_strings=4,
         batch_size=1,
         reference="",
     )

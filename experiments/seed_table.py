@@ -21,9 +21,11 @@ training length L, a line per row and seed:
 and prints the parameters of its attention biases that hold at most 16 numbers (Kerple's r1 and
 r2, FIRE's c and threshold), a line per layer; `blocks[0]` alone is one set shared by the stack.
 `--heads` (a workdir only) prints, for each seed, layer and head, the weight on the previous
-token and on the token after the query's earlier occurrence, on 32 random strings of L / 2
-letters written twice (`posattn.eval.attention_stats.head_scores`): a previous-token head in one
-layer and an induction head in a later one are how a model copies (Olsson et al. 2022).
+token and on the token after the query's earlier occurrence, on the random strings of L / 2
+letters written twice that the experiment's attention evaluator reads at L (`eval.head_strings`
+of them, drawn from `eval.seed`; `posattn.eval.attention_stats.head_scores`), so the first seed's
+lines are results.json's: a previous-token head in one layer and an induction head in a later
+one are how a model copies (Olsson et al. 2022).
 """
 
 from __future__ import annotations
@@ -167,35 +169,44 @@ def param_lines(workdir: pathlib.Path, max_size: int = 16) -> list[str]:
     return lines
 
 
-def head_lines(workdir: pathlib.Path, samples: int = 32) -> list[str]:
+def _head_draw(workdir: pathlib.Path) -> tuple[int, int]:
+    """(seed, strings) of the heads' random strings: the experiment's (`eval.seed`,
+    `eval.head_strings` of results.json's config), so a row's first seed prints what
+    results.json holds; 1234 and 32 (the default config's) where the run has no results.json."""
+    try:
+        ev = json.loads((workdir / "results.json").read_text())["config"]["eval"]
+        return int(ev.get("seed", 1234)), int(ev.get("head_strings", 32)) or 32
+    except (OSError, ValueError, KeyError, TypeError):
+        return 1234, 32
+
+
+def head_lines(workdir: pathlib.Path) -> list[str]:
     """Each trained seed's previous-token and induction scores per layer and head
-    (`posattn.eval.attention_stats.head_scores`) on `samples` random strings of L / 2 lowercase
-    letters written twice (L: the run's `data.seq_len`; the strings drawn from seed 0)."""
-    from posattn.eval.attention_stats import head_scores
+    (`posattn.eval.attention_stats.head_scores`) on the random strings of L / 2 tokens written
+    twice that the experiment's attention evaluator draws (`repeated_strings`, `_head_draw`)."""
+    from posattn.eval.attention_stats import head_scores, repeated_strings
     from posattn.generate import GenerateError, load_model
 
+    seed, count = _head_draw(workdir)
     lines = [
         "| row | seed | layer | previous-token weight, by head | induction weight, by head |",
         "|---|---:|---:|---|---|",
     ]
     for family_dir in sorted(p for p in workdir.iterdir() if (p / "checkpoints").is_dir()):
-        for seed, sd in _seed_dirs(family_dir):
+        for train_seed, sd in _seed_dirs(family_dir):
             try:
-                _, graphdef, params, constants, _ = load_model(sd)
+                cfg, graphdef, params, constants, _ = load_model(sd)
                 L = int(json.loads((sd / "config.json").read_text())["data"]["seq_len"])
             except (GenerateError, KeyError, ValueError) as e:
-                lines.append(f"| {family_dir.name} | {seed} | not restored ({e}) | | |")
+                lines.append(f"| {family_dir.name} | {train_seed} | not restored ({e}) | | |")
                 continue
-            period = L // 2
-            letters = np.random.default_rng(0).integers(97, 123, size=(samples, period))
-            scores = head_scores(
-                graphdef, params, constants, np.tile(letters, (1, 2)), period=period
-            )
+            tokens = repeated_strings(np.random.default_rng(seed), count, L // 2, cfg.vocab_size)
+            scores = head_scores(graphdef, params, constants, tokens, period=L // 2)
             for layer, (prev, ind) in enumerate(
                 zip(scores["previous_token"], scores["induction"], strict=True)
             ):
                 lines.append(
-                    f"| {family_dir.name} | {seed} | {layer} | "
+                    f"| {family_dir.name} | {train_seed} | {layer} | "
                     f"{' '.join(f'{x:.2f}' for x in prev)} | {' '.join(f'{x:.2f}' for x in ind)} |"
                 )
     return lines
@@ -238,8 +249,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(param_lines(args.workdir)) or "    none")
     if args.heads:
         print(
-            "\nHeads on random strings of L / 2 letters written twice (Olsson et al. 2022): the "
-            "weight on the previous token, and on the token after the query's earlier occurrence"
+            "\nHeads at L on random strings of L / 2 letters written twice (Olsson et al. 2022): "
+            "the weight on the previous token, and on the token after the query's earlier "
+            "occurrence"
         )
         print("\n".join(head_lines(args.workdir)))
     return 0

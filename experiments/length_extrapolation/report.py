@@ -218,6 +218,7 @@ def markdown(results: dict) -> str:
             "Copy accuracy (repeated random-letter segment)", lengths, results["copy_acc"], ".2f"
         )
     out += _attention_table(results, lengths)
+    out += _heads_table(results)
     if not results["training"]:  # rows of published checkpoints: nothing trained here
         return "\n".join(out) + "\n"
     out += [
@@ -284,6 +285,33 @@ def _pretrained_lines(results: dict, lengths) -> list[str]:
         {n: (f["bits_per_byte_sliding"], f["bits_per_byte_sliding_ci"]) for n, f in fams.items()},
     )
     return out
+
+
+def _heads_table(results: dict) -> list[str]:
+    """Per row at L: the head with the largest induction weight and the one with the largest
+    previous-token weight (layer.head, first seed), from `attention_stats.rows[row][0]`."""
+    block = results.get("attention_stats") or {}
+    found = {
+        n: per_length[0]
+        for n, per_length in block.get("rows", {}).items()
+        if per_length and per_length[0] and "induction" in per_length[0]
+    }
+    if not found:
+        return []
+
+    def top(grid):  # (weight, "layer.head") of the largest entry of [layer][head]
+        return max((w, f"{y}.{h}") for y, heads in enumerate(grid) for h, w in enumerate(heads))
+
+    out = [
+        f"### Heads at L ({block['heads']}; the largest of any head, layer.head, first seed)",
+        "",
+        "| row | induction weight | head | previous-token weight | head |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, at_L in found.items():
+        (ind, ind_at), (prev, prev_at) = top(at_L["induction"]), top(at_L["previous_token"])
+        out.append(f"| {name} | {ind:.2f} | {ind_at} | {prev:.2f} | {prev_at} |")
+    return out + [""]
 
 
 def _attention_table(results: dict, lengths) -> list[str]:

@@ -64,9 +64,10 @@ def check_evaluation(config: ml_collections.ConfigDict, lengths: list[int]) -> N
     for key in ("max_tokens", "batch_size", "per_position_bins", "bootstrap", "sliding_stride"):
         if not (isinstance(ev[key], int) and ev[key] > 0):
             raise fail(f"config.eval.{key}={ev[key]!r} must be a positive integer")
-    for key in ("sliding_tokens", "sliding_max_tokens", "attention_windows"):
-        if not (isinstance(ev[key], int) and ev[key] >= 0):
-            raise fail(f"config.eval.{key}={ev[key]!r} must be an integer >= 0")
+    for key in ("sliding_tokens", "sliding_max_tokens", "attention_windows", "head_strings"):
+        value = ev.get(key, 0)  # absent: the evaluator's default
+        if not (isinstance(value, int) and value >= 0):
+            raise fail(f"config.eval.{key}={value!r} must be an integer >= 0")
     if ev.sliding_stride > min(config.data.seq_len, lengths[0]):
         raise fail(
             f"config.eval.sliding_stride={ev.sliding_stride} must be at most the training length "

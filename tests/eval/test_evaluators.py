@@ -9,7 +9,7 @@ from conftest import small_config
 from posattn import config as config_lib
 from posattn import data
 from posattn.data import probes
-from posattn.eval import heldout, registry, retrieval, scoring, summary
+from posattn.eval import attention_stats, heldout, registry, retrieval, scoring, summary
 from posattn.eval import lengths as lengths_lib
 from posattn.train import steps
 
@@ -157,10 +157,21 @@ def test_probe_evaluators_wrap_their_scores_and_give_none_where_unreadable(text)
     evaluator, settings = _settings("copy", samples=2, segment=4)
     assert isinstance(evaluator.run(model, text, 32, settings), float)
     assert evaluator.run(model, text, 64, settings) is None
-    evaluator, settings = _settings("attention", attention_windows=2)
-    stats = evaluator.run(model, text, 32, settings)
-    assert set(stats) == {"entropy", "distance", "mass_beyond_L"} and len(stats["entropy"]) == 2
+    evaluator, settings = _settings("attention", attention_windows=2, head_strings=3)
+    stats = evaluator.run(model, text, 32, settings)  # at L: the heads' scores too
+    assert set(stats) == {"entropy", "distance", "mass_beyond_L", "previous_token", "induction"}
+    tokens = attention_stats.repeated_strings(np.random.default_rng(0), 3, 16, 256)
+    assert tokens.shape == (3, 32) and (tokens[:, 16:] == tokens[:, :16]).all()
+    assert tokens.min() >= ord("a") and tokens.max() <= ord("z")  # a byte model: letters
+    ids = attention_stats.repeated_strings(np.random.default_rng(0), 4, 50, 50_000)
+    assert ids.max() >= 256 and ids.max() < 50_000  # a tokenizer's model: any id
+    want = attention_stats.head_scores(*model, tokens, period=16)
+    assert stats["induction"] == want["induction"] and len(stats["entropy"]) == 2
     assert evaluator.run(model, text, 64, settings) is None
+    settings["train_len"] = 16  # past L: the statistics only
+    assert set(evaluator.run(model, text, 32, settings)) == {"entropy", "distance", "mass_beyond_L"}
+    settings.update(train_len=32, head_strings=0)  # off
+    assert "induction" not in evaluator.run(model, text, 32, settings)
 
 
 def test_registry_settings_names_and_a_new_evaluator():

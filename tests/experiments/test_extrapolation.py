@@ -122,6 +122,12 @@ def test_end_to_end_files_schema_new_evaluator_and_rerun_reuses(tmp_path, capsys
     stats = results["attention_stats"]["rows"]["rope"]
     assert stats[0]["mass_beyond_L"] == [[0.0] * 4] * 2  # at L no key is L away
     assert stats[1]["mass_beyond_L"][0][0] > 0 and stats[1]["entropy"][0][0] > 0
+    # The heads' scores at L only ([layer][head] weights), described in the block.
+    assert len(stats[0]["induction"]) == 2 and len(stats[0]["previous_token"][1]) == 4
+    assert all(0 <= w <= 1 for layer in stats[0]["induction"] for w in layer)
+    assert "induction" not in stats[1] and "16 tokens written twice" in (
+        results["attention_stats"]["heads"]
+    )
     assert results["families"]["learned"]["loss"][1] is None  # past its table: no number
     assert results["families"]["learned"]["passkey_acc"][1] is None
     assert all(x is not None for x in results["families"]["rope"]["loss"])
@@ -135,6 +141,7 @@ def test_end_to_end_files_schema_new_evaluator_and_rerun_reuses(tmp_path, capsys
     assert results["provenance"]["commit"] and results["config"]["data"]["seq_len"] == 32
     md = (tmp_path / "results.md").read_text()
     assert "| learned |" in md and "null" in md and "| rope+yarn+ft | 2 | 64 |" in md
+    assert "### Heads at L" in md and "| rope+yarn+ft | " in md.split("### Heads at L")[1]
     for png in (
         "loss_vs_length.png",
         "per_position.png",

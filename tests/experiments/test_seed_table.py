@@ -89,24 +89,33 @@ def test_a_damaged_evaluation_is_named(seed_table, tmp_path, capsys):
 def test_heads_prints_each_layers_scores_of_the_restored_model(seed_table, tmp_path):
     from conftest import small_config
 
-    from posattn.eval.attention_stats import head_scores
+    from posattn.eval.attention_stats import head_scores, repeated_strings
     from posattn.generate import load_model
     from posattn.train import train_and_evaluate
 
     config = small_config(train__steps=2, train__checkpoint_every=2)
     train_and_evaluate(config, tmp_path / "rope")
     (tmp_path / "alibi" / "checkpoints").mkdir(parents=True)  # nothing to restore
-    lines = seed_table.head_lines(tmp_path, samples=4)
     L = config.data.seq_len
     _, graphdef, params, constants, _ = load_model(tmp_path / "rope")
-    letters = np.random.default_rng(0).integers(97, 123, size=(4, L // 2))
-    want = head_scores(graphdef, params, constants, np.tile(letters, (1, 2)), period=L // 2)
+
+    def want(seed, count):
+        tokens = repeated_strings(np.random.default_rng(seed), count, L // 2, 256)
+        found = head_scores(graphdef, params, constants, tokens, period=L // 2)
+        return [
+            f"| rope | 0 | {layer} | {' '.join(f'{x:.2f}' for x in prev)} | "
+            f"{' '.join(f'{x:.2f}' for x in ind)} |"
+            for layer, (prev, ind) in enumerate(
+                zip(found["previous_token"], found["induction"], strict=True)
+            )
+        ]
+
+    lines = seed_table.head_lines(tmp_path)  # no results.json: the default config's draw
     assert lines[2].startswith("| alibi | 0 | not restored (")
-    assert lines[3:] == [
-        f"| rope | 0 | {layer} | {' '.join(f'{x:.2f}' for x in prev)} | "
-        f"{' '.join(f'{x:.2f}' for x in ind)} |"
-        for layer, (prev, ind) in enumerate(
-            zip(want["previous_token"], want["induction"], strict=True)
-        )
-    ]
-    assert len(lines) == 3 + config.model.num_layers
+    assert lines[3:] == want(1234, 32) and len(lines) == 3 + config.model.num_layers
+    # The experiment's own draw (results.json's eval.seed and eval.head_strings), so that the
+    # first seed's lines are what its attention evaluator wrote.
+    (tmp_path / "results.json").write_text(
+        json.dumps({"config": {"eval": {"seed": 7, "head_strings": 2}}})
+    )
+    assert seed_table.head_lines(tmp_path)[3:] == want(7, 2)

@@ -50,6 +50,7 @@ __all__ = [
     "attention_stats",
     "attention_windows",
     "head_scores",
+    "repeated_strings",
 ]
 
 
@@ -215,10 +216,31 @@ def attention_windows(text, length: int, count: int) -> np.ndarray:
     return windows[::per_chunk][:count, :-1]
 
 
+def repeated_strings(rng: np.random.Generator, count: int, period: int, vocab_size: int):
+    """int32[count, 2 * period]: `count` random strings of `period` tokens, each written twice;
+    lowercase letters for a byte-level model (vocabulary 256: the induction probe's alphabet),
+    else token ids drawn uniformly from the vocabulary."""
+    if vocab_size == 256:
+        string = rng.integers(ord("a"), ord("z") + 1, size=(count, period))
+    else:
+        string = rng.integers(0, vocab_size, size=(count, period))
+    return np.tile(string, (1, 2)).astype(np.int32)
+
+
 def attention_evaluator(model, text, length: int, settings: Mapping[str, Any]) -> dict | None:
     """The "attention" evaluator (`posattn.eval.registry`) at one length: `attention_stats` on
-    `attention_windows` windows of the text, None where the model cannot read the length."""
-    if not lengths_lib.can_read(lengths_lib.model_config_of(*model), int(length)):
+    `attention_windows` windows of the text, None where the model cannot read the length; at
+    the training length L also `head_scores` ("previous_token", "induction") on `head_strings`
+    random strings of L // 2 tokens written twice (`repeated_strings`, drawn from `seed`)."""
+    cfg = lengths_lib.model_config_of(*model)
+    if not lengths_lib.can_read(cfg, int(length)):
         return None
+    L = int(settings["train_len"])
     windows = attention_windows(text, int(length), int(settings["attention_windows"]))
-    return attention_stats(*model, windows, train_len=int(settings["train_len"]))
+    out = attention_stats(*model, windows, train_len=L)
+    count = int(settings.get("head_strings", 0))
+    if int(length) == L and count > 0 and L >= 4:
+        rng = np.random.default_rng(int(settings["seed"]))
+        tokens = repeated_strings(rng, count, L // 2, cfg.vocab_size)
+        out.update(head_scores(*model, tokens, period=L // 2))
+    return out

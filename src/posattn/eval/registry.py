@@ -132,7 +132,7 @@ register(
         "attention",
         attention_stats.attention_evaluator,
         section="eval",
-        defaults={"attention_windows": 4},
+        defaults={"attention_windows": 4, "head_strings": 32},
         enabled=lambda s: s["attention_windows"] > 0,
         combine="first",
     )
