@@ -20,8 +20,8 @@ numbers describe queries that have the whole window behind them.
 
 `head_scores` names the heads that copy (Olsson et al. 2022): on a random string written twice,
 each head's weight on the previous token and on the token after the query's earlier occurrence
-(an induction head's target); `experiments/seed_table.py --heads` prints them for each trained
-seed.
+(an induction head's target). The attention evaluator records them at L (`eval.head_strings`
+strings, `repeated_strings`); `experiments/seed_table.py --heads` prints them for every seed.
 
 The q/k of each layer are taken from the model's own modules (`Attention.project_q`,
 `project_kv`, the layer's `PositionBias`), so every family (RoPE rotation and its scalings,
