@@ -125,8 +125,9 @@ def test_end_to_end_files_schema_new_evaluator_and_rerun_reuses(tmp_path, capsys
     # The heads' scores at L only ([layer][head] weights), described in the block.
     assert len(stats[0]["induction"]) == 2 and len(stats[0]["previous_token"][1]) == 4
     assert all(0 <= w <= 1 for layer in stats[0]["induction"] for w in layer)
-    assert "induction" not in stats[1] and "16 tokens written twice" in (
-        results["attention_stats"]["heads"]
+    assert (
+        "induction" not in stats[1]
+        and "16 tokens written twice" in (results["attention_stats"]["heads"])
     )
     assert results["families"]["learned"]["loss"][1] is None  # past its table: no number
     assert results["families"]["learned"]["passkey_acc"][1] is None
