@@ -126,6 +126,20 @@ def test_head_scores_read_the_layers_probabilities():
         np.testing.assert_allclose(got["induction"][layer], ind, rtol=1e-5, atol=1e-7)
 
 
+def test_head_scores_in_chunks_equal_one_pass(monkeypatch):
+    _, graphdef, params, constants = _model("alibi")
+    tokens = np.tile(np.random.default_rng(4).integers(97, 123, size=(5, 8)), (1, 2))
+    whole = attention_stats.head_scores(graphdef, params, constants, tokens, period=8)
+    # 2 strings a chunk (4 heads x 16 x 16 floats each): chunks of 2, 2 and 1 padded to 2.
+    monkeypatch.setattr(attention_stats, "_HEAD_CHUNK_FLOATS", 2 * 4 * 16 * 16)
+    chunked = attention_stats.head_scores(graphdef, params, constants, tokens, period=8)
+    for key in ("previous_token", "induction"):
+        np.testing.assert_allclose(chunked[key], whole[key], rtol=1e-6)
+    one = attention_stats.head_scores(graphdef, params, constants, tokens[:1], period=8)
+    # The padding repeats string 0, whose scores differ from the mean: counting it would show.
+    assert not np.allclose(one["induction"], whole["induction"])
+
+
 def test_head_scores_refuse_tokens_that_do_not_repeat():
     _, graphdef, params, constants = _model("nope")
     tokens = np.arange(16)[None]

@@ -153,6 +153,11 @@ def attention_stats(
     return {name: values[:, n].tolist() for n, name in enumerate(names)}
 
 
+# Floats of one layer's probabilities [B, N, T, T] that `head_scores` holds at once: strings are
+# scored in chunks of at most this many (128 MiB), so a long-context model's scores fit in memory.
+_HEAD_CHUNK_FLOATS = 1 << 25
+
+
 @functools.lru_cache(maxsize=8)
 def _compiled_scores(graphdef, period: int):
     def scores(params, constants, tokens):
@@ -160,10 +165,10 @@ def _compiled_scores(graphdef, period: int):
             prev = jnp.diagonal(p, offset=-1, axis1=-2, axis2=-1)  # (B, N, T - 1): p[i, i - 1]
             # p[i, i - period + 1] for i >= period: the key after the query's earlier occurrence
             ind = jnp.diagonal(p, offset=1 - period, axis1=-2, axis2=-1)[..., 1:]
-            return jnp.stack([prev.mean(axis=(0, 2)), ind.mean(axis=(0, 2))])  # (2, N)
+            return jnp.stack([prev.mean(axis=-1), ind.mean(axis=-1)])  # (2, B, N)
 
         rows = _per_layer(graphdef, params, constants, tokens, start=0, reduce=reduce)
-        return jnp.stack(rows)  # (Y, 2, N)
+        return jnp.stack(rows)  # (Y, 2, B, N)
 
     return jax.jit(scores)
 
@@ -188,7 +193,8 @@ def head_scores(
       {"previous_token": mean over queries i >= 1 of p[i, i - 1],
        "induction": mean over queries i >= period of p[i, i - period + 1], the weight on the
        token that followed the query's token where it occurred before (what an induction head
-       attends to)}: each a list (layers) of lists (heads) of floats in [0, 1].
+       attends to)}: each a list (layers) of lists (heads) of floats in [0, 1], the mean over
+       the B strings (scored a chunk at a time: `_HEAD_CHUNK_FLOATS`).
     """
     tokens = np.asarray(tokens)
     if tokens.ndim != 2 or not 2 <= period < tokens.shape[1]:
@@ -201,10 +207,16 @@ def head_scores(
             f"tokens do not repeat with period {period}: build them as a random string of "
             f"{period} tokens written twice (np.tile(string, (1, 2)))"
         )
-    values = np.asarray(
-        _compiled_scores(graphdef, int(period))(params, constants, jnp.asarray(tokens, jnp.int32)),
-        np.float64,
-    )  # (Y, 2, N)
+    B, T = tokens.shape
+    heads = lengths_lib.model_config_of(graphdef, params, constants).num_heads
+    chunk = max(1, min(B, _HEAD_CHUNK_FLOATS // (heads * T * T)))
+    padded = np.concatenate([tokens, tokens[: -B % chunk]])  # whole chunks: one program
+    run = _compiled_scores(graphdef, int(period))
+    parts = [
+        np.asarray(run(params, constants, jnp.asarray(padded[i : i + chunk], jnp.int32)))
+        for i in range(0, padded.shape[0], chunk)
+    ]  # each (Y, 2, chunk, N)
+    values = np.concatenate(parts, axis=2)[:, :, :B].astype(np.float64).mean(axis=2)  # (Y, 2, N)
     return {"previous_token": values[:, 0].tolist(), "induction": values[:, 1].tolist()}
 
 
