@@ -27,6 +27,22 @@ def _zero_queries(params):
     )
 
 
+def _bias_softmax(cfg, position, T):
+    """Each head's probabilities float64[T, T] when every query is 0: the causal softmax of the
+    bias alone (uniform for NoPE, ALiBi's slopes otherwise)."""
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    if position == "nope":
+        slopes = np.zeros(cfg.num_heads)
+    else:
+        slopes = np.asarray(positions.alibi_slopes(cfg.num_heads), np.float64)
+    out = []
+    for m in slopes:
+        logits = np.where(j <= i, -m * (i - j), -np.inf)
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        out.append(p / p.sum(-1, keepdims=True))
+    return out
+
+
 def _closed_form(p, L):
     """entropy, distance, mass beyond L of probabilities p[T, T] over the last min(T, L) rows."""
     T = p.shape[0]
@@ -47,15 +63,7 @@ def test_stats_match_closed_forms(position):
     T, L = 48, 16
     windows = np.random.default_rng(0).integers(0, 256, size=(2, T))
     stats = attention_stats.attention_stats(graphdef, params, constants, windows, train_len=L)
-    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
-    if position == "nope":
-        slopes = np.zeros(cfg.num_heads)
-    else:
-        slopes = np.asarray(positions.alibi_slopes(cfg.num_heads), np.float64)
-    for head, m in enumerate(slopes):
-        logits = np.where(j <= i, -m * (i - j), -np.inf)
-        p = np.exp(logits - logits.max(-1, keepdims=True))
-        p /= p.sum(-1, keepdims=True)
+    for head, p in enumerate(_bias_softmax(cfg, position, T)):
         want = _closed_form(p, L)
         for layer in range(cfg.num_layers):
             got = [stats[k][layer][head] for k in ("entropy", "distance", "mass_beyond_L")]
@@ -92,21 +100,13 @@ def test_head_scores_match_closed_forms(position):
     string = np.random.default_rng(2).integers(97, 123, size=(3, period))
     tokens = np.tile(string, (1, 3))[:, :T]
     got = attention_stats.head_scores(graphdef, params, constants, tokens, period=period)
-    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
-    if position == "nope":
-        slopes = np.zeros(cfg.num_heads)
-    else:
-        slopes = np.asarray(positions.alibi_slopes(cfg.num_heads), np.float64)
-    for head, m in enumerate(slopes):
-        logits = np.where(j <= i, -m * (i - j), -np.inf)
-        p = np.exp(logits - logits.max(-1, keepdims=True))
-        p /= p.sum(-1, keepdims=True)
+    for head, p in enumerate(_bias_softmax(cfg, position, T)):
         prev = np.mean([p[q, q - 1] for q in range(1, T)])
         ind = np.mean([p[q, q - period + 1] for q in range(period, T)])
         for layer in range(cfg.num_layers):
             np.testing.assert_allclose(got["previous_token"][layer][head], prev, rtol=1e-5)
             np.testing.assert_allclose(got["induction"][layer][head], ind, rtol=1e-5)
-    if position == "nope":  # uniform over q + 1 keys: both scores are the mean of 1 / (q + 1)
+    if position == "nope":  # uniform over q + 1 keys: the previous token's weight is 1 / (q + 1)
         np.testing.assert_allclose(got["previous_token"][0][0], np.mean(1 / np.arange(2, T + 1)))
 
 
