@@ -303,7 +303,10 @@ def _heads_table(results: dict) -> list[str]:
         return max((w, f"{y}.{h}") for y, heads in enumerate(grid) for h, w in enumerate(heads))
 
     out = [
-        f"### Heads at L ({block['heads']}; the largest of any head, layer.head, first seed)",
+        "### Heads at L",
+        "",
+        f"Each head's attention {block['heads']}. Per row, the largest of any head and which "
+        "(layer.head), for the first seed.",
         "",
         "| row | induction weight | head | previous-token weight | head |",
         "|---|---:|---:|---:|---:|",

@@ -281,9 +281,9 @@ def evaluation_blocks(config, text: heldout.EvalText, lengths, rows: dict[str, d
         strings = int(ev.get("head_strings", 32))
         if strings and L >= 4:
             out["attention_stats"]["heads"] = (
-                f"at {L} only: {strings} random strings of {L // 2} tokens written twice; "
-                "previous_token: the weight on the previous token, induction: on the token after "
-                "the query's earlier occurrence (Olsson et al. 2022)"
+                f"at {L} only, on {strings} random strings of {L // 2} tokens written twice: "
+                "previous_token, the weight on the previous token; induction, the weight on the "
+                "token after the query's earlier occurrence (Olsson et al. 2022)"
             )
     return out, stats
 
