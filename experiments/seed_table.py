@@ -50,7 +50,7 @@ def _first_seed(config_path: pathlib.Path) -> int:
         return 0
 
 
-def _seed_dirs(family_dir: pathlib.Path) -> list[tuple[int, pathlib.Path]]:
+def seed_dirs(family_dir: pathlib.Path) -> list[tuple[int, pathlib.Path]]:
     extra = [p for p in family_dir.iterdir() if p.is_dir() and re.fullmatch(r"seed\d+", p.name)]
     first = _first_seed(family_dir / "config.json")
     return [(first, family_dir)] + sorted((int(p.name[4:]), p) for p in extra)
@@ -67,7 +67,7 @@ def evaluation_files(workdir: pathlib.Path) -> dict[tuple[str, int], dict[str, p
     dirs = [(None, workdir / "evaluations")] + [
         (seed, sd / "evaluations")
         for family_dir in sorted(p for p in workdir.iterdir() if p.is_dir())
-        for seed, sd in _seed_dirs(family_dir)
+        for seed, sd in seed_dirs(family_dir)
     ]
     for seed, ev in dirs:
         if not ev.is_dir():
@@ -150,7 +150,7 @@ def param_lines(workdir: pathlib.Path, max_size: int = 16) -> list[str]:
 
     lines = []
     for family_dir in sorted(p for p in workdir.iterdir() if (p / "checkpoints").is_dir()):
-        for seed, sd in _seed_dirs(family_dir):
+        for seed, sd in seed_dirs(family_dir):
             try:
                 _, _, params, _, step = load_model(sd)
             except GenerateError as e:
@@ -169,7 +169,7 @@ def param_lines(workdir: pathlib.Path, max_size: int = 16) -> list[str]:
     return lines
 
 
-def _head_draw(workdir: pathlib.Path) -> tuple[int, int]:
+def head_draw(workdir: pathlib.Path) -> tuple[int, int]:
     """(seed, strings) of the heads' random strings: the experiment's (`eval.seed`,
     `eval.head_strings` of results.json's config), so a row's first seed prints what
     results.json holds; 1234 and 32 (the default config's) where the run has no results.json."""
@@ -183,17 +183,17 @@ def _head_draw(workdir: pathlib.Path) -> tuple[int, int]:
 def head_lines(workdir: pathlib.Path) -> list[str]:
     """Each trained seed's previous-token and induction scores per layer and head
     (`posattn.eval.attention_stats.head_scores`) on the random strings of L / 2 tokens written
-    twice that the experiment's attention evaluator draws (`repeated_strings`, `_head_draw`)."""
+    twice that the experiment's attention evaluator draws (`repeated_strings`, `head_draw`)."""
     from posattn.eval.attention_stats import head_scores, repeated_strings
     from posattn.generate import GenerateError, load_model
 
-    seed, count = _head_draw(workdir)
+    seed, count = head_draw(workdir)
     lines = [
         "| row | seed | layer | previous-token weight, by head | induction weight, by head |",
         "|---|---:|---:|---|---|",
     ]
     for family_dir in sorted(p for p in workdir.iterdir() if (p / "checkpoints").is_dir()):
-        for train_seed, sd in _seed_dirs(family_dir):
+        for train_seed, sd in seed_dirs(family_dir):
             try:
                 cfg, graphdef, params, constants, _ = load_model(sd)
                 L = int(json.loads((sd / "config.json").read_text())["data"]["seq_len"])

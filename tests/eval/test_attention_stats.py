@@ -110,18 +110,24 @@ def test_head_scores_match_closed_forms(position):
         np.testing.assert_allclose(got["previous_token"][0][0], np.mean(1 / np.arange(2, T + 1)))
 
 
-def test_head_scores_read_the_layers_probabilities():
+@pytest.mark.parametrize("start", [0, 5])
+def test_head_scores_read_the_layers_probabilities(start):
     _, graphdef, params, constants = _model("rope", model__num_kv_heads=2)
-    period, T = 8, 16
-    tokens = np.tile(np.random.default_rng(3).integers(97, 123, size=(2, period)), (1, 2))
-    got = attention_stats.head_scores(graphdef, params, constants, tokens, period=period)
+    period, rng = 8, np.random.default_rng(3)
+    tokens = np.concatenate(  # `start` tokens of anything, then a string written twice
+        [rng.integers(0, 256, size=(2, start)), np.tile(rng.integers(97, 123, (2, period)), 2)], 1
+    )
+    T = tokens.shape[1]
+    got = attention_stats.head_scores(
+        graphdef, params, constants, tokens, period=period, start=start
+    )
     probs = attention_stats.attention_probabilities(
         graphdef, params, constants, jnp.asarray(tokens, jnp.int32)
     )
     for layer, p in enumerate(probs):
         p = np.asarray(p, np.float64)  # (B, N, T, T)
-        prev = np.mean([p[:, :, q, q - 1] for q in range(1, T)], axis=(0, 1))
-        ind = np.mean([p[:, :, q, q - period + 1] for q in range(period, T)], axis=(0, 1))
+        prev = np.mean([p[:, :, q, q - 1] for q in range(start + 1, T)], axis=(0, 1))
+        ind = np.mean([p[:, :, q, q - period + 1] for q in range(start + period, T)], axis=(0, 1))
         np.testing.assert_allclose(got["previous_token"][layer], prev, rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(got["induction"][layer], ind, rtol=1e-5, atol=1e-7)
 
@@ -143,10 +149,12 @@ def test_head_scores_in_chunks_equal_one_pass(monkeypatch):
 def test_head_scores_refuse_tokens_that_do_not_repeat():
     _, graphdef, params, constants = _model("nope")
     tokens = np.arange(16)[None]
-    with pytest.raises(ValueError, match="do not repeat with period 8"):
+    with pytest.raises(ValueError, match="do not repeat with period 8 from 0 on"):
         attention_stats.head_scores(graphdef, params, constants, tokens, period=8)
-    with pytest.raises(ValueError, match="2 <= period < T"):
+    with pytest.raises(ValueError, match="start \\+ period < T"):
         attention_stats.head_scores(graphdef, params, constants, tokens, period=16)
+    with pytest.raises(ValueError, match="start \\+ period < T"):
+        attention_stats.head_scores(graphdef, params, constants, tokens, period=4, start=12)
 
 
 def test_bad_train_len():

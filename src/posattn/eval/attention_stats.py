@@ -158,13 +158,15 @@ def attention_stats(
 _HEAD_CHUNK_FLOATS = 1 << 25
 
 
-@functools.lru_cache(maxsize=8)
-def _compiled_scores(graphdef, period: int):
+@functools.lru_cache(maxsize=16)
+def _compiled_scores(graphdef, period: int, start: int):
     def scores(params, constants, tokens):
         def reduce(p):  # (B, N, T, T)
-            prev = jnp.diagonal(p, offset=-1, axis1=-2, axis2=-1)  # (B, N, T - 1): p[i, i - 1]
-            # p[i, i - period + 1] for i >= period: the key after the query's earlier occurrence
-            ind = jnp.diagonal(p, offset=1 - period, axis1=-2, axis2=-1)[..., 1:]
+            # p[i, i - 1] for i > start (element k of the diagonal is query k + 1)
+            prev = jnp.diagonal(p, offset=-1, axis1=-2, axis2=-1)[..., start:]
+            # p[i, i - period + 1] for i >= start + period: the key after the query's earlier
+            # occurrence (element k is query k + period - 1)
+            ind = jnp.diagonal(p, offset=1 - period, axis1=-2, axis2=-1)[..., start + 1 :]
             return jnp.stack([prev.mean(axis=-1), ind.mean(axis=-1)])  # (2, B, N)
 
         rows = _per_layer(graphdef, params, constants, tokens, start=0, reduce=reduce)
@@ -180,38 +182,43 @@ def head_scores(
     tokens: np.ndarray,
     *,
     period: int,
+    start: int = 0,
 ) -> dict[str, list[list[float]]]:
     """Previous-token and induction scores per layer and head (Olsson et al. 2022, "In-context
     Learning and Induction Heads", on repeated random tokens).
 
     Args:
-      tokens: int[B, T] that repeat with `period` (tokens[:, i] == tokens[:, i - period] for
-        i >= period), e.g. a random string of `period` letters written twice.
-      period: 2 <= period < T.
+      tokens: int[B, T] that repeat with `period` from `start` on (tokens[:, i] ==
+        tokens[:, i - period] for i >= start + period), e.g. a random string of `period`
+        letters written twice, after `start` tokens of anything (text, to read the heads in a
+        window longer than the string).
+      period: 2 <= period and start + period < T.
+      start: where the repeated part begins (0: the whole window).
 
     Returns:
-      {"previous_token": mean over queries i >= 1 of p[i, i - 1],
-       "induction": mean over queries i >= period of p[i, i - period + 1], the weight on the
-       token that followed the query's token where it occurred before (what an induction head
-       attends to)}: each a list (layers) of lists (heads) of floats in [0, 1], the mean over
-       the B strings (scored a chunk at a time: `_HEAD_CHUNK_FLOATS`).
+      {"previous_token": mean over queries i > start of p[i, i - 1],
+       "induction": mean over queries i >= start + period of p[i, i - period + 1], the weight on
+       the token that followed the query's token where it occurred before (what an induction
+       head attends to)}: each a list (layers) of lists (heads) of floats in [0, 1], the mean
+       over the B strings (scored a chunk at a time: `_HEAD_CHUNK_FLOATS`).
     """
     tokens = np.asarray(tokens)
-    if tokens.ndim != 2 or not 2 <= period < tokens.shape[1]:
+    if tokens.ndim != 2 or not (2 <= period and 0 <= start and start + period < tokens.shape[1]):
         raise ValueError(
-            f"head_scores needs tokens [B, T] and 2 <= period < T; got shape {tokens.shape} and "
-            f"period={period!r}"
+            f"head_scores needs tokens [B, T], 2 <= period and start + period < T; got shape "
+            f"{tokens.shape}, period={period!r}, start={start!r}"
         )
-    if not np.array_equal(tokens[:, period:], tokens[:, :-period]):
+    if not np.array_equal(tokens[:, start + period :], tokens[:, start:-period]):
         raise ValueError(
-            f"tokens do not repeat with period {period}: build them as a random string of "
-            f"{period} tokens written twice (np.tile(string, (1, 2)))"
+            f"tokens do not repeat with period {period} from {start} on: build them as a random "
+            f"string of {period} tokens written twice (np.tile(string, (1, 2))) after {start} "
+            "tokens"
         )
     B, T = tokens.shape
     heads = lengths_lib.model_config_of(graphdef, params, constants).num_heads
     chunk = max(1, min(B, _HEAD_CHUNK_FLOATS // (heads * T * T)))
     padded = np.concatenate([tokens, tokens[: -B % chunk]])  # whole chunks: one program
-    run = _compiled_scores(graphdef, int(period))
+    run = _compiled_scores(graphdef, int(period), int(start))
     parts = [
         np.asarray(run(params, constants, jnp.asarray(padded[i : i + chunk], jnp.int32)))
         for i in range(0, padded.shape[0], chunk)

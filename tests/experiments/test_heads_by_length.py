@@ -1,0 +1,51 @@
+"""experiments/heads_by_length.py: the copying head read at every evaluation length."""
+
+import importlib.util
+
+import numpy as np
+import pytest
+from conftest import ROOT, small_config
+
+from posattn.eval.attention_stats import head_scores, repeated_strings
+from posattn.generate import load_model
+from posattn.train import train_and_evaluate
+
+
+@pytest.fixture(scope="module")
+def script():
+    path = ROOT / "experiments" / "heads_by_length.py"
+    spec = importlib.util.spec_from_file_location("heads_by_length", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_head_chosen_at_L_is_read_at_every_length(script, tmp_path):
+    for position in ("rope", "learned"):
+        config = small_config(  # the learned table holds L = 32 positions, no more
+            model__position=position, model__max_len=32, train__steps=2, train__checkpoint_every=2
+        )
+        train_and_evaluate(config, tmp_path / position)
+    L = config.data.seq_len
+    header, rule, learned, rope = script.head_rows(tmp_path)
+    lengths = [m * L for m in (1, 2, 4, 8, 16)]  # no results.json: the default multiples
+    assert header.split(" | ")[3:8] == [str(t) for t in lengths]
+    assert learned.startswith("| learned | 0 | ") and learned.endswith("| - | - | - | - | - |")
+    # At L the head is the one with the largest induction weight on the evaluator's strings
+    # (eval.seed 1234, 32 strings without a results.json), and its weight is that one.
+    _, graphdef, params, constants, _ = load_model(tmp_path / "rope")
+    tokens = repeated_strings(np.random.default_rng(1234), 32, L // 2, 256)
+    at_L = head_scores(graphdef, params, constants, tokens, period=L // 2)["induction"]
+    layer, head = np.unravel_index(np.argmax(at_L), np.shape(at_L))
+    cells = [c.strip() for c in rope.strip("|").split("|")]
+    assert cells[:3] == ["rope", "0", f"{layer}.{head}"]
+    assert cells[3] == f"{np.max(at_L):.2f}"
+    weights = [float(c) for c in cells[3:]]
+    assert all(0 <= w <= 1 for w in weights) and weights[-1] >= weights[-2]  # any head >= it
+
+
+def test_a_directory_without_checkpoints_is_refused(script, tmp_path, capsys):
+    assert script.main([str(tmp_path)]) == 2
+    assert "no trained checkpoints" in capsys.readouterr().err
+    assert script.main([str(tmp_path / "missing")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
