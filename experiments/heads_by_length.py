@@ -14,10 +14,15 @@ training window had. The strings are drawn as the experiment's attention evaluat
 (`eval.seed`, `eval.head_strings` of results.json's config; 1234 and 32 without one), the text
 from the corpus's held-out split at offsets drawn from the same seed.
 
-It prints a markdown table, a line per row and seed: the head (layer.head), its induction weight
-at each length (`-` where the model cannot read the length: the learned table), and the largest
-induction weight of any head at the longest length. Fine-tuned and eval-time rows are not
-trained directories and are not read.
+It also follows the previous-token head that most likely feeds the copying one (the largest
+previous-token weight in the layers below it, chosen at L), over the same queries, so that a
+failure past L can be placed: the first layer's local head losing its target, or the induction
+head losing its own with the local head intact.
+
+It prints a markdown table, a line per row and seed: the two heads (layer.head), their weights
+at each length as "induction / previous-token" (`-` where the model cannot read the length: the
+learned table), and the largest induction weight of any head at the longest length. Fine-tuned
+and eval-time rows are not trained directories and are not read.
 """
 
 from __future__ import annotations
@@ -40,6 +45,24 @@ def _lengths(workdir: pathlib.Path, L: int) -> list[int]:
         return [int(t) for t in next(iter(fams.values()))["eval_len"]]
     except (OSError, ValueError, KeyError, TypeError, StopIteration):
         return [m * L for m in (1, 2, 4, 8, 16)]
+
+
+def _heads_at_L(found: dict) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(layer, head) of the largest induction weight, and of the largest previous-token weight
+    in the layers below it (every layer when it is in the first): the head that copies and the
+    one most likely to feed it."""
+    ind = found["induction"]
+    y, h = max(
+        ((y, h) for y in range(len(ind)) for h in range(len(ind[y]))),
+        key=lambda yh: ind[yh[0]][yh[1]],
+    )
+    prev = found["previous_token"]
+    below = range(y) if y > 0 else range(len(prev))
+    py, ph = max(
+        ((py, ph) for py in below for ph in range(len(prev[py]))),
+        key=lambda yh: prev[yh[0]][yh[1]],
+    )
+    return (y, h), (py, ph)
 
 
 def head_rows(workdir: pathlib.Path) -> list[str]:
@@ -69,10 +92,10 @@ def head_rows(workdir: pathlib.Path) -> list[str]:
             rng = np.random.default_rng(seed)
             strings = repeated_strings(rng, count, L // 2, cfg.vocab_size)  # (count, L)
             at = rng.integers(0, val.size - max(lengths), size=count)  # the text's offsets
-            weights, top = [], None
+            cells, top = [], None
             for T in lengths:
                 if not lengths_lib.can_read(cfg, T):
-                    weights.append(None)
+                    cells.append(None)
                     continue
                 text = np.stack([val[a : a + T - L] for a in at]).astype(np.int32)
                 found = head_scores(
@@ -82,24 +105,29 @@ def head_rows(workdir: pathlib.Path) -> list[str]:
                     np.concatenate([text, strings], axis=1),
                     period=L // 2,
                     start=T - L,
-                )["induction"]  # [layer][head]
-                if top is None:  # the head that copies at L (the first length)
-                    top = max(
-                        ((w, y, h) for y, hs in enumerate(found) for h, w in enumerate(hs)),
-                        key=lambda x: x[0],
-                    )[1:]
-                weights.append((found[top[0]][top[1]], max(max(hs) for hs in found)))
-            cells = " | ".join("-" if w is None else f"{w[0]:.2f}" for w in weights)
-            last = weights[-1]
+                )  # {"previous_token", "induction"}: [layer][head]
+                if top is None:  # the heads at L (the first length)
+                    top = _heads_at_L(found)
+                (y, h), (py, ph) = top
+                cells.append(
+                    (
+                        found["induction"][y][h],
+                        found["previous_token"][py][ph],
+                        max(max(hs) for hs in found["induction"]),
+                    )
+                )
+            text_cells = " | ".join("-" if c is None else f"{c[0]:.2f} / {c[1]:.2f}" for c in cells)
+            (y, h), (py, ph) = top
+            last = "-" if cells[-1] is None else f"{cells[-1][2]:.2f}"
             lines.append(
-                f"| {family_dir.name} | {train_seed} | {top[0]}.{top[1]} | {cells} | "
-                f"{'-' if last is None else f'{last[1]:.2f}'} |"
+                f"| {family_dir.name} | {train_seed} | {y}.{h}, {py}.{ph} | {text_cells} | {last} |"
             )
     if header is None:
         return lines
     head = " | ".join(str(t) for t in header)
     return [
-        f"| row | seed | head (at {header[0]}) | {head} | any head at {header[-1]} |",
+        f"| row | seed | heads at {header[0]}: induction, previous-token | {head} | "
+        f"any head's induction at {header[-1]} |",
         "|---|---:|---:|" + "---:|" * (len(header) + 1),
         *lines,
     ]
@@ -124,8 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     print(
-        "Induction weight of each seed's copying head (chosen at L) with T - L bytes of held-out "
-        "text before the string and its repeat"
+        "Each seed's copying head and the previous-token head below it (chosen at L): their "
+        "weights, induction / previous-token, with T - L bytes of held-out text before the "
+        "string and its repeat"
     )
     print("\n".join(lines))
     return 0

@@ -35,13 +35,17 @@ def test_the_head_chosen_at_L_is_read_at_every_length(script, tmp_path):
     # (eval.seed 1234, 32 strings without a results.json), and its weight is that one.
     _, graphdef, params, constants, _ = load_model(tmp_path / "rope")
     tokens = repeated_strings(np.random.default_rng(1234), 32, L // 2, 256)
-    at_L = head_scores(graphdef, params, constants, tokens, period=L // 2)["induction"]
-    layer, head = np.unravel_index(np.argmax(at_L), np.shape(at_L))
+    at_L = head_scores(graphdef, params, constants, tokens, period=L // 2)
+    ind, prev = np.asarray(at_L["induction"]), np.asarray(at_L["previous_token"])
+    layer, head = np.unravel_index(np.argmax(ind), ind.shape)
+    below = prev[:layer] if layer > 0 else prev  # the feeding head: in a layer below the copier
+    p_layer, p_head = np.unravel_index(np.argmax(below), below.shape)
     cells = [c.strip() for c in rope.strip("|").split("|")]
-    assert cells[:3] == ["rope", "0", f"{layer}.{head}"]
-    assert cells[3] == f"{np.max(at_L):.2f}"
-    weights = [float(c) for c in cells[3:]]
-    assert all(0 <= w <= 1 for w in weights) and weights[-1] >= weights[-2]  # any head >= it
+    assert cells[:3] == ["rope", "0", f"{layer}.{head}, {p_layer}.{p_head}"]
+    assert cells[3] == f"{ind.max():.2f} / {below.max():.2f}"
+    pairs = [[float(x) for x in c.split(" / ")] for c in cells[3:8]]
+    assert all(0 <= w <= 1 for pair in pairs for w in pair)
+    assert float(cells[8]) >= pairs[-1][0]  # any head's induction weight >= the chosen one's
 
 
 def test_a_directory_without_checkpoints_is_refused(script, tmp_path, capsys):
