@@ -19,10 +19,12 @@ previous-token weight in the layers below it, chosen at L), over the same querie
 failure past L can be placed: the first layer's local head losing its target, or the induction
 head losing its own with the local head intact.
 
-It prints a markdown table, a line per row and seed: the two heads (layer.head), their weights
-at each length as "induction / previous-token" (`-` where the model cannot read the length: the
-learned table), and the largest induction weight of any head at the longest length. Fine-tuned
-and eval-time rows are not trained directories and are not read.
+Rows: each trained seed; for a RoPE seed, each eval-time scaling of the run's `rope_scalings`
+(results.json's config; `<entry>+<scaling>`, the trained model itself at L) and each fine-tune
+found for it in `<entry>/finetune/` (`<entry>+<kind>+ft`, read with its own scaling at every
+length). It prints a markdown table, a line per row and seed: the two heads (layer.head), their
+weights at each length as "induction / previous-token" (`-` where the model cannot read the
+length: the learned table), and the largest induction weight of any head at the longest length.
 """
 
 from __future__ import annotations
@@ -65,63 +67,106 @@ def _heads_at_L(found: dict) -> tuple[tuple[int, int], tuple[int, int]]:
     return (y, h), (py, ph)
 
 
+def _rope_scalings(workdir: pathlib.Path) -> list[str]:
+    """The run's eval-time `rope_scalings` entries (results.json's config; none without one)."""
+    try:
+        return [
+            str(e)
+            for e in json.loads((workdir / "results.json").read_text())["config"]["rope_scalings"]
+        ]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def _row_models(workdir: pathlib.Path):
+    """(row, seed, cfg, L, corpus, model_at) for every trained seed, each eval-time RoPE scaling
+    of a RoPE seed and each fine-tune; model_at(T) is the split model the row reads at T (None
+    where it cannot read T), or the row is (row, seed, error message)."""
+    from length_extrapolation.settings import rope_scaling_entry
+
+    from posattn.eval import lengths as lengths_lib
+    from posattn.generate import GenerateError, load_model
+
+    def plain(graphdef, params, constants, cfg):
+        return lambda T: (graphdef, params, constants) if lengths_lib.can_read(cfg, T) else None
+
+    def scaled(cfg, params, L, kind, options):
+        def at(T):
+            scaling = lengths_lib.rope_scaling_row(kind, train_len=L, eval_len=T, **options)
+            graphdef, constants = lengths_lib.rope_row_model(cfg, scaling, T)
+            return graphdef, params, constants
+
+        return at
+
+    scalings = _rope_scalings(workdir)
+    for family_dir in sorted(p for p in workdir.iterdir() if (p / "checkpoints").is_dir()):
+        for train_seed, sd in seed_dirs(family_dir):
+            tunes = sorted((family_dir / "finetune").glob(f"*-seed{train_seed}-*"))
+            for name, where in [(family_dir.name, sd)] + [
+                (f"{family_dir.name}+{t.name.split('-')[0]}+ft", t) for t in tunes
+            ]:
+                try:
+                    cfg, graphdef, params, constants, _ = load_model(where)
+                    data = json.loads((sd / "config.json").read_text())["data"]  # the trained L
+                    L, corpus = int(data["seq_len"]), str(data["corpus"])
+                except (GenerateError, KeyError, ValueError) as e:
+                    yield name, train_seed, f"not restored ({e})"
+                    continue
+                yield name, train_seed, cfg, L, corpus, plain(graphdef, params, constants, cfg)
+                if where != sd or not cfg.family.rotary:
+                    continue
+                for entry in scalings:
+                    kind, options = rope_scaling_entry(entry)
+                    model_at = scaled(cfg, params, L, kind, options)
+                    yield f"{family_dir.name}+{entry}", train_seed, cfg, L, corpus, model_at
+
+
 def head_rows(workdir: pathlib.Path) -> list[str]:
     """The table's lines (module docstring)."""
     from posattn.data import load_corpus
-    from posattn.eval import lengths as lengths_lib
     from posattn.eval.attention_stats import head_scores, repeated_strings
-    from posattn.generate import GenerateError, load_model
 
     seed, count = head_draw(workdir)
     lines, corpora, header = [], {}, None
-    for family_dir in sorted(p for p in workdir.iterdir() if (p / "checkpoints").is_dir()):
-        for train_seed, sd in seed_dirs(family_dir):
-            try:
-                cfg, graphdef, params, constants, _ = load_model(sd)
-                data = json.loads((sd / "config.json").read_text())["data"]
-                L, corpus_name = int(data["seq_len"]), data["corpus"]
-            except (GenerateError, KeyError, ValueError) as e:
-                lines.append(f"| {family_dir.name} | {train_seed} | not restored ({e}) |")
+    for found_row in _row_models(workdir):
+        if len(found_row) == 3:
+            name, train_seed, error = found_row
+            lines.append(f"| {name} | {train_seed} | {error} |")
+            continue
+        name, train_seed, cfg, L, corpus_name, model_at = found_row
+        lengths = _lengths(workdir, L)
+        if header is None:
+            header = lengths
+        if corpus_name not in corpora:
+            corpora[corpus_name] = load_corpus(corpus_name).val
+        val = corpora[corpus_name]
+        rng = np.random.default_rng(seed)
+        strings = repeated_strings(rng, count, L // 2, cfg.vocab_size)  # (count, L)
+        at = rng.integers(0, val.size - max(lengths), size=count)  # the text's offsets
+        cells, top = [], None
+        for T in lengths:
+            model = model_at(T)
+            if model is None:
+                cells.append(None)
                 continue
-            lengths = _lengths(workdir, L)
-            if header is None:
-                header = lengths
-            if corpus_name not in corpora:
-                corpora[corpus_name] = load_corpus(corpus_name).val
-            val = corpora[corpus_name]
-            rng = np.random.default_rng(seed)
-            strings = repeated_strings(rng, count, L // 2, cfg.vocab_size)  # (count, L)
-            at = rng.integers(0, val.size - max(lengths), size=count)  # the text's offsets
-            cells, top = [], None
-            for T in lengths:
-                if not lengths_lib.can_read(cfg, T):
-                    cells.append(None)
-                    continue
-                text = np.stack([val[a : a + T - L] for a in at]).astype(np.int32)
-                found = head_scores(
-                    graphdef,
-                    params,
-                    constants,
-                    np.concatenate([text, strings], axis=1),
-                    period=L // 2,
-                    start=T - L,
-                )  # {"previous_token", "induction"}: [layer][head]
-                if top is None:  # the heads at L (the first length)
-                    top = _heads_at_L(found)
-                (y, h), (py, ph) = top
-                cells.append(
-                    (
-                        found["induction"][y][h],
-                        found["previous_token"][py][ph],
-                        max(max(hs) for hs in found["induction"]),
-                    )
-                )
-            text_cells = " | ".join("-" if c is None else f"{c[0]:.2f} / {c[1]:.2f}" for c in cells)
+            text = np.stack([val[a : a + T - L] for a in at]).astype(np.int32)
+            found = head_scores(
+                *model, np.concatenate([text, strings], axis=1), period=L // 2, start=T - L
+            )  # {"previous_token", "induction"}: [layer][head]
+            if top is None:  # the heads at L (the first length)
+                top = _heads_at_L(found)
             (y, h), (py, ph) = top
-            last = "-" if cells[-1] is None else f"{cells[-1][2]:.2f}"
-            lines.append(
-                f"| {family_dir.name} | {train_seed} | {y}.{h}, {py}.{ph} | {text_cells} | {last} |"
+            cells.append(
+                (
+                    found["induction"][y][h],
+                    found["previous_token"][py][ph],
+                    max(max(hs) for hs in found["induction"]),
+                )
             )
+        text_cells = " | ".join("-" if c is None else f"{c[0]:.2f} / {c[1]:.2f}" for c in cells)
+        (y, h), (py, ph) = top
+        last = "-" if cells[-1] is None else f"{cells[-1][2]:.2f}"
+        lines.append(f"| {name} | {train_seed} | {y}.{h}, {py}.{ph} | {text_cells} | {last} |")
     if header is None:
         return lines
     head = " | ".join(str(t) for t in header)

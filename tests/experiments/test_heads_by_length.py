@@ -1,6 +1,7 @@
 """experiments/heads_by_length.py: the copying head read at every evaluation length."""
 
 import importlib.util
+import json
 
 import numpy as np
 import pytest
@@ -46,6 +47,30 @@ def test_the_head_chosen_at_L_is_read_at_every_length(script, tmp_path):
     pairs = [[float(x) for x in c.split(" / ")] for c in cells[3:8]]
     assert all(0 <= w <= 1 for pair in pairs for w in pair)
     assert float(cells[8]) >= pairs[-1][0]  # any head's induction weight >= the chosen one's
+
+    # A run's eval-time scalings (results.json's rope_scalings) and the fine-tunes under a RoPE
+    # seed are rows too: the scaling row is the trained model at L and differs past it.
+    results = {"config": {"rope_scalings": ["yarn"]}, "families": {"rope": {"eval_len": [32, 64]}}}
+    (tmp_path / "results.json").write_text(json.dumps(results))  # and the run's two lengths
+    scaling = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32}
+    tune = small_config(
+        model__rope_scaling=scaling, data__seq_len=64, train__steps=2, train__checkpoint_every=2
+    )
+    train_and_evaluate(tune, tmp_path / "rope" / "finetune" / "yarn-seed0-0123abcd")
+    rows = {line.split(" | ")[0][2:]: line for line in script.head_rows(tmp_path)[2:]}
+    assert list(rows) == ["learned", "rope", "rope+yarn", "rope+yarn+ft"]  # the results' order
+    plain = [c.strip() for c in rows["rope"].strip("|").split("|")]
+    assert plain[2:4] == cells[2:4]  # at L as before
+    yarn = [c.strip() for c in rows["rope+yarn"].strip("|").split("|")]
+    assert yarn[2:4] == plain[2:4]  # the trained model at L
+    models = {row[0]: row[-1] for row in script._row_models(tmp_path) if row[0].startswith("rope")}
+    tokens = np.tile(np.arange(97, 129), (2, 2))  # 2L: a string of L letters written twice
+    at_2L = [
+        head_scores(*models[r](64), tokens, period=32)["induction"] for r in ("rope", "rope+yarn")
+    ]
+    assert not np.allclose(*at_2L)  # past L the scaling's frequencies
+    tuned = [c.strip() for c in rows["rope+yarn+ft"].strip("|").split("|")]
+    assert "-" not in tuned[3:5]  # read with its own scaling at every length
 
 
 def test_a_directory_without_checkpoints_is_refused(script, tmp_path, capsys):
