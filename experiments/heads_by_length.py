@@ -22,9 +22,11 @@ head losing its own with the local head intact.
 Rows: each trained seed; for a RoPE seed, each eval-time scaling of the run's `rope_scalings`
 (results.json's config; `<entry>+<scaling>`, the trained model itself at L) and each fine-tune
 found for it in `<entry>/finetune/` (`<entry>+<kind>+ft`, read with its own scaling at every
-length). It prints a markdown table, a line per row and seed: the two heads (layer.head), their
-weights at each length as "induction / previous-token" (`-` where the model cannot read the
-length: the learned table), and the largest induction weight of any head at the longest length.
+length). It prints a markdown table, a line per row and seed: the two heads (layer.head), at each
+length "induction / previous-token / outside" (the two heads' weights on their targets, and the
+copying head's weight on the T - L bytes before the string: where its lost weight went; `-`
+where the model cannot read the length: the learned table), and the largest induction weight of
+any head at the longest length.
 """
 
 from __future__ import annotations
@@ -156,16 +158,20 @@ def head_rows(workdir: pathlib.Path) -> list[str]:
             if top is None:  # the heads at L (the first length)
                 top = _heads_at_L(found)
             (y, h), (py, ph) = top
+            early = found["before_start"][y][h] if "before_start" in found else 0.0
             cells.append(
                 (
                     found["induction"][y][h],
                     found["previous_token"][py][ph],
+                    early,
                     max(max(hs) for hs in found["induction"]),
                 )
             )
-        text_cells = " | ".join("-" if c is None else f"{c[0]:.2f} / {c[1]:.2f}" for c in cells)
+        text_cells = " | ".join(
+            "-" if c is None else f"{c[0]:.2f} / {c[1]:.2f} / {c[2]:.2f}" for c in cells
+        )
         (y, h), (py, ph) = top
-        last = "-" if cells[-1] is None else f"{cells[-1][2]:.2f}"
+        last = "-" if cells[-1] is None else f"{cells[-1][3]:.2f}"
         lines.append(f"| {name} | {train_seed} | {y}.{h}, {py}.{ph} | {text_cells} | {last} |")
     if header is None:
         return lines
@@ -198,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(
         "Each seed's copying head and the previous-token head below it (chosen at L): their "
-        "weights, induction / previous-token, with T - L bytes of held-out text before the "
-        "string and its repeat"
+        "weights, induction / previous-token / the copying head's weight outside the string, "
+        "with T - L bytes of held-out text before the string and its repeat"
     )
     print("\n".join(lines))
     return 0

@@ -130,6 +130,10 @@ def test_head_scores_read_the_layers_probabilities(start):
         ind = np.mean([p[:, :, q, q - period + 1] for q in range(start + period, T)], axis=(0, 1))
         np.testing.assert_allclose(got["previous_token"][layer], prev, rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(got["induction"][layer], ind, rtol=1e-5, atol=1e-7)
+        if start:
+            early = np.mean([p[:, :, q, :start].sum(-1) for q in range(start + period, T)], (0, 1))
+            np.testing.assert_allclose(got["before_start"][layer], early, rtol=1e-5, atol=1e-7)
+    assert ("before_start" in got) == (start > 0)
 
 
 def test_head_scores_in_chunks_equal_one_pass(monkeypatch):

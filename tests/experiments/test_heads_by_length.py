@@ -43,7 +43,7 @@ def test_the_head_chosen_at_L_is_read_at_every_length(script, tmp_path):
     p_layer, p_head = np.unravel_index(np.argmax(below), below.shape)
     cells = [c.strip() for c in rope.strip("|").split("|")]
     assert cells[:3] == ["rope", "0", f"{layer}.{head}, {p_layer}.{p_head}"]
-    assert cells[3] == f"{ind.max():.2f} / {below.max():.2f}"
+    assert cells[3] == f"{ind.max():.2f} / {below.max():.2f} / 0.00"  # nothing before at L
     pairs = [[float(x) for x in c.split(" / ")] for c in cells[3:8]]
     assert all(0 <= w <= 1 for pair in pairs for w in pair)
     assert float(cells[8]) >= pairs[-1][0]  # any head's induction weight >= the chosen one's

@@ -167,10 +167,12 @@ def _compiled_scores(graphdef, period: int, start: int):
             # p[i, i - period + 1] for i >= start + period: the key after the query's earlier
             # occurrence (element k is query k + period - 1)
             ind = jnp.diagonal(p, offset=1 - period, axis1=-2, axis2=-1)[..., start + 1 :]
-            return jnp.stack([prev.mean(axis=-1), ind.mean(axis=-1)])  # (2, B, N)
+            # the weight of the second copy's queries on the keys before `start`
+            early = p[..., start + period :, :start].sum(-1)  # (B, N, T - start - period)
+            return jnp.stack([prev.mean(-1), ind.mean(-1), early.mean(-1)])  # (3, B, N)
 
         rows = _per_layer(graphdef, params, constants, tokens, start=0, reduce=reduce)
-        return jnp.stack(rows)  # (Y, 2, B, N)
+        return jnp.stack(rows)  # (Y, 3, B, N)
 
     return jax.jit(scores)
 
@@ -200,7 +202,9 @@ def head_scores(
        "induction": mean over queries i >= start + period of p[i, i - period + 1], the weight on
        the token that followed the query's token where it occurred before (what an induction
        head attends to)}: each a list (layers) of lists (heads) of floats in [0, 1], the mean
-       over the B strings (scored a chunk at a time: `_HEAD_CHUNK_FLOATS`).
+       over the B strings (scored a chunk at a time: `_HEAD_CHUNK_FLOATS`); with start > 0 also
+       "before_start": mean over the same queries as "induction" of their weight on the keys
+       before `start` (where the repeat looks outside the string).
     """
     tokens = np.asarray(tokens)
     if tokens.ndim != 2 or not (2 <= period and 0 <= start and start + period < tokens.shape[1]):
@@ -223,8 +227,11 @@ def head_scores(
         np.asarray(run(params, constants, jnp.asarray(padded[i : i + chunk], jnp.int32)))
         for i in range(0, padded.shape[0], chunk)
     ]  # each (Y, 2, chunk, N)
-    values = np.concatenate(parts, axis=2)[:, :, :B].astype(np.float64).mean(axis=2)  # (Y, 2, N)
-    return {"previous_token": values[:, 0].tolist(), "induction": values[:, 1].tolist()}
+    values = np.concatenate(parts, axis=2)[:, :, :B].astype(np.float64).mean(axis=2)  # (Y, 3, N)
+    out = {"previous_token": values[:, 0].tolist(), "induction": values[:, 1].tolist()}
+    if start > 0:
+        out["before_start"] = values[:, 2].tolist()
+    return out
 
 
 def attention_windows(text, length: int, count: int) -> np.ndarray:
