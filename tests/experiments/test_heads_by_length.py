@@ -28,10 +28,14 @@ def test_the_head_chosen_at_L_is_read_at_every_length(script, tmp_path):
         )
         train_and_evaluate(config, tmp_path / position)
     L = config.data.seq_len
+    # Without a results.json the lengths are the default multiples of L; with one, the run's
+    # (two here, to keep the test short).
+    assert script._lengths(tmp_path, L) == [m * L for m in (1, 2, 4, 8, 16)]
+    results = {"families": {"rope": {"eval_len": [L, 2 * L]}}}
+    (tmp_path / "results.json").write_text(json.dumps(results))
     header, rule, learned, rope = script.head_rows(tmp_path)
-    lengths = [m * L for m in (1, 2, 4, 8, 16)]  # no results.json: the default multiples
-    assert header.split(" | ")[3:8] == [str(t) for t in lengths]
-    assert learned.startswith("| learned | 0 | ") and learned.endswith("| - | - | - | - | - |")
+    assert header.split(" | ")[3:5] == [str(L), str(2 * L)]
+    assert learned.startswith("| learned | 0 | ") and learned.endswith("| - | - |")
     # At L the head is the one with the largest induction weight on the evaluator's strings
     # (eval.seed 1234, 32 strings without a results.json), and its weight is that one.
     _, graphdef, params, constants, _ = load_model(tmp_path / "rope")
@@ -44,14 +48,14 @@ def test_the_head_chosen_at_L_is_read_at_every_length(script, tmp_path):
     cells = [c.strip() for c in rope.strip("|").split("|")]
     assert cells[:3] == ["rope", "0", f"{layer}.{head}, {p_layer}.{p_head}"]
     assert cells[3] == f"{ind.max():.2f} / {below.max():.2f} / 0.00"  # nothing before at L
-    pairs = [[float(x) for x in c.split(" / ")] for c in cells[3:8]]
+    pairs = [[float(x) for x in c.split(" / ")] for c in cells[3:5]]
     assert all(0 <= w <= 1 for pair in pairs for w in pair)
-    assert float(cells[8]) >= pairs[-1][0]  # any head's induction weight >= the chosen one's
+    assert float(cells[5]) >= pairs[-1][0]  # any head's induction weight >= the chosen one's
 
     # A run's eval-time scalings (results.json's rope_scalings) and the fine-tunes under a RoPE
     # seed are rows too: the scaling row is the trained model at L and differs past it.
-    results = {"config": {"rope_scalings": ["yarn"]}, "families": {"rope": {"eval_len": [32, 64]}}}
-    (tmp_path / "results.json").write_text(json.dumps(results))  # and the run's two lengths
+    results["config"] = {"rope_scalings": ["yarn"]}
+    (tmp_path / "results.json").write_text(json.dumps(results))
     scaling = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32}
     tune = small_config(
         model__rope_scaling=scaling, data__seq_len=64, train__steps=2, train__checkpoint_every=2
