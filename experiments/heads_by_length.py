@@ -39,7 +39,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from seed_table import head_draw, seed_dirs  # noqa: E402
+from seed_table import head_draw, not_a_directory, seed_dirs  # noqa: E402
 
 
 def _lengths(workdir: pathlib.Path, L: int) -> list[int]:
@@ -188,11 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("workdir", type=pathlib.Path, help="a length_extrapolation.py workdir")
     args = parser.parse_args(argv)
-    if not args.workdir.is_dir():
-        print(
-            f"{args.workdir} is not a directory: pass a length_extrapolation.py --workdir",
-            file=sys.stderr,
-        )
+    if not_a_directory(args.workdir):
         return 2
     lines = head_rows(args.workdir)
     if not lines:

@@ -172,12 +172,16 @@ def param_lines(workdir: pathlib.Path, max_size: int = 16) -> list[str]:
 def head_draw(workdir: pathlib.Path) -> tuple[int, int]:
     """(seed, strings) of the heads' random strings: the experiment's (`eval.seed`,
     `eval.head_strings` of results.json's config), so a row's first seed prints what
-    results.json holds; 1234 and 32 (the default config's) where the run has no results.json."""
+    results.json holds; the default config's seed (1234) and the evaluator's default count where
+    the run has no results.json (or turned the scores off)."""
+    from posattn.eval import registry
+
+    strings = int(registry.get("attention").defaults["head_strings"])
     try:
         ev = json.loads((workdir / "results.json").read_text())["config"]["eval"]
-        return int(ev.get("seed", 1234)), int(ev.get("head_strings", 32)) or 32
+        return int(ev.get("seed", 1234)), int(ev.get("head_strings", strings)) or strings
     except (OSError, ValueError, KeyError, TypeError):
-        return 1234, 32
+        return 1234, strings
 
 
 def head_lines(workdir: pathlib.Path) -> list[str]:
@@ -212,6 +216,16 @@ def head_lines(workdir: pathlib.Path) -> list[str]:
     return lines
 
 
+def not_a_directory(workdir: pathlib.Path) -> bool:
+    """Whether `workdir` is not a directory, saying so on stderr (the scripts' first check)."""
+    if workdir.is_dir():
+        return False
+    print(
+        f"{workdir} is not a directory: pass a length_extrapolation.py --workdir", file=sys.stderr
+    )
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("workdir", type=pathlib.Path, help="a length_extrapolation.py workdir")
@@ -224,11 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         help="also print each head's previous-token and induction weight (a workdir only)",
     )
     args = parser.parse_args(argv)
-    if not args.workdir.is_dir():
-        print(
-            f"{args.workdir} is not a directory: pass a length_extrapolation.py --workdir",
-            file=sys.stderr,
-        )
+    if not_a_directory(args.workdir):
         return 2
     try:
         lines = seed_lines(args.workdir)

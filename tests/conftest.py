@@ -1,5 +1,6 @@
 """Shared test helpers: small configs, reading metrics, running code under N simulated devices."""
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -115,6 +116,14 @@ SMALL_OVERRIDES = (
     "train.eval_every=0",
     "train.log_every=5",
 )
+
+
+def experiment_script(name: str):
+    """experiments/<name>.py imported as a module (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def small_config(**overrides):

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from posattn.eval import heldout, intervals, summary
+from posattn.eval import heldout, intervals, registry, summary
 
 from .settings import induction_gaps
 
@@ -278,8 +278,9 @@ def evaluation_blocks(config, text: heldout.EvalText, lengths, rows: dict[str, d
             "beyond": f"keys at distance >= {L}",
             "rows": {n: r["attention"] for n, r in rows.items() if "attention" in r},
         }
-        strings = int(ev.get("head_strings", 32))
-        if strings and L >= 4:
+        scored = [r["attention"][0] for r in rows.values() if r.get("attention")]
+        if any(at_L and "induction" in at_L for at_L in scored):  # the evaluator scored heads
+            strings = registry.settings_of(registry.get("attention"), config)["head_strings"]
             out["attention_stats"]["heads"] = (
                 f"at {L} only, on {strings} random strings of {L // 2} tokens written twice: "
                 "previous_token, the weight on the previous token; induction, the weight on the "

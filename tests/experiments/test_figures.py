@@ -5,21 +5,17 @@ pairs with the same offset m - n score alike, (0, 0) and (5, 5) give 0.95, (0, 2
 0.597434, and +2 differs from -2.
 """
 
-import importlib.util
 import json
 import pathlib
 
 import numpy as np
 import pytest
-from conftest import ROOT
+from conftest import experiment_script
 
 
 @pytest.fixture(scope="module")
 def figures():
-    spec = importlib.util.spec_from_file_location("figures", ROOT / "experiments" / "figures.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return experiment_script("figures")
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,10 @@
 """experiments/heads_by_length.py: the copying head read at every evaluation length."""
 
-import importlib.util
 import json
 
 import numpy as np
 import pytest
-from conftest import ROOT, small_config
+from conftest import experiment_script, small_config
 
 from posattn.eval.attention_stats import head_scores, repeated_strings
 from posattn.generate import load_model
@@ -14,11 +13,7 @@ from posattn.train import train_and_evaluate
 
 @pytest.fixture(scope="module")
 def script():
-    path = ROOT / "experiments" / "heads_by_length.py"
-    spec = importlib.util.spec_from_file_location("heads_by_length", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return experiment_script("heads_by_length")
 
 
 def test_the_head_chosen_at_L_is_read_at_every_length(script, tmp_path):

@@ -1,22 +1,17 @@
 """experiments/seed_table.py: a line per row and seed, from a workdir or a committed record."""
 
-import importlib.util
 import json
 
 import numpy as np
 import pytest
-from conftest import ROOT
+from conftest import ROOT, experiment_script
 
 RECORD = ROOT / "experiments" / "record_2026-12-03_3000_steps_avx512_cpu"
 
 
 @pytest.fixture(scope="module")
 def seed_table():
-    path = ROOT / "experiments" / "seed_table.py"
-    spec = importlib.util.spec_from_file_location("seed_table", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return experiment_script("seed_table")
 
 
 def _write(path, values):
