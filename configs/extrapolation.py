@@ -130,6 +130,10 @@ def get_config(arg=None):
     # from them in the last bits (experiments/README.md, "Worker processes").
     config.workers = 0
     config.rope_scalings = ("linear", "ntk", "dynamic", "yarn")  # extra rows rope+<kind>
+    # Entries of `families` also read under a sliding window of L at every layer (row
+    # <entry>+window: at T > L each query sees the last L keys, the distances of training);
+    # e.g. ('nope', 'rope', 't5', 'fire'). The record: experiments/README.md, "A window of L".
+    config.window_rows = ()
     # Position interpolation as Chen et al. 2023 run it: the trained RoPE model fine-tuned at
     # multiple x L under rope_scaling {kind, factor = multiple, original L}, kept at every length
     # (rows rope+<kind>+ft). Same optimizer as training, fresh moments, `warmup_steps` then a

@@ -1,8 +1,9 @@
 """The experiment's figures, from results.json alone (`plots(results, out_dir)`).
 
 Readable as a paper's figures: one hue per family (a RoPE scaling kind keeps its hue in its
-eval-time and fine-tuned rows, told apart by the line: dashed, dash-dot), the trained families
-and the RoPE variants in separate panels, each axis scaled to the data it shows, the training
+eval-time and fine-tuned rows, told apart by the line: dashed, dash-dot; a family's window row
+is its hue dashed), the trained families, the RoPE variants and the window rows in separate
+panels, each axis scaled to the data it shows, the training
 length marked and labelled, chance levels drawn and named (and said when every row sits at
 chance), lengths written out on log axes.
 """
@@ -22,17 +23,22 @@ _HUES = (
 )  # fmt: skip
 
 
+def _window(name: str) -> bool:
+    """Whether the row reads a trained family under an eval-time sliding window of L."""
+    return name.endswith("+window")
+
+
 def _variant(name: str) -> str | None:
     """The eval-time scaling of a RoPE-variant row ("rope+yarn", "rope:rope_base=5e5+yarn+ft"
-    give "yarn"), None for a trained family's own row."""
+    give "yarn"), None for a trained family's own row and its window row."""
     parts = name.split("+")
-    return parts[1] if len(parts) > 1 else None
+    return parts[1] if len(parts) > 1 and not _window(name) else None
 
 
 def _hue_key(name: str) -> str:
     """Rows share a hue when they share this: the family of a trained row (its name before any
-    settings), the scaling kind of a RoPE-variant row."""
-    return _variant(name) or name.split(":")[0]
+    settings) and of its window row, the scaling kind of a RoPE-variant row."""
+    return _variant(name) or name.split("+")[0].split(":")[0]
 
 
 class _Style:
@@ -46,25 +52,33 @@ class _Style:
         taken = {self.hue[n.split("+")[0].split(":")[0]] for n in names if _variant(n)}
         free = [h for h in (*reversed(_HUES[:10]), *free) if h not in taken]
         self.hue |= {k: free[i % len(free)] for i, k in enumerate(kinds)}
-        # A family under several settings ("fire", "fire:fire_init_c=3.2"): markers tell them apart.
+        # A family under several settings ("fire", "fire:fire_init_c=3.2"): markers tell them
+        # apart; a window row takes its family row's.
         self.marker = {}
+        own = [n for n in names if not n.endswith("+ft") and not _window(n)]
         for n in names:
-            same = [m for m in names if _hue_key(m) == _hue_key(n) and not m.endswith("+ft")]
-            self.marker[n] = "osD^v<>"[same.index(n) % 7] if n in same else "s"
+            base = n.removesuffix("+window")
+            same = [m for m in own if _hue_key(m) == _hue_key(base)]
+            self.marker[n] = "osD^v<>"[same.index(base) % 7] if base in same else "s"
 
     def __call__(self, name: str) -> dict:
-        ls = "-." if name.endswith("+ft") else ("--" if _variant(name) else "-")
+        ls = "-." if name.endswith("+ft") else ("--" if _variant(name) or _window(name) else "-")
         return dict(ls=ls, marker=self.marker[name], ms=3, color=self.hue[_hue_key(name)])
 
 
 def _groups(fams: dict) -> list[tuple[str, list[str]]]:
-    """(title, rows) per panel: the trained families, then each RoPE entry with its variants."""
-    trained = [n for n in fams if _variant(n) is None]
+    """(title, rows) per panel: the trained families, then each RoPE entry with its variants,
+    then the families read under a window of L (--) beside their own rows."""
+    trained = [n for n in fams if _variant(n) is None and not _window(n)]
     groups = [("trained families", trained)]
     variants = [n for n in fams if _variant(n) is not None]
     if variants:
         bases = [b for b in trained if any(v.split("+")[0] == b for v in variants)]
         groups.append(("RoPE: eval-time scalings (--) and fine-tunes (-.)", bases + variants))
+    windows = [n for n in fams if _window(n)]
+    if windows:
+        bases = [b for b in trained if f"{b}+window" in windows]
+        groups.append(("a sliding window of L at eval time (--)", bases + windows))
     return groups
 
 

@@ -45,9 +45,15 @@ from posattn.nn.model import TransformerLM
 
 from . import pretrained_finetune, report, results
 from . import provenance as prov_lib
-from .rows import ModelKey, Row, build_pretrained_rows
+from .rows import ModelKey, Row, build_pretrained_rows, row_model
 from .run import combine, eval_settings_sha, evaluate_row, evaluators_of
-from .settings import check_evaluation, eval_lengths, finetune_enabled, rope_scaling_entry
+from .settings import (
+    check_evaluation,
+    eval_lengths,
+    finetune_enabled,
+    rope_scaling_entry,
+    window_row_problem,
+)
 from .training import params_sha256, say
 
 __all__ = ["Checkpoint", "bits_per_byte", "check_pretrained", "enabled", "files_sha256", "run"]
@@ -132,10 +138,19 @@ def check_pretrained(config: ml_collections.ConfigDict) -> tuple[ml_collections.
     if windows < 1:
         raise _fail(f"config.pretrained.eval_windows={windows!r} must be a positive integer")
     tuned = tuple(config.finetune.kinds) if finetune_enabled(config) else ()
+    window_rows = tuple(config.get("window_rows", ()))
+    if window_rows not in ((), (name,)):
+        raise _fail(
+            f"config.window_rows={window_rows!r}: the only entry of a checkpoint's run is its "
+            f"name; set config.window_rows=('{name}',) for a row {name}+window, or ()"
+        )
+    if window_rows and window_row_problem(cfg, L):
+        raise _fail(f"config.window_rows: {name}: {window_row_problem(cfg, L)}; set it to ()")
     names = (
         name,
         *(f"{name}+{s}" for s in config.rope_scalings),
         *(f"{name}+{k}+ft" for k in tuned),
+        *(f"{name}+window" for _ in window_rows),
     )
     if resolved.eval.reference not in names:
         resolved.eval.reference = name
@@ -286,13 +301,8 @@ class Checkpoint:
         slot = (key, length) if self.cfg.family.rotary else (key, None)
         if slot not in self._models:
             params = self.params_of(key.finetune)
-            if self.cfg.family.rotary:
-                graphdef, constants = lengths_lib.rope_row_model(
-                    self.cfg, key.scaling_dict(), length
-                )
-            else:
-                graphdef, constants = self.graphdef, self.constants
-            self._models[slot] = (graphdef, params, constants)
+            graph = row_model(self.cfg, self.graphdef, self.constants, key, length)
+            self._models[slot] = (graph[0], params, graph[1])
         return self._models[slot]
 
 

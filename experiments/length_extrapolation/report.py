@@ -111,6 +111,13 @@ def markdown(results: dict) -> str:
         corpus_sentence(results),
         "",
     ]
+    if any(n.endswith("+window") for n in fams):
+        out += [
+            f"Rows `<entry>+window`: the entry's trained model read with every layer's attention "
+            f"limited to a sliding window of L = {L} (query i sees key j iff i - j < {L}); at "
+            "lengths <= L it is the model itself.",
+            "",
+        ]
     out += _other_code_lines(results)
     out += _pretrained_lines(results, lengths)
     out += _ci_table(

@@ -27,12 +27,11 @@ import numpy as np
 from posattn import config as config_lib
 from posattn import data as data_lib
 from posattn.eval import heldout, registry
-from posattn.eval import lengths as lengths_lib
 
 from . import provenance as prov_lib
 from . import report, results
 from . import workers as workers_lib
-from .rows import ModelKey, Row, build_rows
+from .rows import ModelKey, Row, build_rows, row_model
 from .settings import (
     check_experiment,
     eval_lengths,
@@ -75,10 +74,13 @@ def evaluators_of(config) -> list[tuple[registry.Evaluator, dict]]:
 
 def eval_settings_sha(config) -> str:
     """A hash of the evaluation sections (`eval`, `passkey`, `induction`, `copy`,
-    `rope_scalings`): results of other evaluation settings are written beside, never over."""
+    `rope_scalings`, `window_rows`): results of other evaluation settings are written beside,
+    never over."""
     keys = ("eval", "passkey", "induction", "copy")
     settings = {k: config[k].to_dict() for k in keys if k in config}
     settings["rope_scalings"] = list(config.rope_scalings)
+    if config.get("window_rows"):  # absent from the hash of the runs made before the key
+        settings["window_rows"] = list(config.window_rows)
     text = json.dumps(json.loads(json.dumps(settings)), sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
@@ -136,20 +138,13 @@ class _Seed:
         return self._params[kind]
 
     def model(self, key: ModelKey, length: int) -> tuple:
-        """The split model `key` names, for windows of `length` tokens. A RoPE entry's rows all
-        read one graph at each length (`posattn.eval.lengths.rope_row_model`: the scaling's
-        frequencies as arrays), so its eval-time scalings and fine-tunes share compiled programs
-        length by length instead of compiling one set per row."""
+        """The split model `key` names, for windows of `length` tokens (`rows.row_model`: a RoPE
+        entry's eval-time scalings and fine-tunes share compiled programs length by length)."""
         slot = (key, length) if self.cfg.family.rotary else (key, None)
         if slot not in self._models:
             params, _ = self.params_of(key.finetune)
-            if self.cfg.family.rotary:
-                graphdef, constants = lengths_lib.rope_row_model(
-                    self.cfg, key.scaling_dict(), length
-                )
-            else:
-                graphdef, constants = self.graphdef, self.constants
-            self._models[slot] = (graphdef, params, constants)
+            graph = row_model(self.cfg, self.graphdef, self.constants, key, length)
+            self._models[slot] = (graph[0], params, graph[1])
         return self._models[slot]
 
 
@@ -271,7 +266,7 @@ def _unit(job: dict, entry: str, seed: int) -> dict:
             "unknown to worker processes; register it at import time, or set config.workers=1"
         )
     rows = [r for r in build_rows(config) if r.entry == entry]
-    head = next(r for r in rows if r.scaling is None and r.finetune is None)
+    head = next(r for r in rows if r.trained)
     seeds = seed_list(config)
     run_dir = member_dir(workdir, entry, seed, seeds[0])
     tc = seed_config(head.train_config, seed)
@@ -401,7 +396,7 @@ def run(
         e.name: prov_lib.evaluator_code_sha256(e) for e, _ in evaluators
     }
     code = prov_lib.code_record(prov, corpus.sha256)
-    trained_rows = [r for r in rows if r.scaling is None and r.finetune is None]
+    trained_rows = [r for r in rows if r.trained]
     rotary_entries = {r.entry for r in rows if r.finetune is not None}
     for row in trained_rows:  # refuse runs made by other code before any training
         for seed in seeds:

@@ -1,7 +1,8 @@
 """The experiment's config: its rows' entries parsed and every setting checked before compute.
 
 `families` entries ("fire", "fire:fire_init_c=3.2"), `rope_scalings` entries ("yarn",
-"yarn:beta_fast=16"), the `finetune` block and the evaluation sections (`eval`, `passkey`,
+"yarn:beta_fast=16"), `window_rows` (entries of `families` also read under a window of L), the
+`finetune` block and the evaluation sections (`eval`, `passkey`,
 `induction`, `copy`); `check_experiment` validates all of them (the training sections are
 validated by `posattn.config.load_config`). The keys and their defaults: experiments/README.md.
 """
@@ -20,12 +21,15 @@ from posattn.data import probes
 from posattn.eval import lengths as lengths_lib
 from posattn.eval import retrieval
 from posattn.nn import pattern
+from posattn.nn.config import ModelConfig
 
 __all__ = [
     "FINETUNE_KINDS",
     "ROPE_KINDS",
     "ROPE_OPTIONS",
     "check_experiment",
+    "check_window_rows",
+    "window_row_problem",
     "entry_dir",
     "eval_lengths",
     "family_config",
@@ -124,6 +128,7 @@ def check_experiment(config: ml_collections.ConfigDict) -> None:
             "config.rope_scalings needs a RoPE entry in config.families (e.g. 'rope'; the rows "
             "rescale each trained RoPE model)"
         )
+    check_window_rows(config, fail)
     lengths = eval_lengths(config)
     if not lengths or any(x < 2 for x in lengths) or lengths != sorted(set(lengths)):
         raise fail(
@@ -156,6 +161,42 @@ def check_experiment(config: ml_collections.ConfigDict) -> None:
             f"config.copy.segment={config.copy.segment} must lie in [2, shortest eval length / 2 = "
             f"{lengths[0] // 2}]"
         )
+
+
+def check_window_rows(config: ml_collections.ConfigDict, fail=ValueError) -> None:
+    """Checks `config.window_rows`: entries of `families`, each read under a sliding window of L
+    (row `<entry>+window`, `posattn.eval.lengths.windowed`) that changes what it sees past L."""
+    entries = config.get("window_rows", ())
+    example = "e.g. ('rope', 't5')"
+    if isinstance(entries, str) or not all(isinstance(e, str) for e in entries):
+        raise fail(
+            f"config.window_rows={entries!r} must be a tuple of config.families entries, {example}"
+        )
+    if len(set(entries)) != len(entries):
+        raise fail(f"config.window_rows={tuple(entries)!r} repeats an entry")
+    L = int(config.data.seq_len)
+    for entry in entries:
+        if entry not in config.families:
+            raise fail(
+                f"config.window_rows entry {entry!r} is not an entry of config.families "
+                f"{tuple(config.families)!r}: a window row reads that entry's trained models"
+            )
+        cfg = ModelConfig.from_keys(family_config(config, entry).model.to_dict())
+        problem = window_row_problem(cfg, L)
+        if problem:
+            raise fail(f"config.window_rows entry {entry!r}: {problem} (drop it)")
+
+
+def window_row_problem(cfg: ModelConfig, L: int) -> str | None:
+    """Why the model `cfg`, trained at L, gets no window row (None: it may)."""
+    if cfg.max_positions is not None:
+        return (
+            f"its learned absolute positions stop at {cfg.max_positions}; a window does not let "
+            "it read a longer window"
+        )
+    if all(s.window is not None and s.window <= L for s in cfg.layers):
+        return f"every layer already has a window <= L = {L}, so a window of L changes nothing"
+    return None
 
 
 # Options an entry of config.rope_scalings may set per kind ("yarn:beta_fast=16,beta_slow=2"),

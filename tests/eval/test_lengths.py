@@ -110,3 +110,54 @@ def test_sliding_windows_capped_per_length_score_a_prefix_of_the_blocks(plan_and
     a, b = (np.sum(r["sliding_block_sums"][:2]) for r in (capped[1], full[0]))
     assert row["delta_L_sliding"][1] == pytest.approx((a - b) / 32, rel=1e-9)
     assert row["eval_bytes_sliding"] == [80, 32]
+
+
+@pytest.mark.parametrize("position", ["rope", "t5"])
+def test_a_window_of_w_is_the_last_w_tokens_read_from_scratch(position):
+    """One layer of a relative family: with every key at most w - 1 back, position i's
+    prediction is the model's at the last position of tokens i - w + 1 .. i read alone."""
+    cfg = config_lib.validate(
+        small_config(model__position=position, model__num_layers=1, model__max_len=32)
+    )
+    graphdef, params, constants = steps.init_model(cfg, jax.random.key(0))
+    model_cfg = lengths_lib.model_config_of(graphdef, params, constants)
+    w, T = 8, 24
+    small = lengths_lib.windowed(model_cfg, w)
+    assert [s.window for s in small.layers] == [w]
+    from flax import nnx
+
+    from posattn.nn.model import TransformerLM
+
+    win_graph = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(small, rngs=nnx.Rngs(0))))
+    tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (2, T + 1))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    nll, _ = lengths_lib.token_stats(win_graph, params, constants, x, y, chunk=T)
+    full, _ = lengths_lib.token_stats(graphdef, params, constants, x, y, chunk=T)
+    nll, full = np.asarray(nll), np.asarray(full)
+    np.testing.assert_array_equal(nll[:, :w], full[:, :w])  # the window hides nothing yet
+    for i in range(w, T):
+        alone, _ = lengths_lib.token_stats(
+            graphdef, params, constants, x[:, i - w + 1 : i + 1], y[:, i - w + 1 : i + 1], chunk=w
+        )
+        np.testing.assert_allclose(nll[:, i], np.asarray(alone)[:, -1], rtol=2e-5, atol=2e-6)
+    assert not np.allclose(nll[:, w:], full[:, w:], rtol=1e-3)
+
+
+def test_windowed_keeps_smaller_windows_and_the_pattern():
+    from posattn.nn.config import ModelConfig
+
+    cfg = ModelConfig.from_keys(
+        position="rope",
+        d_model=32,
+        num_heads=2,
+        num_layers=3,
+        layer_pattern=("rope:window=4,rope_base=1e6", "nope:ssmax=True"),
+    )
+    new = lengths_lib.windowed(cfg, 16)
+    assert [(s.position, s.window) for s in new.layers] == [("rope", 4), ("nope", 16), ("rope", 4)]
+    assert new.layers[0].settings == cfg.layers[0].settings and new.layers[1].ssmax
+    plain = lengths_lib.windowed(ModelConfig.from_keys(position="alibi", num_layers=2), 16)
+    assert [s.window for s in plain.layers] == [16, 16]
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="window"):
+            lengths_lib.windowed(cfg, bad)

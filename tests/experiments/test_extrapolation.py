@@ -466,6 +466,68 @@ def test_finetune_rows_keep_the_factor_at_every_length_and_are_cached(tmp_path, 
     assert len(list((tmp_path / "rope" / "finetune").iterdir())) == 2  # beside, not over
 
 
+WINDOW = [
+    *MINUTE,
+    "--config.families=('nope',)",
+    "--config.rope_scalings=()",
+    "--config.finetune.enabled=False",
+    "--config.copy.enabled=False",
+    "--config.passkey.enabled=False",
+    "--config.induction.enabled=False",
+    "--config.eval.head_strings=0",
+]
+
+
+def test_a_window_row_is_the_trained_model_under_a_window_of_L(tmp_path, capsys):
+    from posattn import cli
+    from posattn.eval import scoring
+
+    run = [*WINDOW, "--config.window_rows=('nope',)", "--workdir", str(tmp_path)]
+    assert experiment.main(run) == 0
+    results = _read(tmp_path / "results.json")
+    fams = results["families"]
+    assert list(fams) == ["nope", "nope+window"]
+    assert fams["nope+window"]["loss"][0] == fams["nope"]["loss"][0]  # at L the same model
+    assert fams["nope+window"]["loss"][1] != fams["nope"]["loss"][1]
+    stats = results["attention_stats"]["rows"]
+    assert stats["nope"][1]["mass_beyond_L"][0][0] > 0
+    assert stats["nope+window"][1]["mass_beyond_L"] == [[0.0] * 4] * 2  # no key L away
+    assert "Rows `<entry>+window`" in (tmp_path / "results.md").read_text()
+
+    # The row's loss at 2L is the trained params read with `windowed` (computed here apart).
+    config = cli.parse(experiment.COMMAND, run).config
+    cfg, _, params, constants = experiment.restore_model(
+        experiment.family_config(config, "nope"), tmp_path / "nope", attention_impl="auto"
+    )
+    from flax import nnx
+
+    from posattn.nn.model import TransformerLM
+
+    small = lengths_lib.windowed(cfg, 32)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(small, rngs=nnx.Rngs(0))))
+    ev = config.eval
+    text = heldout.eval_text(
+        data.load_corpus("stdlib"),
+        lengths=[32, 64],
+        max_tokens=ev.max_tokens,
+        sliding_tokens=ev.sliding_tokens,
+        stride=ev.sliding_stride,
+        seed=ev.seed,
+    )
+    kw = dict(lengths=[32, 64], train_len=32, batch_tokens=4 * 64, curve_bins=8)
+    scores = scoring.score_lengths(graphdef, params, constants, text.val, text.plan, **kw)
+    np.testing.assert_allclose(summary.mean_losses(scores), fams["nope+window"]["loss"], rtol=1e-6)
+
+    # Without the window row the trained row's evaluations are reused (its cache key is as it
+    # was), written beside as other evaluation settings.
+    capsys.readouterr()
+    assert experiment.main([*WINDOW, "--workdir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "nope loss: reused" in out and "evaluating again" not in out
+    (beside,) = tmp_path.glob("results-*")
+    assert _read(beside / "results.json")["families"]["nope"] == fams["nope"]
+
+
 def test_an_interrupted_finetune_resumes_to_the_uninterrupted_numbers(
     tmp_path, monkeypatch, capsys
 ):

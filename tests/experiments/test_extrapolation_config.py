@@ -220,3 +220,41 @@ def test_bad_finetune_settings_fail_before_compute(tmp_path, capsys, override, k
     assert experiment.main([*override.split(), "--workdir", str(tmp_path)]) == 2
     assert key in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+def test_window_rows_are_checked_before_compute_and_read_the_trained_model_to_L(tmp_path):
+    import importlib
+
+    rows_lib = importlib.import_module("length_extrapolation.rows")
+    run_lib = importlib.import_module("length_extrapolation.run")  # the package's `run` is run()
+    config = config_lib.load_config(ROOT / "configs" / "extrapolation.py", [])
+    sha = run_lib.eval_settings_sha(config)
+    config.families = ("nope", "rope", "rope:window=16|nope", "learned", "t5:window=32")
+    config.window_rows = ("rope", "nope", "rope:window=16|nope")
+    experiment.check_experiment(config)
+    names = [r.name for r in rows_lib.build_rows(config)]
+    assert names[:2] == ["nope", "nope+window"]  # after each entry's own rows
+    assert names.index("rope+window") == names.index("rope:window=16|nope") - 1
+    assert names.index("rope:window=16|nope+window") == names.index("learned") - 1
+    assert "learned+window" not in names and "t5:window=32+window" not in names
+    row = next(r for r in rows_lib.build_rows(config) if r.name == "rope+window")
+    assert row.kind == "window" and not row.trained and row.settings()["window"] is True
+    trained = next(r for r in rows_lib.build_rows(config) if r.name == "rope")
+    assert "window" not in trained.settings()  # the trained rows' cache keys are unchanged
+    assert row.reads(config, 64) == trained.reads(config, 64)  # at L: one evaluation
+    assert row.reads(config, 128).window == 64 and trained.reads(config, 128).window is None
+    assert run_lib.eval_settings_sha(config) != sha
+    for rows, words in (
+        (("learned",), ["learned", "absolute", "drop it"]),
+        (("t5:window=32",), ["already has a window <= L = 64", "drop it"]),
+        (("alibi",), ["not an entry of config.families"]),
+        (("rope", "rope"), ["repeats"]),
+        ((3,), ["tuple of config.families entries"]),
+    ):
+        config.families = ("nope", "rope", "learned", "t5:window=32")
+        config.window_rows = rows
+        with pytest.raises(config_lib.ConfigError) as err:
+            experiment.check_experiment(config)
+        assert all(w in str(err.value) for w in words), str(err.value)
+    assert experiment.main(["--config.window_rows=('learned',)", "--workdir", str(tmp_path)]) == 2
+    assert not any(tmp_path.iterdir())

@@ -2,7 +2,8 @@
 with a tokenizer built here, evaluated end to end on a tiny text directory; bits per byte and BOS
 checked against a direct computation from the tokenizer's offsets and transformers-equal logits;
 its position-interpolation / YaRN fine-tune rows (`+linear+ft`, `+yarn+ft`) checked against the
-fine-tune's own parameters and a first step computed by hand."""
+fine-tune's own parameters and a first step computed by hand; its window row against the same
+model under a window."""
 
 import json
 import pathlib
@@ -18,6 +19,8 @@ from flax import nnx
 
 import posattn.hf as hf
 from posattn import data
+from posattn.eval import lengths as lengths_lib
+from posattn.nn.model import TransformerLM
 
 sys.path.insert(0, str(ROOT / "experiments"))
 import length_extrapolation as experiment  # noqa: E402
@@ -145,7 +148,8 @@ def test_a_checkpoint_is_evaluated_per_token_and_per_byte_with_bos(tmp_path, cap
     md = (work / "results.md").read_text()
     assert "Bits per byte" in md and "`passkey` skipped" in md and "BOS '<s>'" in md
 
-    # Without BOS the windows start in the text: a different loss, again the direct one.
+    # Without BOS the windows start in the text: a different loss, again the direct one; the
+    # window row (named by the checkpoint) reads it under a window of L = 8 past L.
     plain = tmp_path / "plain"
     argv = _args(
         path,
@@ -155,11 +159,23 @@ def test_a_checkpoint_is_evaluated_per_token_and_per_byte_with_bos(tmp_path, cap
         "--config.rope_scalings=()",
         "--config.eval.attention_windows=0",
     )
-    assert experiment.main(argv) == 0
-    again = json.loads((plain / "results.json").read_text())["families"]["tiny-llama"]
+    assert experiment.main([*argv, "--config.window_rows=('rope',)"]) == 2
+    assert "config.window_rows=('tiny-llama',)" in capsys.readouterr().err
+    assert not plain.exists()
+    assert experiment.main([*argv, "--config.window_rows=('tiny-llama',)"]) == 0
+    fams = json.loads((plain / "results.json").read_text())["families"]
+    again = fams["tiny-llama"]
     nll, count, _ = _direct(path, tok, text_dir, 8, bos=None)
     np.testing.assert_allclose(again["loss"][0], nll / count, rtol=2e-5)
     assert abs(again["loss"][0] - row["loss"][0]) > 1e-3
+    model = hf.from_pretrained(path)
+    small = lengths_lib.windowed(model.cfg, 8)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(small, rngs=nnx.Rngs(0))))
+    windowed = nnx.merge(graphdef, nnx.state(model))
+    assert fams["tiny-llama+window"]["loss"][0] == again["loss"][0]
+    nll, count, _ = _direct(path, tok, text_dir, 16, bos=None, model=windowed)
+    np.testing.assert_allclose(fams["tiny-llama+window"]["loss"][1], nll / count, rtol=2e-5)
+    assert abs(fams["tiny-llama+window"]["loss"][1] - again["loss"][1]) > 1e-4
 
     # A rerun reuses every evaluation.
     capsys.readouterr()

@@ -1,5 +1,6 @@
-"""The forward pass every evaluator reads a model with, and RoPE's eval-time scalings (one graph
-per length for all of a model's scalings: `rope_row_model`).
+"""The forward pass every evaluator reads a model with, RoPE's eval-time scalings (one graph per
+length for all of a model's scalings: `rope_row_model`) and an eval-time sliding window
+(`windowed`).
 
 Shape legend: W windows, B batch (windows per forward pass), T window length, V vocabulary.
 
@@ -23,6 +24,7 @@ Which held-out text is scored, and how the loss is summarised, is the one loss p
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping
 from typing import Any
@@ -34,6 +36,7 @@ from flax import nnx
 
 from posattn import rotary
 from posattn.nn import layers
+from posattn.nn import pattern as pattern_lib
 from posattn.nn.config import ModelConfig
 from posattn.nn.model import TransformerLM
 
@@ -46,6 +49,7 @@ __all__ = [
     "rope_row_model",
     "rope_scaling_row",
     "token_stats",
+    "windowed",
     "with_rope_scaling",
 ]
 
@@ -197,6 +201,36 @@ def predict(
         )
     ]
     return np.concatenate(preds)
+
+
+# ----------------------------------------------------------------------------------------------
+# An eval-time sliding window: the same trained parameters, keys at most `window - 1` back.
+
+
+def windowed(cfg: ModelConfig, window: int) -> ModelConfig:
+    """`cfg` with every layer's attention limited to a sliding window: query i sees key j only if
+    i - j < window (a layer with a smaller window of its own keeps it).
+
+    A window is a static setting of each layer (`model.layer_pattern`'s `window`), not a
+    parameter: the model of the result has the tree of `cfg`'s, so a trained model's params and
+    constants read it as they are. With `window` = the training length L every query past L sees
+    exactly the distances 0 .. L - 1 it saw in training (what a sliding window of L at inference
+    does, Beltagy et al. 2020; Han et al. 2023 (LM-Infinite) and Xiao et al. 2023 (StreamingLLM)
+    add the first tokens back, which this does not).
+    """
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window={window!r} must be an integer >= 1")
+    entries = cfg.layer_pattern or (cfg.position,)
+    pattern = []
+    for entry in entries:
+        name, values = pattern_lib.parse_entry(entry)
+        values["window"] = min(values.get("window") or window, window)
+        pattern.append(f"{name}:" + ",".join(f"{k}={v!r}" for k, v in values.items()))
+    new = cfg.replace(layer_pattern=tuple(pattern))
+    want = tuple(dataclasses.replace(s, window=min(s.window or window, window)) for s in cfg.layers)
+    if new.layers != want:  # the entries' round trip through their text must be exact
+        raise ValueError(f"windowed: {cfg.layer_pattern!r} does not round-trip: {new.layers}")
+    return new
 
 
 # ----------------------------------------------------------------------------------------------
