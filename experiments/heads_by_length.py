@@ -19,7 +19,9 @@ previous-token weight in the layers below it, chosen at L), over the same querie
 failure past L can be placed: the first layer's local head losing its target, or the induction
 head losing its own with the local head intact.
 
-Rows: each trained seed; for a RoPE seed, each eval-time scaling of the run's `rope_scalings`
+Rows: each trained seed; its window row when the run's `window_rows` names its entry
+(`<entry>+window`: every layer limited to the last L keys past L, the trained model at L); for a
+RoPE seed, each eval-time scaling of the run's `rope_scalings`
 (results.json's config; `<entry>+<scaling>`, the trained model itself at L) and each fine-tune
 found for it in `<entry>/finetune/` (`<entry>+<kind>+ft`, read with its own scaling at every
 length). It prints a markdown table, a line per row and seed: the two heads (layer.head), at each
@@ -69,28 +71,34 @@ def _heads_at_L(found: dict) -> tuple[tuple[int, int], tuple[int, int]]:
     return (y, h), (py, ph)
 
 
-def _rope_scalings(workdir: pathlib.Path) -> list[str]:
-    """The run's eval-time `rope_scalings` entries (results.json's config; none without one)."""
+def _run_rows(workdir: pathlib.Path, key: str) -> list[str]:
+    """The entries of the run's config list `key` (`rope_scalings`, `window_rows`; results.json's
+    config; none without one)."""
     try:
-        return [
-            str(e)
-            for e in json.loads((workdir / "results.json").read_text())["config"]["rope_scalings"]
-        ]
+        return [str(e) for e in json.loads((workdir / "results.json").read_text())["config"][key]]
     except (OSError, ValueError, KeyError, TypeError):
         return []
 
 
 def _row_models(workdir: pathlib.Path):
-    """(row, seed, cfg, L, corpus, model_at) for every trained seed, each eval-time RoPE scaling
-    of a RoPE seed and each fine-tune; model_at(T) is the split model the row reads at T (None
-    where it cannot read T), or the row is (row, seed, error message)."""
-    from length_extrapolation.settings import rope_scaling_entry
+    """(row, seed, cfg, L, corpus, model_at) for every trained seed, its window row, each
+    eval-time RoPE scaling of a RoPE seed and each fine-tune; model_at(T) is the split model the
+    row reads at T (None where it cannot read T), or the row is (row, seed, error message)."""
+    from flax import nnx
+    from length_extrapolation.settings import entry_dir, rope_scaling_entry
 
     from posattn.eval import lengths as lengths_lib
     from posattn.generate import GenerateError, load_model
+    from posattn.nn.model import TransformerLM
 
     def plain(graphdef, params, constants, cfg):
         return lambda T: (graphdef, params, constants) if lengths_lib.can_read(cfg, T) else None
+
+    def windowed(graphdef, params, constants, cfg, L):
+        graph = nnx.graphdef(
+            nnx.eval_shape(lambda: TransformerLM(lengths_lib.windowed(cfg, L), rngs=nnx.Rngs(0)))
+        )
+        return lambda T: (graph if T > L else graphdef, params, constants)
 
     def scaled(cfg, params, L, kind, options):
         def at(T):
@@ -100,7 +108,8 @@ def _row_models(workdir: pathlib.Path):
 
         return at
 
-    scalings = _rope_scalings(workdir)
+    scalings = _run_rows(workdir, "rope_scalings")
+    windows = {entry_dir(workdir, e).name for e in _run_rows(workdir, "window_rows")}
     for family_dir in sorted(p for p in workdir.iterdir() if (p / "checkpoints").is_dir()):
         for train_seed, sd in seed_dirs(family_dir):
             tunes = sorted((family_dir / "finetune").glob(f"*-seed{train_seed}-*"))
@@ -115,6 +124,9 @@ def _row_models(workdir: pathlib.Path):
                     yield name, train_seed, f"not restored ({e})"
                     continue
                 yield name, train_seed, cfg, L, corpus, plain(graphdef, params, constants, cfg)
+                if where == sd and name in windows:
+                    model_at = windowed(graphdef, params, constants, cfg, L)
+                    yield f"{name}+window", train_seed, cfg, L, corpus, model_at
                 if where != sd or not cfg.family.rotary:
                     continue
                 for entry in scalings:

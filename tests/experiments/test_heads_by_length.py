@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from conftest import experiment_script, small_config
 
+from posattn.eval import lengths as lengths_lib
 from posattn.eval.attention_stats import head_scores, repeated_strings
 from posattn.generate import load_model
 from posattn.train import train_and_evaluate
@@ -49,7 +50,7 @@ def test_the_head_chosen_at_L_is_read_at_every_length(script, tmp_path):
 
     # A run's eval-time scalings (results.json's rope_scalings) and the fine-tunes under a RoPE
     # seed are rows too: the scaling row is the trained model at L and differs past it.
-    results["config"] = {"rope_scalings": ["yarn"]}
+    results["config"] = {"rope_scalings": ["yarn"], "window_rows": ["rope"]}
     (tmp_path / "results.json").write_text(json.dumps(results))
     scaling = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32}
     tune = small_config(
@@ -57,17 +58,22 @@ def test_the_head_chosen_at_L_is_read_at_every_length(script, tmp_path):
     )
     train_and_evaluate(tune, tmp_path / "rope" / "finetune" / "yarn-seed0-0123abcd")
     rows = {line.split(" | ")[0][2:]: line for line in script.head_rows(tmp_path)[2:]}
-    assert list(rows) == ["learned", "rope", "rope+yarn", "rope+yarn+ft"]  # the results' order
+    assert list(rows) == ["learned", "rope", "rope+window", "rope+yarn", "rope+yarn+ft"]
     plain = [c.strip() for c in rows["rope"].strip("|").split("|")]
     assert plain[2:4] == cells[2:4]  # at L as before
-    yarn = [c.strip() for c in rows["rope+yarn"].strip("|").split("|")]
-    assert yarn[2:4] == plain[2:4]  # the trained model at L
+    for other in ("rope+yarn", "rope+window"):  # the trained model at L
+        assert [c.strip() for c in rows[other].strip("|").split("|")][2:4] == plain[2:4]
     models = {row[0]: row[-1] for row in script._row_models(tmp_path) if row[0].startswith("rope")}
     tokens = np.tile(np.arange(97, 129), (2, 2))  # 2L: a string of L letters written twice
-    at_2L = [
-        head_scores(*models[r](64), tokens, period=32)["induction"] for r in ("rope", "rope+yarn")
-    ]
-    assert not np.allclose(*at_2L)  # past L the scaling's frequencies
+    at_2L = {
+        r: head_scores(*models[r](64), tokens, period=32)
+        for r in ("rope", "rope+yarn", "rope+window")
+    }
+    assert not np.allclose(at_2L["rope"]["induction"], at_2L["rope+yarn"]["induction"])
+    # The window row reads every layer under a window of L past L: other weights than RoPE's.
+    graphdef, params, constants = models["rope+window"](64)
+    assert lengths_lib.model_config_of(graphdef, params, constants).layers[0].window == L
+    assert not np.allclose(at_2L["rope"]["induction"], at_2L["rope+window"]["induction"])
     tuned = [c.strip() for c in rows["rope+yarn+ft"].strip("|").split("|")]
     assert "-" not in tuned[3:5]  # read with its own scaling at every length
 
