@@ -2,6 +2,10 @@
 target when the window is longer than any the model trained on?
 
     python experiments/heads_by_length.py runs/extrapolation
+    python experiments/heads_by_length.py runs/extrapolation --results R/results.json
+
+(`--results`: the run's results.json when it is not WORKDIR's own, as for a run with other
+evaluation settings, which the experiment writes in WORKDIR/results-<hash>/.)
 
 For each trained seed of a length-extrapolation workdir this restores the checkpoint
 (`posattn.generate.load_model`), takes the head with the largest induction weight at L
@@ -44,10 +48,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from seed_table import head_draw, not_a_directory, seed_dirs  # noqa: E402
 
 
-def _lengths(workdir: pathlib.Path, L: int) -> list[int]:
-    """The run's evaluation lengths (results.json), or 1, 2, 4, 8, 16 x L without one."""
+def _lengths(results: pathlib.Path, L: int) -> list[int]:
+    """The run's evaluation lengths (its results.json, `results`), or 1, 2, 4, 8, 16 x L without
+    one."""
     try:
-        fams = json.loads((workdir / "results.json").read_text())["families"]
+        fams = json.loads(results.read_text())["families"]
         return [int(t) for t in next(iter(fams.values()))["eval_len"]]
     except (OSError, ValueError, KeyError, TypeError, StopIteration):
         return [m * L for m in (1, 2, 4, 8, 16)]
@@ -71,16 +76,16 @@ def _heads_at_L(found: dict) -> tuple[tuple[int, int], tuple[int, int]]:
     return (y, h), (py, ph)
 
 
-def _run_rows(workdir: pathlib.Path, key: str) -> list[str]:
-    """The entries of the run's config list `key` (`rope_scalings`, `window_rows`; results.json's
-    config; none without one)."""
+def _run_rows(results: pathlib.Path, key: str) -> list[str]:
+    """The entries of the run's config list `key` (`rope_scalings`, `window_rows`; its
+    results.json's config, `results`; none without one)."""
     try:
-        return [str(e) for e in json.loads((workdir / "results.json").read_text())["config"][key]]
+        return [str(e) for e in json.loads(results.read_text())["config"][key]]
     except (OSError, ValueError, KeyError, TypeError):
         return []
 
 
-def _row_models(workdir: pathlib.Path):
+def _row_models(workdir: pathlib.Path, results: pathlib.Path):
     """(row, seed, cfg, L, corpus, model_at) for every trained seed, its window row, each
     eval-time RoPE scaling of a RoPE seed and each fine-tune; model_at(T) is the split model the
     row reads at T (None where it cannot read T), or the row is (row, seed, error message)."""
@@ -108,8 +113,8 @@ def _row_models(workdir: pathlib.Path):
 
         return at
 
-    scalings = _run_rows(workdir, "rope_scalings")
-    windows = {entry_dir(workdir, e).name for e in _run_rows(workdir, "window_rows")}
+    scalings = _run_rows(results, "rope_scalings")
+    windows = {entry_dir(workdir, e).name for e in _run_rows(results, "window_rows")}
     for family_dir in sorted(p for p in workdir.iterdir() if (p / "checkpoints").is_dir()):
         for train_seed, sd in seed_dirs(family_dir):
             tunes = sorted((family_dir / "finetune").glob(f"*-seed{train_seed}-*"))
@@ -135,20 +140,22 @@ def _row_models(workdir: pathlib.Path):
                     yield f"{family_dir.name}+{entry}", train_seed, cfg, L, corpus, model_at
 
 
-def head_rows(workdir: pathlib.Path) -> list[str]:
-    """The table's lines (module docstring)."""
+def head_rows(workdir: pathlib.Path, results: pathlib.Path | None = None) -> list[str]:
+    """The table's lines (module docstring); `results` is the run's results.json (default
+    WORKDIR/results.json)."""
     from posattn.data import load_corpus
     from posattn.eval.attention_stats import head_scores, repeated_strings
 
-    seed, count = head_draw(workdir)
+    results = workdir / "results.json" if results is None else results
+    seed, count = head_draw(workdir, results)
     lines, corpora, header = [], {}, None
-    for found_row in _row_models(workdir):
+    for found_row in _row_models(workdir, results):
         if len(found_row) == 3:
             name, train_seed, error = found_row
             lines.append(f"| {name} | {train_seed} | {error} |")
             continue
         name, train_seed, cfg, L, corpus_name, model_at = found_row
-        lengths = _lengths(workdir, L)
+        lengths = _lengths(results, L)
         if header is None:
             header = lengths
         if corpus_name not in corpora:
@@ -199,10 +206,20 @@ def head_rows(workdir: pathlib.Path) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("workdir", type=pathlib.Path, help="a length_extrapolation.py workdir")
+    parser.add_argument(
+        "--results",
+        type=pathlib.Path,
+        default=None,
+        help="the run's results.json (default WORKDIR/results.json; a run of other evaluation "
+        "settings, window_rows for one, writes it in WORKDIR/results-<hash>/)",
+    )
     args = parser.parse_args(argv)
     if not_a_directory(args.workdir):
         return 2
-    lines = head_rows(args.workdir)
+    if args.results is not None and not args.results.is_file():
+        print(f"--results {args.results} is not a file: pass a run's results.json", file=sys.stderr)
+        return 2
+    lines = head_rows(args.workdir, args.results)
     if not lines:
         print(
             f"{args.workdir} holds no trained checkpoints (<family>/checkpoints/): pass the "

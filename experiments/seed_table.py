@@ -169,16 +169,17 @@ def param_lines(workdir: pathlib.Path, max_size: int = 16) -> list[str]:
     return lines
 
 
-def head_draw(workdir: pathlib.Path) -> tuple[int, int]:
+def head_draw(workdir: pathlib.Path, results: pathlib.Path | None = None) -> tuple[int, int]:
     """(seed, strings) of the heads' random strings: the experiment's (`eval.seed`,
-    `eval.head_strings` of results.json's config), so a row's first seed prints what
-    results.json holds; the default config's seed (1234) and the evaluator's default count where
-    the run has no results.json (or turned the scores off)."""
+    `eval.head_strings` of the config in results.json, `results` or WORKDIR/results.json), so a
+    row's first seed prints what results.json holds; the default config's seed (1234) and the
+    evaluator's default count where the run has no results.json (or turned the scores off)."""
     from posattn.eval import registry
 
     strings = int(registry.get("attention").defaults["head_strings"])
+    results = workdir / "results.json" if results is None else results
     try:
-        ev = json.loads((workdir / "results.json").read_text())["config"]["eval"]
+        ev = json.loads(results.read_text())["config"]["eval"]
         return int(ev.get("seed", 1234)), int(ev.get("head_strings", strings)) or strings
     except (OSError, ValueError, KeyError, TypeError):
         return 1234, strings

@@ -26,7 +26,7 @@ def test_the_head_chosen_at_L_is_read_at_every_length(script, tmp_path):
     L = config.data.seq_len
     # Without a results.json the lengths are the default multiples of L; with one, the run's
     # (two here, to keep the test short).
-    assert script._lengths(tmp_path, L) == [m * L for m in (1, 2, 4, 8, 16)]
+    assert script._lengths(tmp_path / "results.json", L) == [m * L for m in (1, 2, 4, 8, 16)]
     results = {"families": {"rope": {"eval_len": [L, 2 * L]}}}
     (tmp_path / "results.json").write_text(json.dumps(results))
     header, rule, learned, rope = script.head_rows(tmp_path)
@@ -50,20 +50,23 @@ def test_the_head_chosen_at_L_is_read_at_every_length(script, tmp_path):
 
     # A run's eval-time scalings (results.json's rope_scalings) and the fine-tunes under a RoPE
     # seed are rows too: the scaling row is the trained model at L and differs past it.
+    # Here they come from a results.json of other evaluation settings, written beside the first.
     results["config"] = {"rope_scalings": ["yarn"], "window_rows": ["rope"]}
-    (tmp_path / "results.json").write_text(json.dumps(results))
+    beside = tmp_path / "results-0123" / "results.json"
+    beside.parent.mkdir()
+    beside.write_text(json.dumps(results))
     scaling = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32}
     tune = small_config(
         model__rope_scaling=scaling, data__seq_len=64, train__steps=2, train__checkpoint_every=2
     )
     train_and_evaluate(tune, tmp_path / "rope" / "finetune" / "yarn-seed0-0123abcd")
-    rows = {line.split(" | ")[0][2:]: line for line in script.head_rows(tmp_path)[2:]}
+    rows = {line.split(" | ")[0][2:]: line for line in script.head_rows(tmp_path, beside)[2:]}
     assert list(rows) == ["learned", "rope", "rope+window", "rope+yarn", "rope+yarn+ft"]
     plain = [c.strip() for c in rows["rope"].strip("|").split("|")]
     assert plain[2:4] == cells[2:4]  # at L as before
     for other in ("rope+yarn", "rope+window"):  # the trained model at L
         assert [c.strip() for c in rows[other].strip("|").split("|")][2:4] == plain[2:4]
-    models = {row[0]: row[-1] for row in script._row_models(tmp_path) if row[0].startswith("rope")}
+    models = {r[0]: r[-1] for r in script._row_models(tmp_path, beside) if r[0].startswith("rope")}
     tokens = np.tile(np.arange(97, 129), (2, 2))  # 2L: a string of L letters written twice
     at_2L = {
         r: head_scores(*models[r](64), tokens, period=32)
@@ -83,3 +86,5 @@ def test_a_directory_without_checkpoints_is_refused(script, tmp_path, capsys):
     assert "no trained checkpoints" in capsys.readouterr().err
     assert script.main([str(tmp_path / "missing")]) == 2
     assert "is not a directory" in capsys.readouterr().err
+    assert script.main([str(tmp_path), "--results", str(tmp_path / "results.json")]) == 2
+    assert "is not a file" in capsys.readouterr().err
