@@ -120,9 +120,10 @@ class Row:
     def settings(self) -> dict[str, Any]:
         """What identifies the row's numbers besides the code, the text and the parameters."""
         out = {"entry": self.entry, "scaling": self.scaling, "finetune": self.finetune}
-        if self.window:  # the other rows keep the keys their caches were made with
+        # Only the keys a row has: the other rows keep the keys their caches were made with.
+        if self.window:
             out["window"] = True
-        if self.checkpoint is not None:  # trained rows keep the keys their caches were made with
+        if self.checkpoint is not None:
             out["checkpoint"] = self.checkpoint
         return out
 
