@@ -397,9 +397,28 @@ def _tuned_dir(workdir, kind="linear", seed=0):
     return found
 
 
+def _losses_apart(config, graphdef, params, constants) -> list[float]:
+    """The non-overlapping loss at 32 and 64 of a split model on the run's text, computed here
+    (`scoring.score_lengths`) rather than by the experiment."""
+    from posattn.eval import scoring
+
+    ev = config.eval
+    text = heldout.eval_text(
+        data.load_corpus("stdlib"),
+        lengths=[32, 64],
+        max_tokens=ev.max_tokens,
+        sliding_tokens=ev.sliding_tokens,
+        stride=ev.sliding_stride,
+        seed=ev.seed,
+    )
+    kw = dict(lengths=[32, 64], train_len=32, batch_tokens=4 * 64, curve_bins=8)
+    return summary.mean_losses(
+        scoring.score_lengths(graphdef, params, constants, text.val, text.plan, **kw)
+    )
+
+
 def test_finetune_rows_keep_the_factor_at_every_length_and_are_cached(tmp_path, monkeypatch):
     from posattn import cli
-    from posattn.eval import scoring
     from posattn.train import restore_trained
 
     calls = _counting_finetunes(monkeypatch)
@@ -435,22 +454,11 @@ def test_finetune_rows_keep_the_factor_at_every_length_and_are_cached(tmp_path, 
     tuned = jax.tree.leaves(restore_trained(tune_config, tuned_dir / "checkpoints")[1]["params"])
     assert any(not np.array_equal(a, np.asarray(b)) for a, b in zip(tuned, leaves, strict=True))
     tuned = jax.tree.unflatten(treedef, tuned)
-    ev = config.eval
-    text = heldout.eval_text(
-        data.load_corpus("stdlib"),
-        lengths=[32, 64],
-        max_tokens=ev.max_tokens,
-        sliding_tokens=ev.sliding_tokens,
-        stride=ev.sliding_stride,
-        seed=ev.seed,
-    )
     scaling = {"rope_type": "linear", "factor": 2.0, "original_max_position_embeddings": 32}
     g2, c2 = lengths_lib.with_rope_scaling(cfg, scaling)
-    kw = dict(lengths=[32, 64], train_len=32, batch_tokens=4 * 64, curve_bins=8)
-    scaled = scoring.score_lengths(g2, tuned, c2, text.val, text.plan, **kw)
-    np.testing.assert_allclose(summary.mean_losses(scaled), row["loss"], rtol=1e-6)
-    unscaled = scoring.score_lengths(graphdef, tuned, constants, text.val, text.plan, **kw)
-    assert summary.mean_losses(unscaled)[0] != pytest.approx(row["loss"][0], rel=1e-5)
+    np.testing.assert_allclose(_losses_apart(config, g2, tuned, c2), row["loss"], rtol=1e-6)
+    unscaled = _losses_apart(config, graphdef, tuned, constants)
+    assert unscaled[0] != pytest.approx(row["loss"][0], rel=1e-5)
 
     # Re-evaluating reuses the fine-tuned params (no second fine-tune) ...
     for path in (tmp_path / "rope" / "evaluations").iterdir():
@@ -480,7 +488,6 @@ WINDOW = [
 
 def test_a_window_row_is_the_trained_model_under_a_window_of_L(tmp_path, capsys):
     from posattn import cli
-    from posattn.eval import scoring
 
     run = [*WINDOW, "--config.window_rows=('nope',)", "--workdir", str(tmp_path)]
     assert experiment.main(run) == 0
@@ -505,18 +512,8 @@ def test_a_window_row_is_the_trained_model_under_a_window_of_L(tmp_path, capsys)
 
     small = lengths_lib.windowed(cfg, 32)
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(small, rngs=nnx.Rngs(0))))
-    ev = config.eval
-    text = heldout.eval_text(
-        data.load_corpus("stdlib"),
-        lengths=[32, 64],
-        max_tokens=ev.max_tokens,
-        sliding_tokens=ev.sliding_tokens,
-        stride=ev.sliding_stride,
-        seed=ev.seed,
-    )
-    kw = dict(lengths=[32, 64], train_len=32, batch_tokens=4 * 64, curve_bins=8)
-    scores = scoring.score_lengths(graphdef, params, constants, text.val, text.plan, **kw)
-    np.testing.assert_allclose(summary.mean_losses(scores), fams["nope+window"]["loss"], rtol=1e-6)
+    apart = _losses_apart(config, graphdef, params, constants)
+    np.testing.assert_allclose(apart, fams["nope+window"]["loss"], rtol=1e-6)
 
     # Without the window row the trained row's evaluations are reused (its cache key is as it
     # was), written beside as other evaluation settings.
