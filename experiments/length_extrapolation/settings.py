@@ -179,7 +179,8 @@ def check_window_rows(config: ml_collections.ConfigDict, fail=ValueError) -> Non
         if entry not in config.families:
             raise fail(
                 f"config.window_rows entry {entry!r} is not an entry of config.families "
-                f"{tuple(config.families)!r}: a window row reads that entry's trained models"
+                f"{tuple(config.families)!r}: a window row reads that entry's trained models "
+                "(several entries: --config.window_rows=\"('rope','t5')\")"
             )
         cfg = ModelConfig.from_keys(family_config(config, entry).model.to_dict())
         problem = window_row_problem(cfg, L)
