@@ -134,6 +134,7 @@ def get_config(arg=None):
     # <entry>+window: at T > L each query sees the last L keys, the distances of training);
     # e.g. ('nope', 'rope', 't5', 'fire'). The record: experiments/README.md, "A window of L".
     config.window_rows = ()
+    config.window_layers = ()  # the layers the window limits (from 0); (): every layer
     # Position interpolation as Chen et al. 2023 run it: the trained RoPE model fine-tuned at
     # multiple x L under rope_scaling {kind, factor = multiple, original L}, kept at every length
     # (rows rope+<kind>+ft). Same optimizer as training, fresh moments, `warmup_steps` then a

@@ -68,6 +68,7 @@ def get_config(arg=None):
     config.seeds = 1  # training seeds per family (each its own run)
     config.rope_scalings = ("linear", "ntk", "dynamic", "yarn")
     config.window_rows = ()  # entries also read under a sliding window of L (row <entry>+window)
+    config.window_layers = ()  # the layers that window limits (from 0); (): every layer
     # Position interpolation with a fine-tune (Chen et al. 2023 fine-tune 1000 steps at 2e-5 after
     # 20 warmup steps): 4L under factor 4, a tenth of the training peak, the training's tokens a
     # step (batch_size 0: train.batch_size // multiple).

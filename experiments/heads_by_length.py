@@ -24,7 +24,8 @@ failure past L can be placed: the first layer's local head losing its target, or
 head losing its own with the local head intact.
 
 Rows: each trained seed; its window row when the run's `window_rows` names its entry
-(`<entry>+window`: every layer limited to the last L keys past L, the trained model at L); for a
+(`<entry>+window`: every layer, or those of `window_layers`, limited to the last L keys past L,
+the trained model at L); for a
 RoPE seed, each eval-time scaling of the run's `rope_scalings`
 (results.json's config; `<entry>+<scaling>`, the trained model itself at L) and each fine-tune
 found for it in `<entry>/finetune/` (`<entry>+<kind>+ft`, read with its own scaling at every
@@ -77,8 +78,8 @@ def _heads_at_L(found: dict) -> tuple[tuple[int, int], tuple[int, int]]:
 
 
 def _run_rows(results: pathlib.Path, key: str) -> list[str]:
-    """The entries of the run's config list `key` (`rope_scalings`, `window_rows`; its
-    results.json's config, `results`; none without one)."""
+    """The entries of the run's config list `key` (`rope_scalings`, `window_rows`,
+    `window_layers`; its results.json's config, `results`; none without one)."""
     try:
         return [str(e) for e in json.loads(results.read_text())["config"][key]]
     except (OSError, ValueError, KeyError, TypeError):
@@ -100,9 +101,8 @@ def _row_models(workdir: pathlib.Path, results: pathlib.Path):
         return lambda T: (graphdef, params, constants) if lengths_lib.can_read(cfg, T) else None
 
     def windowed(graphdef, params, constants, cfg, L):
-        graph = nnx.graphdef(
-            nnx.eval_shape(lambda: TransformerLM(lengths_lib.windowed(cfg, L), rngs=nnx.Rngs(0)))
-        )
+        small = lengths_lib.windowed(cfg, L, [int(i) for i in layers] or None)
+        graph = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(small, rngs=nnx.Rngs(0))))
         return lambda T: (graph if T > L else graphdef, params, constants)
 
     def scaled(cfg, params, L, kind, options):
@@ -115,6 +115,7 @@ def _row_models(workdir: pathlib.Path, results: pathlib.Path):
 
     scalings = _run_rows(results, "rope_scalings")
     windows = {entry_dir(workdir, e).name for e in _run_rows(results, "window_rows")}
+    layers = _run_rows(results, "window_layers")
     for family_dir in sorted(p for p in workdir.iterdir() if (p / "checkpoints").is_dir()):
         for train_seed, sd in seed_dirs(family_dir):
             tunes = sorted((family_dir / "finetune").glob(f"*-seed{train_seed}-*"))

@@ -49,6 +49,7 @@ from .rows import ModelKey, Row, build_pretrained_rows, row_model
 from .run import combine, eval_settings_sha, evaluate_row, evaluators_of
 from .settings import (
     check_evaluation,
+    check_window_layers,
     eval_lengths,
     finetune_enabled,
     rope_scaling_entry,
@@ -146,6 +147,7 @@ def check_pretrained(config: ml_collections.ConfigDict) -> tuple[ml_collections.
         )
     if window_rows and window_row_problem(cfg, L):
         raise _fail(f"config.window_rows: {name}: {window_row_problem(cfg, L)}; set it to ()")
+    check_window_layers(config, cfg.num_layers, _fail)
     names = (
         name,
         *(f"{name}+{s}" for s in config.rope_scalings),

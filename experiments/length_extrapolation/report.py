@@ -112,8 +112,11 @@ def markdown(results: dict) -> str:
         "",
     ]
     if any(n.endswith("+window") for n in fams):
+        layers = results["config"].get("window_layers") or []
+        named = f"layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))}"
+        which = f"{named} (counting from 0)" if layers else "every layer"
         out += [
-            f"Rows `<entry>+window`: the entry's trained model read with every layer's attention "
+            f"Rows `<entry>+window`: the entry's trained model read with the attention of {which} "
             f"limited to a sliding window of L = {L} (query i sees key j iff i - j < {L}); at "
             "lengths <= L it is the model itself.",
             "",

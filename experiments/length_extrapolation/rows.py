@@ -11,9 +11,10 @@ A row is one model read at every eval length; four kinds, none of them tied to a
   fine-tuned at `finetune.multiple` x L under the fixed scaling of factor `finetune.multiple`,
   read with that scaling at every length (<= L included);
 * an eval-time sliding window (`window_rows`) of any entry: row `<entry>+window`: the entry's
-  trained parameters with every layer's attention limited to the last L keys at T > L
-  (`posattn.eval.lengths.windowed`): each query sees the distances 0 .. L - 1 of training and no
-  more; the trained model itself at T <= L, where the window hides nothing.
+  trained parameters with every layer's attention (or the layers of `window_layers`) limited to
+  the last L keys at T > L (`posattn.eval.lengths.windowed`): each query sees the distances
+  0 .. L - 1 of training and no more; the trained model itself at T <= L, where the window hides
+  nothing.
 
 A fifth kind, `pretrained`, is a published checkpoint (`config.pretrained.path`,
 `build_pretrained_rows`): row `<name>` reads it as it is, rows `<name>+<scaling>` under each
@@ -55,13 +56,14 @@ __all__ = ["ModelKey", "Row", "build_pretrained_rows", "build_rows", "row_model"
 @dataclasses.dataclass(frozen=True)
 class ModelKey:
     """Which model a row reads at one length: the trained entry, its fine-tune kind (None: the
-    trained parameters), the rope_scaling it is read with (JSON; "null": its own) and the sliding
-    window every layer is limited to (None: the model's own)."""
+    trained parameters), the rope_scaling it is read with (JSON; "null": its own), the sliding
+    window its layers are limited to (None: the model's own) and which layers (None: every one)."""
 
     entry: str
     finetune: str | None
     scaling: str
     window: int | None = None
+    window_layers: tuple[int, ...] | None = None
 
     def scaling_dict(self) -> dict[str, Any] | None:
         return json.loads(self.scaling)
@@ -78,6 +80,7 @@ class Row:
       scaling: the eval-time `rope_scalings` entry ("yarn:beta_fast=16"), or None.
       finetune: the fine-tune kind ("yarn"), or None.
       window: whether the row reads the model under a sliding window of L.
+      window_layers: the layers the window limits (`window_layers`; empty: every layer).
       checkpoint: the Hugging Face checkpoint directory of a `pretrained` row (None: trained).
     """
 
@@ -87,6 +90,7 @@ class Row:
     scaling: str | None = None
     finetune: str | None = None
     window: bool = False
+    window_layers: tuple[int, ...] = ()
     checkpoint: str | None = None
 
     @property
@@ -115,7 +119,9 @@ class Row:
             kind, options = rope_scaling_entry(self.scaling)
             scaling = lengths_lib.rope_scaling_row(kind, train_len=L, eval_len=length, **options)
         window = L if self.window and length > L else None
-        return ModelKey(self.entry, self.finetune, json.dumps(scaling, sort_keys=True), window)
+        layers = (self.window_layers or None) if window else None
+        scaling = json.dumps(scaling, sort_keys=True)
+        return ModelKey(self.entry, self.finetune, scaling, window, layers)
 
     def settings(self) -> dict[str, Any]:
         """What identifies the row's numbers besides the code, the text and the parameters."""
@@ -123,6 +129,8 @@ class Row:
         # Only the keys a row has: the other rows keep the keys their caches were made with.
         if self.window:
             out["window"] = True
+            if self.window_layers:
+                out["window_layers"] = list(self.window_layers)
         if self.checkpoint is not None:
             out["checkpoint"] = self.checkpoint
         return out
@@ -135,6 +143,7 @@ def build_rows(config: ml_collections.ConfigDict) -> list[Row]:
     rows = []
     tune = finetune_enabled(config)
     windows = {str(e) for e in config.get("window_rows", ())}
+    layers = tuple(int(i) for i in config.get("window_layers", ()))
     for entry in config.families:
         train_config = family_config(config, entry)
         rows.append(Row(str(entry), str(entry), train_config))
@@ -146,7 +155,9 @@ def build_rows(config: ml_collections.ConfigDict) -> list[Row]:
             for kind in config.finetune.kinds if tune else ():
                 rows.append(Row(f"{entry}+{kind}+ft", str(entry), train_config, finetune=kind))
         if str(entry) in windows:
-            rows.append(Row(f"{entry}+window", str(entry), train_config, window=True))
+            rows.append(
+                Row(f"{entry}+window", str(entry), train_config, window=True, window_layers=layers)
+            )
     return rows
 
 
@@ -164,7 +175,10 @@ def build_pretrained_rows(config: ml_collections.ConfigDict, name: str, rotary: 
         for kind in config.finetune.kinds if finetune_enabled(config) else ():
             rows.append(Row(f"{name}+{kind}+ft", name, None, finetune=kind, checkpoint=path))
     if tuple(config.get("window_rows", ())) == (name,):
-        rows.append(Row(f"{name}+window", name, None, window=True, checkpoint=path))
+        layers = tuple(int(i) for i in config.get("window_layers", ()))
+        rows.append(
+            Row(f"{name}+window", name, None, window=True, window_layers=layers, checkpoint=path)
+        )
     return rows
 
 
@@ -175,7 +189,7 @@ def row_model(cfg, graphdef: nnx.GraphDef, constants: nnx.State, key: ModelKey, 
     a window (`posattn.eval.lengths.windowed`) changes the graph, never the params or constants.
     Whether the result depends on `length` is `cfg.family.rotary`."""
     if key.window is not None:
-        cfg = lengths_lib.windowed(cfg, key.window)
+        cfg = lengths_lib.windowed(cfg, key.window, key.window_layers)
     if cfg.family.rotary:
         return lengths_lib.rope_row_model(cfg, key.scaling_dict(), length)
     if key.window is not None:

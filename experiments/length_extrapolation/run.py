@@ -74,13 +74,14 @@ def evaluators_of(config) -> list[tuple[registry.Evaluator, dict]]:
 
 def eval_settings_sha(config) -> str:
     """A hash of the evaluation sections (`eval`, `passkey`, `induction`, `copy`,
-    `rope_scalings`, `window_rows`): results of other evaluation settings are written beside,
-    never over."""
+    `rope_scalings`, `window_rows`, `window_layers`): results of other evaluation settings are
+    written beside, never over."""
     keys = ("eval", "passkey", "induction", "copy")
     settings = {k: config[k].to_dict() for k in keys if k in config}
     settings["rope_scalings"] = list(config.rope_scalings)
-    if config.get("window_rows"):  # absent from the hash of the runs made before the key
-        settings["window_rows"] = list(config.window_rows)
+    for key in ("window_rows", "window_layers"):  # absent from the runs' made before the keys
+        if config.get(key):
+            settings[key] = list(config[key])
     text = json.dumps(json.loads(json.dumps(settings)), sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 

@@ -28,6 +28,7 @@ __all__ = [
     "ROPE_KINDS",
     "ROPE_OPTIONS",
     "check_experiment",
+    "check_window_layers",
     "check_window_rows",
     "window_row_problem",
     "entry_dir",
@@ -175,6 +176,7 @@ def check_window_rows(config: ml_collections.ConfigDict, fail=ValueError) -> Non
     if len(set(entries)) != len(entries):
         raise fail(f"config.window_rows={tuple(entries)!r} repeats an entry")
     L = int(config.data.seq_len)
+    check_window_layers(config, int(config.model.num_layers), fail)
     for entry in entries:
         if entry not in config.families:
             raise fail(
@@ -186,6 +188,25 @@ def check_window_rows(config: ml_collections.ConfigDict, fail=ValueError) -> Non
         problem = window_row_problem(cfg, L)
         if problem:
             raise fail(f"config.window_rows entry {entry!r}: {problem} (drop it)")
+
+
+def check_window_layers(config: ml_collections.ConfigDict, num_layers: int, fail=ValueError):
+    """Checks `config.window_layers` (the layers a window row limits; empty: every layer)
+    against a model of `num_layers` layers."""
+    layers = tuple(config.get("window_layers", ()))
+    if not layers:
+        return
+    if not config.get("window_rows"):
+        raise fail(
+            f"config.window_layers={layers!r} has no effect without config.window_rows; name the "
+            "entries to read under the window, e.g. --config.window_rows=\"('rope',)\""
+        )
+    ok = all(isinstance(i, int) and not isinstance(i, bool) for i in layers)
+    if not ok or len(set(layers)) != len(layers) or not all(0 <= i < num_layers for i in layers):
+        raise fail(
+            f"config.window_layers={layers!r} must be distinct layer indices 0 .. "
+            f"{num_layers - 1} (the model has {num_layers} layers), e.g. (0,)"
+        )
 
 
 def window_row_problem(cfg: ModelConfig, L: int) -> str | None:

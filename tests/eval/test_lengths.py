@@ -141,6 +141,13 @@ def test_a_window_of_w_is_the_last_w_tokens_read_from_scratch(position):
         )
         np.testing.assert_allclose(nll[:, i], np.asarray(alone)[:, -1], rtol=2e-5, atol=2e-6)
     assert not np.allclose(nll[:, w:], full[:, w:], rtol=1e-3)
+    # The same tree: the window on some layers reads the same params.
+    two = model_cfg.replace(num_layers=2)
+    for layers in (None, (0,), (1,)):
+        some = lengths_lib.windowed(two, w, layers)
+        abstract = nnx.eval_shape(lambda: TransformerLM(some, rngs=nnx.Rngs(0)))  # noqa: B023
+        plain = nnx.eval_shape(lambda: TransformerLM(two, rngs=nnx.Rngs(0)))
+        assert jax.tree.structure(nnx.state(abstract)) == jax.tree.structure(nnx.state(plain))
 
 
 def test_windowed_keeps_smaller_windows_and_the_pattern():
@@ -161,3 +168,12 @@ def test_windowed_keeps_smaller_windows_and_the_pattern():
     for bad in (0, 2.5, True):
         with pytest.raises(ValueError, match="window"):
             lengths_lib.windowed(cfg, bad)
+    # Some layers only: the pattern is spelled out a layer at a time.
+    some = lengths_lib.windowed(cfg, 16, layers=[1, 2])
+    assert [(s.position, s.window) for s in some.layers] == [("rope", 4), ("nope", 16), ("rope", 4)]
+    one = lengths_lib.windowed(ModelConfig.from_keys(position="t5", num_layers=3), 8, layers=(1,))
+    assert [s.window for s in one.layers] == [None, 8, None] and len(one.layer_pattern) == 3
+    assert lengths_lib.windowed(cfg, 16, layers=(0, 1, 2)).layers == new.layers
+    for bad in ((), (3,), (-1,), (True,)):
+        with pytest.raises(ValueError, match="indices of the 3 layers"):
+            lengths_lib.windowed(cfg, 16, layers=bad)

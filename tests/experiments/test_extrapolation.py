@@ -515,6 +515,19 @@ def test_a_window_row_is_the_trained_model_under_a_window_of_L(tmp_path, capsys)
     apart = _losses_apart(config, graphdef, params, constants)
     np.testing.assert_allclose(apart, fams["nope+window"]["loss"], rtol=1e-6)
 
+    # The window on the first layer only: another row, written beside, the same check.
+    assert experiment.main([*run, "--config.window_layers=(0,)"]) == 0
+    (first,) = tmp_path.glob("results-*")
+    one = _read(first / "results.json")["families"]["nope+window"]
+    assert one["loss"][0] == fams["nope"]["loss"][0]
+    assert one["loss"][1] not in (fams["nope"]["loss"][1], fams["nope+window"]["loss"][1])
+    small = lengths_lib.windowed(cfg, 32, (0,))
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(small, rngs=nnx.Rngs(0))))
+    apart = _losses_apart(config, graphdef, params, constants)
+    np.testing.assert_allclose(apart, one["loss"], rtol=1e-6)
+    assert "attention of layer 0 (counting from 0)" in (first / "results.md").read_text()
+    first.rename(tmp_path / "first_layer")
+
     # Without the window row the trained row's evaluations are reused (its cache key is as it
     # was), written beside as other evaluation settings.
     capsys.readouterr()

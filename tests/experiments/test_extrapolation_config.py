@@ -244,6 +244,17 @@ def test_window_rows_are_checked_before_compute_and_read_the_trained_model_to_L(
     assert row.reads(config, 64) == trained.reads(config, 64)  # at L: one evaluation
     assert row.reads(config, 128).window == 64 and trained.reads(config, 128).window is None
     assert run_lib.eval_settings_sha(config) != sha
+    config.window_layers = (1,)  # the layers the window limits: in the key and the hash
+    experiment.check_experiment(config)
+    row = next(r for r in rows_lib.build_rows(config) if r.name == "rope+window")
+    assert row.settings()["window_layers"] == [1] and row.reads(config, 128).window_layers == (1,)
+    assert row.reads(config, 64) == trained.reads(config, 64)
+    for layers, words in (((2,), ["0 .. 1", "2 layers"]), ((0, 0), ["distinct"])):
+        config.window_layers = layers
+        with pytest.raises(config_lib.ConfigError) as err:
+            experiment.check_experiment(config)
+        assert all(w in str(err.value) for w in words), str(err.value)
+    config.window_layers = ()
     for rows, words in (
         (("learned",), ["learned", "absolute", "drop it"]),
         (("t5:window=32",), ["already has a window <= L = 64", "drop it"]),
@@ -257,4 +268,5 @@ def test_window_rows_are_checked_before_compute_and_read_the_trained_model_to_L(
             experiment.check_experiment(config)
         assert all(w in str(err.value) for w in words), str(err.value)
     assert experiment.main(["--config.window_rows=('learned',)", "--workdir", str(tmp_path)]) == 2
+    assert experiment.main(["--config.window_layers=(0,)", "--workdir", str(tmp_path)]) == 2
     assert not any(tmp_path.iterdir())

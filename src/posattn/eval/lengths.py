@@ -207,9 +207,10 @@ def predict(
 # An eval-time sliding window: the same trained parameters, keys at most `window - 1` back.
 
 
-def windowed(cfg: ModelConfig, window: int) -> ModelConfig:
-    """`cfg` with every layer's attention limited to a sliding window: query i sees key j only if
-    i - j < window (a layer with a smaller window of its own keeps it).
+def windowed(cfg: ModelConfig, window: int, layers=None) -> ModelConfig:
+    """`cfg` with its layers' attention limited to a sliding window: query i sees key j only if
+    i - j < window (a layer with a smaller window of its own keeps it); `layers` names the
+    layers so limited (indices from 0; None: every layer).
 
     A window is a static setting of each layer (`model.layer_pattern`'s `window`), not a
     parameter: the model of the result has the tree of `cfg`'s, so a trained model's params and
@@ -220,14 +221,25 @@ def windowed(cfg: ModelConfig, window: int) -> ModelConfig:
     """
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"window={window!r} must be an integer >= 1")
+    n = cfg.num_layers
+    chosen = set(range(n)) if layers is None else set(layers)
+    if not chosen or any(isinstance(i, bool) or i not in range(n) for i in chosen):
+        raise ValueError(f"layers={layers!r} must be indices of the {n} layers, 0 .. {n - 1}")
     entries = cfg.layer_pattern or (cfg.position,)
+    if layers is not None:  # one entry a layer, so that each can take its own window
+        entries = tuple(entries[i % len(entries)] for i in range(n))
     pattern = []
-    for entry in entries:
+    for i, entry in enumerate(entries):
         name, values = pattern_lib.parse_entry(entry)
-        values["window"] = min(values.get("window") or window, window)
-        pattern.append(f"{name}:" + ",".join(f"{k}={v!r}" for k, v in values.items()))
+        if layers is None or i in chosen:
+            values["window"] = min(values.get("window") or window, window)
+        items = ",".join(f"{k}={v!r}" for k, v in values.items())
+        pattern.append(f"{name}:{items}" if items else name)
     new = cfg.replace(layer_pattern=tuple(pattern))
-    want = tuple(dataclasses.replace(s, window=min(s.window or window, window)) for s in cfg.layers)
+    want = tuple(
+        dataclasses.replace(s, window=min(s.window or window, window)) if i in chosen else s
+        for i, s in enumerate(cfg.layers)
+    )
     if new.layers != want:  # the entries' round trip through their text must be exact
         raise ValueError(f"windowed: {cfg.layer_pattern!r} does not round-trip: {new.layers}")
     return new
