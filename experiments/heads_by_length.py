@@ -144,6 +144,8 @@ def _row_models(workdir: pathlib.Path, results: pathlib.Path):
 def head_rows(workdir: pathlib.Path, results: pathlib.Path | None = None) -> list[str]:
     """The table's lines (module docstring); `results` is the run's results.json (default
     WORKDIR/results.json)."""
+    from length_extrapolation.report import md_name
+
     from posattn.data import load_corpus
     from posattn.eval.attention_stats import head_scores, repeated_strings
 
@@ -153,7 +155,7 @@ def head_rows(workdir: pathlib.Path, results: pathlib.Path | None = None) -> lis
     for found_row in _row_models(workdir, results):
         if len(found_row) == 3:
             name, train_seed, error = found_row
-            lines.append(f"| {name} | {train_seed} | {error} |")
+            lines.append(f"| {md_name(name)} | {train_seed} | {error} |")
             continue
         name, train_seed, cfg, L, corpus_name, model_at = found_row
         lengths = _lengths(results, L)
@@ -192,7 +194,9 @@ def head_rows(workdir: pathlib.Path, results: pathlib.Path | None = None) -> lis
         )
         (y, h), (py, ph) = top
         last = "-" if cells[-1] is None else f"{cells[-1][3]:.2f}"
-        lines.append(f"| {name} | {train_seed} | {y}.{h}, {py}.{ph} | {text_cells} | {last} |")
+        lines.append(
+            f"| {md_name(name)} | {train_seed} | {y}.{h}, {py}.{ph} | {text_cells} | {last} |"
+        )
     if header is None:
         return lines
     head = " | ".join(str(t) for t in header)

@@ -38,6 +38,8 @@ import sys
 
 import numpy as np
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # length_extrapolation
+
 LN10, LN26 = float(np.log(10.0)), float(np.log(26.0))
 
 
@@ -101,20 +103,25 @@ def _fmt(x: float | None, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def _results_text(workdir: pathlib.Path) -> dict[tuple[str, int], float]:
-    """(row, seed) -> text loss at L from `results.json`'s `loss_seeds` (empty without one)."""
+def _results_text(workdir: pathlib.Path) -> tuple[dict[tuple[str, int], float], dict[str, str]]:
+    """((row stem, seed) -> text loss at L from `results.json`'s `loss_seeds`, row stem -> row
+    name), empty without one; a row's evaluation files spell its name as its stem
+    (`row_stem`: "rope@window=32|nope" for the row "rope:window=32|nope")."""
+    from length_extrapolation.settings import row_stem
+
     path = workdir / "results.json"
     if not path.is_file():
-        return {}
+        return {}, {}
     try:
         found = json.loads(path.read_text())
         first = int(found["config"]["train"]["seed"])  # the seeds run from train.seed on
-        return {
-            (row, first + i): loss
+        losses = {
+            (row_stem(row), first + i): loss
             for row, entry in found["families"].items()
             for i, loss in enumerate((entry.get("loss_seeds") or [[]])[0] or [])
             if loss is not None
         }
+        return losses, {row_stem(row): row for row in found["families"]}
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
         raise TableError(
             f"{path} is not a results.json written by length_extrapolation.py ({e!r}); "
@@ -123,15 +130,17 @@ def _results_text(workdir: pathlib.Path) -> dict[tuple[str, int], float]:
 
 
 def seed_lines(workdir: pathlib.Path) -> list[str]:
+    from length_extrapolation.report import md_name
+
     lines = [
         "| row | seed | text at L | passkey per digit, by depth | keys exact "
         "| induction per letter |",
         "|---|---:|---:|---|---|---:|",
     ]
-    from_results = _results_text(workdir)
-    for (row, seed), files in sorted(evaluation_files(workdir).items()):
+    from_results, names = _results_text(workdir)
+    for (stem, seed), files in sorted(evaluation_files(workdir).items()):
         loss, pk, ind = (_first(files.get(name)) for name in EVALUATORS)
-        text = _fmt(from_results.get((row, seed)), ".3f")
+        text, row = _fmt(from_results.get((stem, seed)), ".3f"), names.get(stem, stem)
         if loss is not None:
             text = f"{np.sum(loss['sum']) / np.sum(loss['count']):.3f}"
         pk_loss = " / ".join(_fmt(x) for x in pk["loss"]) if pk else "-"
@@ -139,7 +148,7 @@ def seed_lines(workdir: pathlib.Path) -> list[str]:
         ind_cell = "-"
         if ind and ind["loss"][0] is not None:
             ind_cell = f"{ind['loss'][0]:.2f} ± {1.96 * ind['se'][0]:.2f}"
-        lines.append(f"| {row} | {seed} | {text} | {pk_loss} | {pk_acc} | {ind_cell} |")
+        lines.append(f"| {md_name(row)} | {seed} | {text} | {pk_loss} | {pk_acc} | {ind_cell} |")
     return lines
 
 
@@ -189,6 +198,8 @@ def head_lines(workdir: pathlib.Path) -> list[str]:
     """Each trained seed's previous-token and induction scores per layer and head
     (`posattn.eval.attention_stats.head_scores`) on the random strings of L / 2 tokens written
     twice that the experiment's attention evaluator draws (`repeated_strings`, `head_draw`)."""
+    from length_extrapolation.report import md_name
+
     from posattn.eval.attention_stats import head_scores, repeated_strings
     from posattn.generate import GenerateError, load_model
 
@@ -203,7 +214,9 @@ def head_lines(workdir: pathlib.Path) -> list[str]:
                 cfg, graphdef, params, constants, _ = load_model(sd)
                 L = int(json.loads((sd / "config.json").read_text())["data"]["seq_len"])
             except (GenerateError, KeyError, ValueError) as e:
-                lines.append(f"| {family_dir.name} | {train_seed} | not restored ({e}) | | |")
+                lines.append(
+                    f"| {md_name(family_dir.name)} | {train_seed} | not restored ({e}) | | |"
+                )
                 continue
             tokens = repeated_strings(np.random.default_rng(seed), count, L // 2, cfg.vocab_size)
             scores = head_scores(graphdef, params, constants, tokens, period=L // 2)
@@ -211,7 +224,7 @@ def head_lines(workdir: pathlib.Path) -> list[str]:
                 zip(scores["previous_token"], scores["induction"], strict=True)
             ):
                 lines.append(
-                    f"| {family_dir.name} | {train_seed} | {layer} | "
+                    f"| {md_name(family_dir.name)} | {train_seed} | {layer} | "
                     f"{' '.join(f'{x:.2f}' for x in prev)} | {' '.join(f'{x:.2f}' for x in ind)} |"
                 )
     return lines

@@ -9,13 +9,19 @@ import numpy as np
 from . import plots
 from .results import se_over_seeds
 
-__all__ = ["markdown", "write"]
+__all__ = ["markdown", "md_name", "write"]
 
 
 def write(results: dict, out_dir: pathlib.Path) -> None:
     """results.md and the PNGs of `results` in `out_dir`."""
     (out_dir / "results.md").write_text(markdown(results))
     plots.plots(results, out_dir)
+
+
+def md_name(name: str) -> str:
+    """A row's name as a markdown table cell: a layer pattern's '|' ("rope:window=32|nope")
+    escaped, so that it does not split the cell."""
+    return str(name).replace("|", "\\|")
 
 
 def _table(title: str, lengths, rows: dict[str, list], fmt: str) -> list[str]:
@@ -27,7 +33,7 @@ def _table(title: str, lengths, rows: dict[str, list], fmt: str) -> list[str]:
     ]
     for name, values in rows.items():
         lines.append(
-            f"| {name} | "
+            f"| {md_name(name)} | "
             + " | ".join("null" if v is None else format(v, fmt) for v in values)
             + " |"
         )
@@ -54,7 +60,7 @@ def _ci_table(title: str, lengths, rows: dict[str, tuple[list, list]], fmt=".4f"
         cis = cis or [None] * len(values)
         ses = (ses[0] if ses else None) or [None] * len(values)
         cells = [_cell(v, c, fmt, e) for v, c, e in zip(values, cis, ses, strict=True)]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append(f"| {md_name(name)} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 
@@ -240,7 +246,7 @@ def markdown(results: dict) -> str:
         "|---|---:|---:|---:|",
     ]
     out += [
-        f"| {n} | {t['steps']} | {t['final_train_loss']:.4f} | {t['seconds']} |"
+        f"| {md_name(n)} | {t['steps']} | {t['final_train_loss']:.4f} | {t['seconds']} |"
         for n, t in results["training"].items()
         if n != "finetune"
     ]
@@ -256,7 +262,7 @@ def markdown(results: dict) -> str:
             "|---|---:|---:|---:|---:|",
         ]
         out += [
-            f"| {t.get('row', kind)} | {t['steps']} | {t['multiple'] * L} | "
+            f"| {md_name(t.get('row', kind))} | {t['steps']} | {t['multiple'] * L} | "
             f"{t['final_train_loss']:.4f} | {t['seconds']} |"
             for kind, t in tuned.items()
         ]
@@ -323,7 +329,7 @@ def _heads_table(results: dict) -> list[str]:
     ]
     for name, at_L in found.items():
         (ind, ind_at), (prev, prev_at) = top(at_L["induction"]), top(at_L["previous_token"])
-        out.append(f"| {name} | {ind:.2f} | {ind_at} | {prev:.2f} | {prev_at} |")
+        out.append(f"| {md_name(name)} | {ind:.2f} | {ind_at} | {prev:.2f} | {prev_at} |")
     return out + [""]
 
 
@@ -354,7 +360,7 @@ def _attention_table(results: dict, lengths) -> list[str]:
 
             mass = at_last["mass_beyond_L"][layer]
             out.append(
-                f"| {name} | {layer} | {mean(at_first, 'entropy'):.2f} | "
+                f"| {md_name(name)} | {layer} | {mean(at_first, 'entropy'):.2f} | "
                 f"{mean(at_last, 'entropy'):.2f} | {mean(at_first, 'distance'):.1f} | "
                 f"{mean(at_last, 'distance'):.1f} | {float(np.mean(mass)):.2f} "
                 f"[{float(np.max(mass)):.2f}] |"

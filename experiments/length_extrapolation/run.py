@@ -37,6 +37,7 @@ from .settings import (
     eval_lengths,
     finetune_enabled,
     finetune_multiple,
+    row_stem,
 )
 from .training import (
     finetuned,
@@ -84,10 +85,6 @@ def eval_settings_sha(config) -> str:
             settings[key] = list(config[key])
     text = json.dumps(json.loads(json.dumps(settings)), sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
-
-
-def _safe(name: str) -> str:
-    return name.replace(":", "@").replace("/", "_")
 
 
 def _write_json(path: pathlib.Path, value: Any) -> None:
@@ -172,7 +169,7 @@ def evaluate_row(row, member, evaluators, shared, text, memo, lengths, prov, cor
         }
         key = json.loads(json.dumps(key))
         code = prov_lib.code_record(prov, corpus_sha, prov_lib.evaluator_code_sha256(evaluator))
-        path = member.evaluations / f"{_safe(row.name)}.{evaluator.name}.json"
+        path = member.evaluations / f"{row_stem(row.name)}.{evaluator.name}.json"
         if path.exists():
             saved = json.loads(path.read_text())
             if saved.get("key") == key and (prov_lib.same_origin(saved, code) or reuse):
@@ -312,7 +309,7 @@ def _unit_cached(job, rows, head, seed, evaluators) -> bool:
     if finished_run(tc, run_dir, code, reuse=job["reuse"]) is None:
         return False
     files = [
-        run_dir / "evaluations" / f"{_safe(r.name)}.{e.name}.json"
+        run_dir / "evaluations" / f"{row_stem(r.name)}.{e.name}.json"
         for r in rows
         if r.entry == head.entry
         for e, _ in evaluators

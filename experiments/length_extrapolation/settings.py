@@ -30,7 +30,6 @@ __all__ = [
     "check_experiment",
     "check_window_layers",
     "check_window_rows",
-    "window_row_problem",
     "entry_dir",
     "eval_lengths",
     "family_config",
@@ -43,6 +42,8 @@ __all__ = [
     "induction_gaps",
     "is_rotary",
     "rope_scaling_entry",
+    "row_stem",
+    "window_row_problem",
 ]
 
 ROPE_KINDS = ("linear", "ntk", "dynamic", "yarn")
@@ -300,6 +301,11 @@ def family_entry(
             )
         overrides[key] = value
     return name, overrides
+
+
+def row_stem(name: str) -> str:
+    """A row's name as its evaluation files spell it (`<stem>.<evaluator>.json`): no ':' or '/'."""
+    return name.replace(":", "@").replace("/", "_")
 
 
 def entry_dir(workdir: pathlib.Path, entry: str) -> pathlib.Path:

@@ -114,3 +114,14 @@ def test_heads_prints_each_layers_scores_of_the_restored_model(seed_table, tmp_p
         json.dumps({"config": {"eval": {"seed": 7, "head_strings": 2}}})
     )
     assert seed_table.head_lines(tmp_path)[3:] == want(7, 2)
+
+
+def test_a_layer_pattern_row_is_named_as_results_json_names_it(seed_table):
+    # The committed hybrids record: the evaluation files spell "rope:window=32|nope" as their
+    # stem "rope@window=32|nope"; the table names the row as results.json does, its '|' escaped,
+    # with the text at L from results.json's loss_seeds.
+    lines = seed_table.seed_lines(ROOT / "experiments" / "hybrids_2026-12-03_avx512_cpu")
+    assert len(lines) == 2 + 3 * 3
+    row = "| rope:window=32\\|nope | 1 | 1.551 | 0.01 / 0.01 | 1.00 / 1.00 | 0.19 ± 0.07 |"
+    assert row in lines
+    assert all(line.count(" | ") == 5 for line in lines[2:])  # six cells, none split
