@@ -49,13 +49,21 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from seed_table import head_draw, not_a_directory, seed_dirs  # noqa: E402
 
 
-def _lengths(results: pathlib.Path, L: int) -> list[int]:
-    """The run's evaluation lengths (its results.json, `results`), or 1, 2, 4, 8, 16 x L without
+def _read_results(path: pathlib.Path) -> dict:
+    """The run's results.json (read once), or {} where there is none to read."""
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def _lengths(results: dict, L: int) -> list[int]:
+    """The run's evaluation lengths (`results`, its results.json), or 1, 2, 4, 8, 16 x L without
     one."""
     try:
-        fams = json.loads(results.read_text())["families"]
-        return [int(t) for t in next(iter(fams.values()))["eval_len"]]
-    except (OSError, ValueError, KeyError, TypeError, StopIteration):
+        return [int(t) for t in next(iter(results["families"].values()))["eval_len"]]
+    except (KeyError, TypeError, ValueError, StopIteration):
         return [m * L for m in (1, 2, 4, 8, 16)]
 
 
@@ -77,16 +85,16 @@ def _heads_at_L(found: dict) -> tuple[tuple[int, int], tuple[int, int]]:
     return (y, h), (py, ph)
 
 
-def _run_rows(results: pathlib.Path, key: str) -> list[str]:
+def _run_rows(results: dict, key: str) -> list[str]:
     """The entries of the run's config list `key` (`rope_scalings`, `window_rows`,
-    `window_layers`; its results.json's config, `results`; none without one)."""
+    `window_layers`; the config in `results`, its results.json; none without one)."""
     try:
-        return [str(e) for e in json.loads(results.read_text())["config"][key]]
-    except (OSError, ValueError, KeyError, TypeError):
+        return [str(e) for e in results["config"][key]]
+    except (KeyError, TypeError):
         return []
 
 
-def _row_models(workdir: pathlib.Path, results: pathlib.Path):
+def _row_models(workdir: pathlib.Path, results: dict):
     """(row, seed, cfg, L, corpus, model_at) for every trained seed, its window row, each
     eval-time RoPE scaling of a RoPE seed and each fine-tune; model_at(T) is the split model the
     row reads at T (None where it cannot read T), or the row is (row, seed, error message)."""
@@ -149,16 +157,17 @@ def head_rows(workdir: pathlib.Path, results: pathlib.Path | None = None) -> lis
     from posattn.data import load_corpus
     from posattn.eval.attention_stats import head_scores, repeated_strings
 
-    results = workdir / "results.json" if results is None else results
-    seed, count = head_draw(workdir, results)
+    path = workdir / "results.json" if results is None else results
+    seed, count = head_draw(workdir, path)
+    run = _read_results(path)
     lines, corpora, header = [], {}, None
-    for found_row in _row_models(workdir, results):
+    for found_row in _row_models(workdir, run):
         if len(found_row) == 3:
             name, train_seed, error = found_row
             lines.append(f"| {md_name(name)} | {train_seed} | {error} |")
             continue
         name, train_seed, cfg, L, corpus_name, model_at = found_row
-        lengths = _lengths(results, L)
+        lengths = _lengths(run, L)
         if header is None:
             header = lengths
         if corpus_name not in corpora:

@@ -145,8 +145,9 @@ def check_pretrained(config: ml_collections.ConfigDict) -> tuple[ml_collections.
             f"config.window_rows={window_rows!r}: the only entry of a checkpoint's run is its "
             f"name; set config.window_rows=('{name}',) for a row {name}+window, or ()"
         )
-    if window_rows and window_row_problem(cfg, L):
-        raise _fail(f"config.window_rows: {name}: {window_row_problem(cfg, L)}; set it to ()")
+    problem = window_row_problem(cfg, L) if window_rows else None
+    if problem:
+        raise _fail(f"config.window_rows: {name}: {problem}; set it to ()")
     check_window_layers(config, cfg.num_layers, _fail)
     names = (
         name,
@@ -383,7 +384,7 @@ def finetune_lines(found: dict) -> list[str]:
     ]
     for record in info["finetune"].values():
         out.append(
-            f"| {record['row']} | {record['steps']} | {record['length']} | "
+            f"| {report.md_name(record['row'])} | {record['steps']} | {record['length']} | "
             f"{record['batch_size']} | {record['learning_rate']:g} | "
             f"{record['first_train_loss']:.4f} | {record['final_train_loss']:.4f} | "
             f"{record['seconds']} |"

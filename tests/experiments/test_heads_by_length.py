@@ -26,7 +26,8 @@ def test_the_head_chosen_at_L_is_read_at_every_length(script, tmp_path):
     L = config.data.seq_len
     # Without a results.json the lengths are the default multiples of L; with one, the run's
     # (two here, to keep the test short).
-    assert script._lengths(tmp_path / "results.json", L) == [m * L for m in (1, 2, 4, 8, 16)]
+    assert script._read_results(tmp_path / "results.json") == {}
+    assert script._lengths({}, L) == [m * L for m in (1, 2, 4, 8, 16)]
     results = {"families": {"rope": {"eval_len": [L, 2 * L]}}}
     (tmp_path / "results.json").write_text(json.dumps(results))
     header, rule, learned, rope = script.head_rows(tmp_path)
@@ -66,7 +67,11 @@ def test_the_head_chosen_at_L_is_read_at_every_length(script, tmp_path):
     assert plain[2:4] == cells[2:4]  # at L as before
     for other in ("rope+yarn", "rope+window"):  # the trained model at L
         assert [c.strip() for c in rows[other].strip("|").split("|")][2:4] == plain[2:4]
-    models = {r[0]: r[-1] for r in script._row_models(tmp_path, beside) if r[0].startswith("rope")}
+    models = {
+        r[0]: r[-1]
+        for r in script._row_models(tmp_path, script._read_results(beside))
+        if r[0].startswith("rope")
+    }
     tokens = np.tile(np.arange(97, 129), (2, 2))  # 2L: a string of L letters written twice
     at_2L = {
         r: head_scores(*models[r](64), tokens, period=32)
