@@ -259,6 +259,28 @@ def test_fire_uses_the_true_query_position():
     np.testing.assert_allclose(step[:, 0], full[:, 30], rtol=1e-5, atol=1e-6)
 
 
+def test_fire_norm_cap_stops_the_normaliser_at_its_position():
+    """`fire_norm_cap=n`: rows of queries up to n are the paper's; a query past n reads its keys
+    through the normaliser of query n (so a row's offsets past n map above 1)."""
+    params = _init("fire", jax.random.key(5))
+    q_pos, k_pos = jnp.arange(40), jnp.arange(40)
+    capped = dataclasses.replace(SETTINGS["fire"], norm_cap=24)
+    capped.validate(CTX)
+    plain = _bias("fire", params, q_pos, k_pos)
+    got = _bias("fire", params, q_pos, k_pos, settings=capped)
+    np.testing.assert_array_equal(got[:, :25], plain[:, :25])
+    assert not np.allclose(got[:, 25:], plain[:, 25:])
+    # The capped rows against the MLP over the formula, in float64 NumPy.
+    p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    threshold = abs(float(p["L_multiplier"]) * capped.init_L)
+    q, k = np.arange(40.0)[:, None], np.arange(40.0)[None, :]
+    psi = lambda x: np.log1p(np.abs(float(p["c"]) * x))  # noqa: E731
+    d = psi(q - k) / (psi(np.maximum(np.minimum(q, 24), threshold)) + positions.FIRE_EPS)
+    assert d[30, 0] > 1  # an offset past the cap maps above 1
+    h = np.maximum(d[..., None] * p["w1"] + p["b1"], 0.0)
+    np.testing.assert_allclose(got, np.moveaxis(h @ p["w2"] + p["b2"], -1, 0), atol=2e-6)
+
+
 # ----------------------------------------------------------------------------------------------
 # Settings: each family's own, with defaults, config keys and a validate naming the key.
 
@@ -303,6 +325,8 @@ def test_settings_read_their_own_prefixed_keys_only():
         ),
         (families.FireSettings(mlp_width=0), CTX, ["model.fire_mlp_width=0", "positive integer"]),
         (families.FireSettings(init_L=float("inf")), CTX, ["model.fire_init_L=inf", "finite"]),
+        (families.FireSettings(norm_cap=-1), CTX, ["model.fire_norm_cap=-1", "positive integer"]),
+        (families.FireSettings(norm_cap=8.5), CTX, ["model.fire_norm_cap=8.5", "0 (the norm"]),
         (families.LearnedSettings(max_len=0), CTX, ["model.max_len=0", "positive integer"]),
         (families.RopeSettings(layout="halves"), CTX, ["model.rope_layout='halves'", "'half'"]),
         (
@@ -350,6 +374,7 @@ def test_registry_derives_keys_and_continuous_keys_from_the_settings():
         "fire_mlp_width",
         "fire_init_c",
         "fire_init_L",
+        "fire_norm_cap",
         "kerple_per_layer",
         "sandwich_dim",
     }

@@ -1029,6 +1029,21 @@ def test_fire_causal_values_in_unit_interval_and_kv_cache_row():
         np.testing.assert_allclose(row[0], out[-1], rtol=1e-6, atol=1e-7)
 
 
+def test_fire_norm_cap_freezes_the_normaliser_past_its_position():
+    q, k = jnp.arange(0, 200, 7), jnp.arange(0, 200, 5)
+    c, L, cap = 0.3, 20.0, 100
+    out = np.asarray(P.fire_normalized_distance(q, k, c=c, L=L, norm_cap=cap), np.float64)
+    qn, kn = np.arange(0, 200, 7.0)[:, None], np.arange(0, 200, 5.0)[None, :]
+    psi = lambda x: np.log1p(np.abs(c * x))  # noqa: E731
+    want = psi(qn - kn) / (psi(np.maximum(np.minimum(qn, cap), L)) + P.FIRE_EPS)
+    np.testing.assert_allclose(out, want, rtol=2e-6)
+    # A cap at or past the last query position is the paper's normaliser, exactly.
+    np.testing.assert_array_equal(
+        P.fire_normalized_distance(q, k, c=c, L=L, norm_cap=int(q[-1])),
+        P.fire_normalized_distance(q, k, c=c, L=L),
+    )
+
+
 # ------------------------------------------------------------------------------------------
 # Every function under jit and vmap
 # ------------------------------------------------------------------------------------------

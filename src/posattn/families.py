@@ -418,11 +418,24 @@ class FireSettings(Settings):
         continuous="the initial value of FIRE's learned c",
     )
     init_L: float = setting(512.0, help="initial threshold L (learned as a multiplier of it)")
+    norm_cap: int = setting(
+        0,
+        help="0 (the paper): the normaliser psi(max(L, i)) grows with the query position i; "
+        "n > 0: it stops at i = n, psi(max(L, min(i, n))) (a diagnostic, not in the paper)",
+    )
 
     def validate(self, ctx: Context) -> None:
         self._positive_int("mlp_width")
         self._positive_number("init_c")
         self._positive_number("init_L")
+        cap = self.norm_cap
+        if not (isinstance(cap, int) and not isinstance(cap, bool) and cap >= 0):
+            raise _invalid(
+                self._key("norm_cap"),
+                cap,
+                "must be 0 (the normaliser grows with the query position, as in the paper) or "
+                "a positive integer query position where it stops growing",
+            )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -720,7 +733,10 @@ def _fire_init(key: Array, ctx: Context, s: FireSettings) -> dict[str, Array]:
 
 def _fire_fn(params: Params, q_pos: Array, k_pos: Array, ctx: Context, s: FireSettings) -> Array:
     threshold = jnp.abs(params["L_multiplier"] * s.init_L)
-    d = positions.fire_normalized_distance(q_pos, k_pos, c=params["c"], L=threshold)  # (t, s)
+    cap = s.norm_cap or None
+    d = positions.fire_normalized_distance(
+        q_pos, k_pos, c=params["c"], L=threshold, norm_cap=cap
+    )  # (t, s)
     h = jax.nn.relu(d[..., None] * params["w1"] + params["b1"])  # (t, s, width)
     out = h @ params["w2"] + params["b2"]  # (t, s, N)
     return jnp.moveaxis(out, -1, 0)  # (N, t, s)

@@ -363,7 +363,7 @@ def sandwich_bias(offset, *, head_dim: int, num_heads: int) -> jax.Array:
 # --------------------------------------------------------------------------------------------
 
 
-def fire_normalized_distance(q_pos, k_pos, *, c, L) -> jax.Array:
+def fire_normalized_distance(q_pos, k_pos, *, c, L, norm_cap=None) -> jax.Array:
     """FIRE's progressively interpolated distance `psi(i - j) / psi(max(L, i))`, before the MLP.
 
     As in the paper's reference listing (arXiv 2310.04418; reproduced e.g. in mcleish7/arithmetic
@@ -379,6 +379,10 @@ def fire_normalized_distance(q_pos, k_pos, *, c, L) -> jax.Array:
       k_pos: int[S] key positions `j`.
       c: float scalar, log-transform rate (> 0; the reference initialises 0.1).
       L: float scalar, normaliser threshold.
+      norm_cap: None (the paper), or the query position past which the normaliser stops growing:
+        `psi(max(L, min(i, norm_cap)))`. Not in the paper: a diagnostic of what the growing
+        normaliser does past the trained lengths (with a cap of at least the last trained
+        position, training is unchanged; past the cap, offsets beyond it map above 1).
 
     Returns:
       float32[T, S].
@@ -389,7 +393,8 @@ def fire_normalized_distance(q_pos, k_pos, *, c, L) -> jax.Array:
     threshold = jnp.abs(jnp.asarray(L, jnp.float32))
     psi = lambda x: jnp.log1p(jnp.abs(c * x))  # noqa: E731  log(|c x| + 1), exact near 0
     rel = psi(q[..., :, None] - k[..., None, :])  # [T, S]
-    norm = psi(jnp.maximum(q, threshold)) + FIRE_EPS  # [T]
+    q_norm = q if norm_cap is None else jnp.minimum(q, jnp.asarray(norm_cap, jnp.float32))
+    norm = psi(jnp.maximum(q_norm, threshold)) + FIRE_EPS  # [T]
     return rel / norm[..., :, None]
 
 
