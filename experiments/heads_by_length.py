@@ -86,7 +86,7 @@ def _heads_at_L(found: dict) -> tuple[tuple[int, int], tuple[int, int]]:
 
 
 def _run_rows(results: dict, key: str) -> list[str]:
-    """The entries of the run's config list `key` (`rope_scalings`, `window_rows`,
+    """The entries of the run's config list `key` (`families`, `rope_scalings`, `window_rows`,
     `window_layers`; the config in `results`, its results.json; none without one)."""
     try:
         return [str(e) for e in results["config"][key]]
@@ -124,11 +124,15 @@ def _row_models(workdir: pathlib.Path, results: dict):
     scalings = _run_rows(results, "rope_scalings")
     windows = {entry_dir(workdir, e).name for e in _run_rows(results, "window_rows")}
     layers = _run_rows(results, "window_layers")
+    # A directory's row as results.json names it ("fire:fire_norm_cap=63" trains in
+    # "fire@fire_norm_cap=63"); the directory's own name without a results.json.
+    entries = {entry_dir(workdir, e).name: e for e in _run_rows(results, "families")}
     for family_dir in sorted(p for p in workdir.iterdir() if (p / "checkpoints").is_dir()):
+        entry = entries.get(family_dir.name, family_dir.name)
         for train_seed, sd in seed_dirs(family_dir):
             tunes = sorted((family_dir / "finetune").glob(f"*-seed{train_seed}-*"))
-            for name, where in [(family_dir.name, sd)] + [
-                (f"{family_dir.name}+{t.name.split('-')[0]}+ft", t) for t in tunes
+            for name, where in [(entry, sd)] + [
+                (f"{entry}+{t.name.split('-')[0]}+ft", t) for t in tunes
             ]:
                 try:
                     cfg, graphdef, params, constants, _ = load_model(where)
@@ -138,15 +142,15 @@ def _row_models(workdir: pathlib.Path, results: dict):
                     yield name, train_seed, f"not restored ({e})"
                     continue
                 yield name, train_seed, cfg, L, corpus, plain(graphdef, params, constants, cfg)
-                if where == sd and name in windows:
+                if where == sd and family_dir.name in windows:
                     model_at = windowed(graphdef, params, constants, cfg, L)
                     yield f"{name}+window", train_seed, cfg, L, corpus, model_at
                 if where != sd or not cfg.family.rotary:
                     continue
-                for entry in scalings:
-                    kind, options = rope_scaling_entry(entry)
+                for scaling in scalings:
+                    kind, options = rope_scaling_entry(scaling)
                     model_at = scaled(cfg, params, L, kind, options)
-                    yield f"{family_dir.name}+{entry}", train_seed, cfg, L, corpus, model_at
+                    yield f"{entry}+{scaling}", train_seed, cfg, L, corpus, model_at
 
 
 def head_rows(workdir: pathlib.Path, results: pathlib.Path | None = None) -> list[str]:

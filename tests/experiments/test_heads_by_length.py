@@ -85,6 +85,15 @@ def test_the_head_chosen_at_L_is_read_at_every_length(script, tmp_path):
     tuned = [c.strip() for c in rows["rope+yarn+ft"].strip("|").split("|")]
     assert "-" not in tuned[3:5]  # read with its own scaling at every length
 
+    # An entry with settings trains in "<family>@<settings>" and is named as results.json names
+    # it, its window row too.
+    (tmp_path / "rope@rope_base=10000.0").symlink_to(tmp_path / "rope")
+    entry = "rope:rope_base=10000.0"
+    config = {"families": ["learned", entry], "window_rows": [entry]}
+    names = [r[0] for r in script._row_models(tmp_path, {"config": config})]
+    assert entry in names and f"{entry}+window" in names
+    assert "rope@rope_base=10000.0" not in names and "rope+window" not in names
+
 
 def test_a_directory_without_checkpoints_is_refused(script, tmp_path, capsys):
     assert script.main([str(tmp_path)]) == 2
