@@ -103,6 +103,25 @@ def cases() -> dict[str, tuple[str, dict, dict]]:
             {},
         ),
         "mistral": ("MistralConfig", dict(LLAMA, sliding_window=None), {}),
+        # Sliding windows shorter than T: Mistral's on every layer; Qwen2's on the layers from
+        # max_window_layers on, and on the layers layer_types names (here the first, before a
+        # full one: a pattern max_window_layers cannot write).
+        "mistral_window": ("MistralConfig", dict(LLAMA, sliding_window=8), {}),
+        "qwen2_window": (
+            "Qwen2Config",
+            dict(LLAMA, use_sliding_window=True, sliding_window=8, max_window_layers=1),
+            {},
+        ),
+        "qwen2_layer_types": (
+            "Qwen2Config",
+            dict(
+                LLAMA,
+                use_sliding_window=True,
+                sliding_window=6,
+                layer_types=["sliding_attention", "full_attention"],
+            ),
+            {},
+        ),
         "gemma": (
             "GemmaConfig",
             dict(LLAMA, head_dim=8, hidden_act="gelu_pytorch_tanh"),

@@ -77,11 +77,60 @@ def test_unsupported_options_are_refused_naming_the_key(tmp_path, changes, named
         hf.from_pretrained(path)
 
 
-def test_mistral_sliding_window_and_gpt2_inverse_layer_scale_are_refused(tmp_path):
-    path = _copy(tmp_path, "mistral")
-    _edit_config(path, sliding_window=4096)
-    with pytest.raises(HfConfigError, match="sliding_window=4096"):
+@pytest.mark.parametrize(
+    "case, windows",
+    [("mistral_window", [8, 8]), ("qwen2_window", [None, 8]), ("qwen2_layer_types", [6, None])],
+)
+def test_sliding_windows_load_per_layer_and_the_goldens_pin_them(tmp_path, case, windows):
+    model = hf.from_pretrained(GOLDENS / case)
+    assert [spec.window for spec in model.cfg.layers] == windows
+    # The same weights without the windows give other logits: the goldens test the windows.
+    path = _copy(tmp_path, case)
+    if case == "mistral_window":
+        _edit_config(path, sliding_window=None)
+    else:
+        _edit_config(path, use_sliding_window=False, layer_types=None)
+    expected = np.load(GOLDENS / case / "expected.npz")
+    got = _log_softmax(hf.from_pretrained(path)(jnp.asarray(expected["tokens"])))
+    assert np.abs(got - _log_softmax(expected["logits"])).max() > 100 * TOL
+
+
+def test_a_missing_sliding_window_is_transformers_default(tmp_path):
+    # MistralConfig and Qwen2Config both default sliding_window to 4096 when config.json lacks it.
+    for case in ("mistral_window", "qwen2_window"):
+        path = _copy(tmp_path, case)
+        cfg = json.loads((path / "config.json").read_text())
+        del cfg["sliding_window"]
+        (path / "config.json").write_text(json.dumps(cfg))
+        assert {s.window for s in hf.from_pretrained(path).cfg.layers} - {None} == {4096}
+
+
+def test_qwen2_windows_from_max_window_layers_when_layer_types_is_absent(tmp_path):
+    path = _copy(tmp_path, "qwen2_window")
+    _edit_config(path, layer_types=None)  # as configs written before transformers 5
+    model = hf.from_pretrained(path)
+    assert [spec.window for spec in model.cfg.layers] == [None, 8]
+    _check(model, np.load(GOLDENS / "qwen2_window" / "expected.npz"))
+
+
+@pytest.mark.parametrize(
+    "case, changes, named",
+    [
+        ("mistral", dict(sliding_window=0), "sliding_window=0"),
+        ("mistral_window", dict(layer_types=["full_attention"] * 2), "ignores layer_types"),
+        ("qwen2_window", dict(layer_types=["sliding_attention"]), "2 entries"),
+        ("qwen2_window", dict(layer_types=["chunked_attention"] * 2), "'full_attention'"),
+        ("qwen2_window", dict(use_sliding_window=False), "need use_sliding_window"),
+    ],
+)
+def test_inconsistent_sliding_window_configs_are_refused(tmp_path, case, changes, named):
+    path = _copy(tmp_path, case)
+    _edit_config(path, **changes)
+    with pytest.raises(HfConfigError, match=named):
         hf.from_pretrained(path)
+
+
+def test_gpt2_inverse_layer_scale_is_refused(tmp_path):
     path = _copy(tmp_path, "gpt2")
     _edit_config(path, scale_attn_by_inverse_layer_idx=True)
     with pytest.raises(HfConfigError, match="scale_attn_by_inverse_layer_idx"):
@@ -174,6 +223,8 @@ def test_mpt_slope_formula_is_transformers_own():
     "case",
     [
         "qwen2",
+        "qwen2_layer_types",
+        "mistral_window",
         "gpt2",
         "bloom",
         "llama_mqa_tied",
@@ -224,6 +275,18 @@ def test_a_model_without_a_hugging_face_twin_is_not_saved(tmp_path):
     cfg = ModelConfig.from_keys(dict(d_model=16, num_layers=1, num_heads=2, num_kv_heads=2))
     with pytest.raises(ValueError, match="no Hugging Face architecture"):
         hf.save_pretrained(TransformerLM(cfg.validate(), rngs=nnx.Rngs(0)), tmp_path / "x")
+    # Per-layer positions that no architecture writes are refused, not dropped: another RoPE
+    # base on one layer, a length temperature, windows a Llama cannot hold.
+    llama = hf.from_pretrained(GOLDENS / "llama_gqa").cfg
+    for pattern, named in [
+        (("rope", "rope:rope_base=500.0"), "layer 1 has positions of its own"),
+        (("rope:attn_scale=0.1",), "layer 0 has positions of its own.*temperature"),
+        (("rope:window=8", "rope"), r"sliding windows \[8, None\].*Mistral"),
+    ]:
+        cfg = llama.replace(layer_pattern=pattern).validate()
+        with pytest.raises(ValueError, match=named):
+            hf.save_pretrained(TransformerLM(cfg, rngs=nnx.Rngs(0)), tmp_path / "y")
+    assert not (tmp_path / "y").exists()
 
 
 # ---- Live tests: transformers in this process (skipped where it is absent, as on CI). ----
@@ -231,7 +294,18 @@ def test_a_model_without_a_hugging_face_twin_is_not_saved(tmp_path):
 
 @pytest.mark.parametrize(
     "case",
-    ["qwen2", "gpt2", "bloom", "neox_parallel", "gemma", "mpt", "rope_longrope", "rope_yarn"],
+    [
+        "qwen2",
+        "qwen2_layer_types",
+        "mistral_window",
+        "gpt2",
+        "bloom",
+        "neox_parallel",
+        "gemma",
+        "mpt",
+        "rope_longrope",
+        "rope_yarn",
+    ],
 )
 def test_transformers_reads_save_pretrained_to_the_same_logits(tmp_path, case):
     pytest.importorskip("transformers")
@@ -250,7 +324,7 @@ def test_transformers_reads_save_pretrained_to_the_same_logits(tmp_path, case):
     assert err < TOL, err
 
 
-@pytest.mark.parametrize("case", ["rope_yarn", "llama_head_dim", "mpt_six_heads"])
+@pytest.mark.parametrize("case", ["rope_yarn", "llama_head_dim", "mpt_six_heads", "qwen2_window"])
 def test_goldens_rebuilt_in_process_still_match(tmp_path, case):
     pytest.importorskip("transformers")
     import make_goldens

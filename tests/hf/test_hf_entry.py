@@ -39,15 +39,17 @@ def _greedy_by_full_forward(model, prompt, n):
     return ids[len(prompt) :]
 
 
-def test_generate_hf_greedy_equals_the_full_forward_and_transformers(tmp_path, capsys):
-    path = _with_tokenizer(tmp_path)
+# qwen2_layer_types: a window of 6 on its first layer, so 5 + 10 tokens wrap its ring-buffer cache.
+@pytest.mark.parametrize("case, n", [("llama_gqa", 4), ("qwen2_layer_types", 10)])
+def test_generate_hf_greedy_equals_the_full_forward_and_transformers(tmp_path, capsys, case, n):
+    path = _with_tokenizer(tmp_path, case)
     prompt = "w3 w17 w42 w5 w9"
-    assert generate.main(["--hf", str(path), "--prompt", prompt, "--max_new_tokens", "4"]) == 0
+    assert generate.main(["--hf", str(path), "--prompt", prompt, "--max_new_tokens", str(n)]) == 0
     out = capsys.readouterr()
     new = [int(t) for t in out.err.split("tokens ")[1].split("\n")[0].split()]
     assert out.out.startswith(prompt)
     prompt_ids = [3, 17, 42, 5, 9]
-    assert new == _greedy_by_full_forward(hf.from_pretrained(path), prompt_ids, 4)
+    assert new == _greedy_by_full_forward(hf.from_pretrained(path), prompt_ids, n)
     pytest.importorskip("transformers")
     import torch
     import transformers
@@ -55,7 +57,7 @@ def test_generate_hf_greedy_equals_the_full_forward_and_transformers(tmp_path, c
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with torch.no_grad():
         ids = ref.generate(
-            torch.as_tensor([prompt_ids]), max_new_tokens=4, do_sample=False, pad_token_id=0
+            torch.as_tensor([prompt_ids]), max_new_tokens=n, do_sample=False, pad_token_id=0
         )
     assert ids[0, 5:].tolist() == new
 

@@ -290,6 +290,38 @@ def _shardings(mesh, abstract) -> dict | None:
 
 def model_type_of(cfg: ModelConfig) -> str:
     """The Hugging Face `model_type` that computes what `cfg` computes, or ValueError."""
+    kind = _architecture(cfg)
+    windows = _layer_windows(cfg)
+    if all(w is None for w in windows):
+        return kind
+    sizes = {w for w in windows if w is not None}
+    if len(sizes) == 1 and kind == "qwen2":
+        return kind  # Qwen2: one window size, on any layers (its layer_types)
+    if len(sizes) == 1 and None not in windows and kind == "llama" and cfg.bias == "none":
+        return "mistral"  # Mistral: one window on every layer, no biases
+    raise ValueError(
+        f"sliding windows {list(windows)} (by layer) have no Hugging Face twin for this {kind} "
+        "model: save_pretrained writes them as Mistral (Llama's shape without biases, one window "
+        "on every layer) or Qwen2 (q/k/v biases, one window size on any layers)"
+    )
+
+
+def _layer_windows(cfg: ModelConfig) -> tuple[int | None, ...]:
+    """Each layer's sliding window, or ValueError if a layer's positions differ from
+    `model.position`'s in any other way (no Hugging Face architecture writes that)."""
+    for i, spec in enumerate(cfg.layers):
+        if spec.position != cfg.position or spec.settings != cfg.settings or spec.temperature:
+            raise ValueError(
+                f"layer {i} has positions of its own ({spec.position}, {spec.settings}"
+                f"{', a length temperature' if spec.temperature else ''}) where model.position "
+                f"is {cfg.position} ({cfg.settings}): save_pretrained writes models whose layers "
+                "differ by a sliding window at most"
+            )
+    return tuple(spec.window for spec in cfg.layers)
+
+
+def _architecture(cfg: ModelConfig) -> str:
+    """The `model_type` whose blocks compute what `cfg`'s do, its layers' positions aside."""
     arch = (cfg.norm, cfg.norm_bias, cfg.mlp, cfg.embed_scale, cfg.parallel_residual)
     if cfg.position == "rope" and arch == ("rms", False, "gated", "sqrt_d", False):
         plain = cfg.settings.partial_factor == 1 and cfg.settings.proportion == 1

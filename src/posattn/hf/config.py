@@ -127,13 +127,6 @@ def _llama(hf: dict) -> dict[str, Any]:
     kind = hf["model_type"]
     d, n = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or d // n
-    if kind == "mistral" and hf.get("sliding_window") is not None:
-        raise _refuse("sliding_window", hf["sliding_window"], "only null (full causal attention)")
-    if kind == "qwen2":
-        if hf.get("use_sliding_window"):
-            raise _refuse("use_sliding_window", True, "only false (full causal attention)")
-        if any(t != "full_attention" for t in hf.get("layer_types") or []):
-            raise _refuse("layer_types", hf["layer_types"], "only 'full_attention' layers")
     if hf.get("pretraining_tp", 1) != 1:
         raise _refuse("pretraining_tp", hf["pretraining_tp"], "only 1")
     attention_bias, mlp_bias = hf.get("attention_bias", False), hf.get("mlp_bias", False)
@@ -166,8 +159,57 @@ def _llama(hf: dict) -> dict[str, Any]:
         bias=bias,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         embed_scale="one",
+        layer_pattern=_sliding_windows(hf),
         **_rope(hf, head_dim, default_theta),
     )
+
+
+_SLIDING, _FULL = "sliding_attention", "full_attention"
+
+
+def _window_size(hf: dict) -> int:
+    w = hf.get("sliding_window", 4096)  # transformers' default for Mistral and Qwen2 alike
+    if not (isinstance(w, int) and not isinstance(w, bool) and w >= 1):
+        raise _refuse("sliding_window", w, "a positive integer (keys i - j < sliding_window)")
+    return w
+
+
+def _sliding_windows(hf: dict) -> tuple[str, ...]:
+    """model.layer_pattern of a Llama-family config's sliding windows, as transformers reads them:
+    Mistral puts `sliding_window` on every layer (or none when it is null); Qwen2 puts it on the
+    layers `layer_types` names "sliding_attention" (by default those from `max_window_layers` on)
+    when `use_sliding_window` is true. () when every layer attends to every earlier key."""
+    kind, n = hf["model_type"], hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if kind == "mistral":
+        window = None if hf.get("sliding_window", 4096) is None else _window_size(hf)
+        want = _SLIDING if window else _FULL
+        if types is not None and any(t != want for t in types):
+            raise _refuse(
+                "layer_types",
+                types,
+                f"transformers' Mistral ignores layer_types and applies sliding_window="
+                f"{window!r} to every layer; only a list that agrees (every layer {want!r})",
+            )
+        return () if window is None else (f"rope:window={window}",)
+    if kind == "qwen2":
+        window = _window_size(hf) if hf.get("use_sliding_window") else None
+        if types is None:
+            first = hf.get("max_window_layers", 28)
+            types = [_SLIDING if window and i >= first else _FULL for i in range(n)]
+        if len(types) != n or any(t not in (_SLIDING, _FULL) for t in types):
+            raise _refuse("layer_types", types, f"{n} entries, each {_SLIDING!r} or {_FULL!r}")
+        if _SLIDING in types and window is None:
+            raise _refuse(
+                "layer_types",
+                types,
+                f"{_SLIDING!r} layers need use_sliding_window true and a sliding_window "
+                "(transformers cannot run them without)",
+            )
+        if _SLIDING not in types:
+            return ()
+        return tuple(f"rope:window={window}" if t == _SLIDING else "rope" for t in types)
+    return ()
 
 
 def _gemma(hf: dict) -> dict[str, Any]:
@@ -408,10 +450,22 @@ def hf_config(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
         )
         if model_type == "llama":
             out.update(attention_bias=cfg.bias == "all", mlp_bias=cfg.bias == "all")
+        windows = [spec.window for spec in cfg.layers]
+        size = next((w for w in windows if w is not None), None)
         if model_type == "mistral":
-            out.update(sliding_window=None)
+            out.update(sliding_window=size)
         if model_type == "qwen2":
-            out.update(use_sliding_window=False)
+            out.update(use_sliding_window=size is not None)
+            if size is not None:
+                types = [_FULL if w is None else _SLIDING for w in windows]
+                first = types.index(_SLIDING)
+                out.update(
+                    sliding_window=size,
+                    layer_types=types,
+                    # transformers reads layer_types; max_window_layers agrees with it when the
+                    # windowed layers are the last ones, as Qwen2's own configs have them.
+                    max_window_layers=first if _FULL not in types[first:] else cfg.num_layers,
+                )
         return out
     if model_type == "gpt2":
         return dict(
