@@ -127,6 +127,41 @@ def cases() -> dict[str, tuple[str, dict, dict]]:
             dict(LLAMA, head_dim=8, hidden_act="gelu_pytorch_tanh"),
             {},
         ),
+        # Gemma 3: a local layer (window 8 < T, RoPE base 1e4) before a global one (base 1e6,
+        # linear scaling), head_dim 12 != D / N, logits scaled by 10 ** -0.5; and the older
+        # config form of the Hub's Gemma 3 files (rope_theta, rope_local_base_freq,
+        # rope_scaling, sliding_window_pattern; no layer_types) over three layers.
+        "gemma3": (
+            "Gemma3TextConfig",
+            dict(
+                LLAMA,
+                head_dim=12,
+                query_pre_attn_scalar=10,
+                sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"],
+                rope_parameters={
+                    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                },
+            ),
+            {},
+        ),
+        "gemma3_legacy": (
+            "Gemma3TextConfig",
+            dict(
+                LLAMA,
+                num_hidden_layers=3,
+                head_dim=8,
+                query_pre_attn_scalar=8,
+                sliding_window=6,
+                sliding_window_pattern=2,
+                rope_parameters={
+                    "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 5e5},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 2e3},
+                },
+            ),
+            {"gemma3_legacy": True},
+        ),
         "gpt2": (
             "GPT2Config",
             dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32, n_inner=40),
@@ -198,7 +233,8 @@ def randomise(model, seed: int) -> None:
             is_norm = "norm" in name or ".ln" in name or name.startswith("ln")
             if is_norm and name.endswith("weight"):
                 # Gemma's norms scale by 1 + weight: its weights sit around 0, the others' around 1.
-                p.copy_((0.0 if model.config.model_type == "gemma" else 1.0) + 0.1 * noise)
+                gemma = model.config.model_type in ("gemma", "gemma3_text")
+                p.copy_((0.0 if gemma else 1.0) + 0.1 * noise)
             else:
                 p.copy_(0.3 * noise)
 
@@ -242,6 +278,18 @@ def write(name: str, out: pathlib.Path | None = None) -> None:
         params = cfg.pop("rope_parameters")
         cfg["rope_theta"] = params.pop("rope_theta")
         cfg["rope_scaling"] = {"type": params.pop("rope_type"), **params}
+        path.write_text(json.dumps(cfg, indent=2))
+    if opts.get("gemma3_legacy"):  # Gemma 3's form before transformers 5, as on the Hub
+        path = out / "config.json"
+        cfg = json.loads(path.read_text())
+        params = cfg.pop("rope_parameters")
+        full, local = params["full_attention"], params["sliding_attention"]
+        cfg["rope_theta"] = full.pop("rope_theta")
+        cfg["rope_local_base_freq"] = local["rope_theta"]
+        cfg["rope_scaling"] = full
+        cfg["sliding_window_pattern"] = (
+            len(cfg.pop("layer_types")) and kwargs["sliding_window_pattern"]
+        )
         path.write_text(json.dumps(cfg, indent=2))
     # The reference logits: the written files read back by transformers, in float32.
     ref = transformers.AutoModelForCausalLM.from_pretrained(

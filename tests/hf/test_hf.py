@@ -79,7 +79,13 @@ def test_unsupported_options_are_refused_naming_the_key(tmp_path, changes, named
 
 @pytest.mark.parametrize(
     "case, windows",
-    [("mistral_window", [8, 8]), ("qwen2_window", [None, 8]), ("qwen2_layer_types", [6, None])],
+    [
+        ("mistral_window", [8, 8]),
+        ("qwen2_window", [None, 8]),
+        ("qwen2_layer_types", [6, None]),
+        ("gemma3", [8, None]),
+        ("gemma3_legacy", [6, None, 6]),
+    ],
 )
 def test_sliding_windows_load_per_layer_and_the_goldens_pin_them(tmp_path, case, windows):
     model = hf.from_pretrained(GOLDENS / case)
@@ -88,6 +94,8 @@ def test_sliding_windows_load_per_layer_and_the_goldens_pin_them(tmp_path, case,
     path = _copy(tmp_path, case)
     if case == "mistral_window":
         _edit_config(path, sliding_window=None)
+    elif case.startswith("gemma3"):
+        _edit_config(path, sliding_window=10**6)
     else:
         _edit_config(path, use_sliding_window=False, layer_types=None)
     expected = np.load(GOLDENS / case / "expected.npz")
@@ -125,6 +133,44 @@ def test_qwen2_windows_from_max_window_layers_when_layer_types_is_absent(tmp_pat
 )
 def test_inconsistent_sliding_window_configs_are_refused(tmp_path, case, changes, named):
     path = _copy(tmp_path, case)
+    _edit_config(path, **changes)
+    with pytest.raises(HfConfigError, match=named):
+        hf.from_pretrained(path)
+
+
+def test_gemma3_layers_take_their_own_rope_and_the_goldens_pin_it(tmp_path):
+    # Local layers: their base and no scaling; global: rope_theta with the linear scaling. Read
+    # from transformers 5's rope_parameters by layer type and from the older top-level keys.
+    for case, local, glob in [("gemma3", 1e4, 1e6), ("gemma3_legacy", 2e3, 5e5)]:
+        cfg = hf.from_pretrained(GOLDENS / case).cfg
+        assert (cfg.post_norms, cfg.qk_norm, cfg.norm_unit_offset) == (True, True, True)
+        assert cfg.query_pre_attn_scalar == {"gemma3": 10, "gemma3_legacy": 8}[case]
+        for spec in cfg.layers:
+            want = (local, None) if spec.window else (glob, "linear")
+            kind = spec.settings.scaling_dict and spec.settings.scaling_dict["rope_type"]
+            assert (spec.settings.base, kind) == want, (case, spec)
+    # Every layer with the global RoPE: other logits.
+    path = _copy(tmp_path, "gemma3")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["rope_parameters"]["sliding_attention"] = cfg["rope_parameters"]["full_attention"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    expected = np.load(GOLDENS / "gemma3" / "expected.npz")
+    got = _log_softmax(hf.from_pretrained(path)(jnp.asarray(expected["tokens"])))
+    assert np.abs(got - _log_softmax(expected["logits"])).max() > 100 * TOL
+
+
+@pytest.mark.parametrize(
+    "changes, named",
+    [
+        (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0"),
+        (dict(final_logit_softcapping=30.0), "final_logit_softcapping=30.0"),
+        (dict(attention_bias=True), "attention_bias=True"),
+        (dict(layer_types=["sliding_attention"]), "2 entries"),
+        (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    ],
+)
+def test_unsupported_gemma3_options_are_refused(tmp_path, changes, named):
+    path = _copy(tmp_path, "gemma3")
     _edit_config(path, **changes)
     with pytest.raises(HfConfigError, match=named):
         hf.from_pretrained(path)
@@ -225,6 +271,8 @@ def test_mpt_slope_formula_is_transformers_own():
         "qwen2",
         "qwen2_layer_types",
         "mistral_window",
+        "gemma3",
+        "gemma3_legacy",
         "gpt2",
         "bloom",
         "llama_mqa_tied",
@@ -286,6 +334,18 @@ def test_a_model_without_a_hugging_face_twin_is_not_saved(tmp_path):
         cfg = llama.replace(layer_pattern=pattern).validate()
         with pytest.raises(ValueError, match=named):
             hf.save_pretrained(TransformerLM(cfg, rngs=nnx.Rngs(0)), tmp_path / "y")
+    # Gemma 3's switches on a Llama; Gemma 3 with two local RoPEs.
+    gemma3 = hf.from_pretrained(GOLDENS / "gemma3_legacy").cfg
+    for cfg, named in [
+        (llama.replace(qk_norm=True), "written only as Gemma 3's"),
+        (
+            gemma3.replace(layer_pattern=("rope:window=6", "rope", "rope:window=6,rope_base=7.0")),
+            "neither of Gemma 3's two kinds",
+        ),
+    ]:
+        cfg = cfg.validate()
+        with pytest.raises(ValueError, match=named):
+            hf.save_pretrained(TransformerLM(cfg, rngs=nnx.Rngs(0)), tmp_path / "y")
     assert not (tmp_path / "y").exists()
 
 
@@ -298,6 +358,8 @@ def test_a_model_without_a_hugging_face_twin_is_not_saved(tmp_path):
         "qwen2",
         "qwen2_layer_types",
         "mistral_window",
+        "gemma3",
+        "gemma3_legacy",
         "gpt2",
         "bloom",
         "neox_parallel",

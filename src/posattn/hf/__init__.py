@@ -291,6 +291,9 @@ def _shardings(mesh, abstract) -> dict | None:
 def model_type_of(cfg: ModelConfig) -> str:
     """The Hugging Face `model_type` that computes what `cfg` computes, or ValueError."""
     kind = _architecture(cfg)
+    if kind == "gemma3_text":
+        _gemma3_layers(cfg)
+        return kind
     windows = _layer_windows(cfg)
     if all(w is None for w in windows):
         return kind
@@ -320,9 +323,38 @@ def _layer_windows(cfg: ModelConfig) -> tuple[int | None, ...]:
     return tuple(spec.window for spec in cfg.layers)
 
 
+def _gemma3_layers(cfg: ModelConfig) -> None:
+    """ValueError unless the layers are Gemma 3's two kinds: global ones with model.position's
+    RoPE and no window, and local ones that share one window and one RoPE of their own."""
+    local = {(s.window, s.settings) for s in cfg.layers if s.window is not None}
+    for i, spec in enumerate(cfg.layers):
+        own = spec.position != cfg.position or spec.temperature
+        if own or (spec.window is None and spec.settings != cfg.settings) or len(local) > 1:
+            raise ValueError(
+                f"layer {i} ({spec}) is neither of Gemma 3's two kinds: global layers with "
+                f"model.position's RoPE ({cfg.settings}) and no window, and local layers that all "
+                f"share one window and one RoPE (here {sorted(map(str, local))})"
+            )
+
+
 def _architecture(cfg: ModelConfig) -> str:
     """The `model_type` whose blocks compute what `cfg`'s do, its layers' positions aside."""
     arch = (cfg.norm, cfg.norm_bias, cfg.mlp, cfg.embed_scale, cfg.parallel_residual)
+    gemma_block = cfg.position == "rope" and arch == ("rms", False, "gated", "sqrt_d", False)
+    plain = gemma_block and cfg.settings.partial_factor == 1 and cfg.settings.proportion == 1
+    if plain and cfg.settings.layout == "half" and cfg.norm_unit_offset:
+        gemma = cfg.bias == "none" and not cfg.embed_norm and cfg.activation == "gelu_tanh"
+        whole = float(cfg.query_pre_attn_scalar).is_integer()  # transformers takes an int
+        if gemma and cfg.post_norms and cfg.qk_norm and whole:
+            return "gemma3_text"
+    if cfg.post_norms or cfg.qk_norm or cfg.query_pre_attn_scalar not in (0, cfg.head_dim):
+        raise ValueError(
+            "model.post_norms, model.qk_norm and model.query_pre_attn_scalar are written only "
+            "as Gemma 3's (gemma3_text: both norms, Gemma's 1 + w RMSNorm, tanh-GELU gated MLP, "
+            "RoPE 'half', no biases, a whole query_pre_attn_scalar); this model has "
+            f"post_norms={cfg.post_norms}, qk_norm={cfg.qk_norm}, query_pre_attn_scalar="
+            f"{cfg.query_pre_attn_scalar}"
+        )
     if cfg.position == "rope" and arch == ("rms", False, "gated", "sqrt_d", False):
         plain = cfg.settings.partial_factor == 1 and cfg.settings.proportion == 1
         if cfg.settings.layout == "half" and cfg.norm_unit_offset and plain:

@@ -35,7 +35,17 @@ TRAINING_KEYS = (
     "init_from",
 )
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma", "gpt2", "bloom", "gpt_neox", "mpt")
+ARCHITECTURES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "gemma",
+    "gemma3_text",
+    "gpt2",
+    "bloom",
+    "gpt_neox",
+    "mpt",
+)
 
 # Hugging Face `hidden_act` / `activation_function` -> model.activation.
 _ACTIVATIONS = {
@@ -225,6 +235,50 @@ def _gemma(hf: dict) -> dict[str, Any]:
     return keys
 
 
+def _gemma3(hf: dict) -> dict[str, Any]:
+    """Gemma 3 (text): Gemma's block with query/key norms and a norm after each branch, logits
+    scaled by query_pre_attn_scalar ** -0.5, and local layers (a sliding window, their own RoPE)
+    beside global ones, as `layer_types` (or the older `sliding_window_pattern`) lays them out.
+    transformers' Gemma3TextConfig defaults fill what config.json leaves out."""
+    if hf.get("attention_bias"):
+        raise _refuse("attention_bias", True, "only false (Gemma 3 has no biases)")
+    hf = {"head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", **hf}
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types is None:
+        every = hf.get("sliding_window_pattern", 6)
+        types = [_SLIDING if (i + 1) % every else _FULL for i in range(n)]
+    if len(types) != n or any(t not in (_SLIDING, _FULL) for t in types):
+        raise _refuse("layer_types", types, f"{n} entries, each {_SLIDING!r} or {_FULL!r}")
+    # RoPE per layer type: transformers 5's rope_parameters {layer type: parameters}, or the
+    # older rope_theta (global) + rope_local_base_freq (local) + rope_scaling (global only).
+    given = hf.get("rope_parameters") or {}
+    by_type = given if (_FULL in given or _SLIDING in given) else {}
+    scaling = dict(hf.get("rope_scaling") or ({} if by_type else given))
+    if "type" in scaling:  # the oldest spelling of rope_type
+        scaling.setdefault("rope_type", scaling.pop("type"))
+    full = {"rope_type": "default", **(by_type.get(_FULL) or {}), **scaling}
+    full.setdefault("rope_theta", hf.get("rope_theta", 1_000_000.0))
+    local = {"rope_type": "default", **(by_type.get(_SLIDING) or {})}
+    local.setdefault("rope_theta", hf.get("rope_local_base_freq", 10_000.0))
+    head_dim = hf["head_dim"]
+    plain = {k: v for k, v in hf.items() if k not in ("rope_parameters", "rope_scaling")}
+    keys = _gemma({**plain, "rope_parameters": full})
+    rope_local = _rope({**plain, "rope_parameters": local}, head_dim, 10_000.0)
+    keys.update(
+        post_norms=True,
+        qk_norm=True,
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+    )
+    if _SLIDING in types:
+        local_entry = (
+            f"rope:rope_base={rope_local['rope_base']!r},"
+            f"rope_scaling={rope_local['rope_scaling']!r},window={_window_size(hf)}"
+        )
+        keys["layer_pattern"] = tuple(local_entry if t == _SLIDING else "rope" for t in types)
+    return keys
+
+
 def _gpt2(hf: dict) -> dict[str, Any]:
     _expect(hf, "scale_attn_weights", (True,), "logits scaled by 1/sqrt(H)")
     _expect(hf, "scale_attn_by_inverse_layer_idx", (False,), "no per-layer logit scale")
@@ -353,6 +407,7 @@ _PARSERS = {
     "bloom": _bloom,
     "gpt_neox": _neox,
     "gemma": _gemma,
+    "gemma3_text": _gemma3,
     "mpt": _mpt,
 }
 
@@ -408,14 +463,14 @@ def model_config(hf: dict, *, dtype: str | None = None) -> ModelConfig:
     return ModelConfig.from_keys(keys).validate()
 
 
-def _hf_rope(cfg: ModelConfig) -> tuple[dict[str, Any], int]:
-    """(rope_parameters, max_position_embeddings) of a RoPE model, as `_rope` reads them back:
+def _hf_rope(settings) -> tuple[dict[str, Any], int]:
+    """(rope_parameters, max_position_embeddings) of RoPE settings, as `_rope` reads them back:
     the scaling's keys that are set; the training length from the dict (dynamic NTK's is
     config.max_position_embeddings), or LongRoPE's extended length when its factor is left to
     max_position_embeddings / original_max_position_embeddings."""
     params = {"rope_type": "default"}
-    params.update({k: v for k, v in (cfg.settings.scaling_dict or {}).items() if v is not None})
-    params["rope_theta"] = cfg.settings.base
+    params.update({k: v for k, v in (settings.scaling_dict or {}).items() if v is not None})
+    params["rope_theta"] = settings.base
     length = params.pop("max_position_embeddings", None)
     length = length or params.get("original_max_position_embeddings") or 2048
     return params, int(length)
@@ -425,12 +480,13 @@ def hf_config(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
     """A transformers config.json dict for `cfg` as a `model_type` model (the inverse)."""
     common = dict(model_type=model_type, vocab_size=cfg.vocab_size, dtype="float32")
     common["tie_word_embeddings"] = cfg.tie_embeddings
-    if model_type in ("llama", "mistral", "qwen2", "gemma"):
-        params, max_positions = _hf_rope(cfg)
+    if model_type in ("llama", "mistral", "qwen2", "gemma", "gemma3_text"):
+        params, max_positions = _hf_rope(cfg.settings)
         arch = {
             "llama": "LlamaForCausalLM",
             "mistral": "MistralForCausalLM",
             "gemma": "GemmaForCausalLM",
+            "gemma3_text": "Gemma3ForCausalLM",
         }
         out = dict(
             common,
@@ -450,6 +506,20 @@ def hf_config(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
         )
         if model_type == "llama":
             out.update(attention_bias=cfg.bias == "all", mlp_bias=cfg.bias == "all")
+        if model_type == "gemma3_text":
+            local = [s for s in cfg.layers if s.window is not None]
+            local_params, _ = _hf_rope(local[0].settings if local else cfg.settings)
+            out.update(
+                hidden_activation=out.pop("hidden_act"),
+                query_pre_attn_scalar=int(cfg.query_pre_attn_scalar or cfg.head_dim),
+                layer_types=[_FULL if s.window is None else _SLIDING for s in cfg.layers],
+                sliding_window=local[0].window if local else 4096,
+                rope_parameters={_FULL: params, _SLIDING: local_params},
+                attention_bias=False,
+                final_logit_softcapping=None,
+                attn_logit_softcapping=None,
+            )
+            return out
         windows = [spec.window for spec in cfg.layers]
         size = next((w for w in windows if w is not None), None)
         if model_type == "mistral":
@@ -480,7 +550,7 @@ def hf_config(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
             activation_function={"gelu_tanh": "gelu_new"}.get(cfg.activation, cfg.activation),
         )
     if model_type == "gpt_neox":
-        params, max_positions = _hf_rope(cfg)
+        params, max_positions = _hf_rope(cfg.settings)
         params["partial_rotary_factor"] = cfg.settings.partial_factor
         return dict(
             common,

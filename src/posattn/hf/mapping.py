@@ -141,14 +141,23 @@ def rules(cfg: ModelConfig, model_type: str) -> list[Rule]:
     def bias(hf, ours):
         out.append(_copy(f"{hf}.bias", ours))
 
-    if model_type in ("llama", "mistral", "qwen2", "gemma"):
+    if model_type in ("llama", "mistral", "qwen2", "gemma", "gemma3_text"):
         out.append(_copy(f"{p}embed_tokens.weight", ("embed",)))
         norm(f"{p}norm", ("final_norm",))
         for i in range(cfg.num_layers):
             L, b = f"{p}layers.{i}.", ("blocks", i)
             norm(f"{L}input_layernorm", (*b, "attn_norm"))
-            norm(f"{L}post_attention_layernorm", (*b, "mlp_norm"))
             a = f"{L}self_attn."
+            if model_type == "gemma3_text":
+                # Gemma 3's post_attention_layernorm normalises the attention's output; the MLP's
+                # input norm is pre_feedforward_layernorm (Llama's post_attention_layernorm).
+                norm(f"{L}post_attention_layernorm", (*b, "attn_post_norm"))
+                norm(f"{L}pre_feedforward_layernorm", (*b, "mlp_norm"))
+                norm(f"{L}post_feedforward_layernorm", (*b, "mlp_post_norm"))
+                norm(f"{a}q_norm", (*b, "attn", "q_norm"))
+                norm(f"{a}k_norm", (*b, "attn", "k_norm"))
+            else:
+                norm(f"{L}post_attention_layernorm", (*b, "mlp_norm"))
             out.append(_linear(f"{a}q_proj.weight", (*b, "attn", "wq"), N, H))
             out.append(_linear(f"{a}k_proj.weight", (*b, "attn", "wk"), K, H))
             out.append(_linear(f"{a}v_proj.weight", (*b, "attn", "wv"), K, H))

@@ -84,6 +84,13 @@ class ModelConfig:
     )
     bias: str = _key("none", "linear-layer biases: 'none', 'qkv' (q/k/v only), 'all'")
     parallel_residual: bool = _key(False, "x + attn(norm1(x)) + mlp(norm2(x)) (GPT-NeoX)")
+    post_norms: bool = _key(
+        False, "a norm on each branch's output before its residual add (Gemma 2 and 3)"
+    )
+    qk_norm: bool = _key(False, "a norm over each head's query and key, before RoPE (Gemma 3)")
+    query_pre_attn_scalar: float = _key(
+        0.0, "logits scaled by this ** -0.5 instead of head_dim ** -0.5 (Gemma); 0: head_dim"
+    )
     tie_embeddings: bool = _key(True, "logits from the input embedding (False: a separate head)")
     embed_scale: str = _key("sqrt_d", "input embeddings times 'sqrt_d' (sqrt(d_model)) or 'one'")
     embed_norm: bool = _key(False, "a norm right after the input embedding (BLOOM)")
@@ -319,11 +326,20 @@ class ModelConfig:
             "norm_bias",
             "norm_unit_offset",
             "parallel_residual",
+            "post_norms",
+            "qk_norm",
             "tie_embeddings",
             "embed_norm",
         ):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "must be True or False")
+        scalar = self.query_pre_attn_scalar
+        if not (_number(scalar) and math.isfinite(scalar) and scalar >= 0):
+            _fail(
+                "query_pre_attn_scalar",
+                scalar,
+                "must be 0 (logits scaled by head_dim ** -0.5) or a positive finite number",
+            )
         eps = self.norm_eps
         if not (_number(eps) and math.isfinite(eps) and eps > 0):
             _fail("norm_eps", eps, "must be a positive finite number")

@@ -107,6 +107,11 @@ class Arch:
     mlp: "plain" act(x W1) W2 or "gated" (act(x W1) * x W3) W2; activation: a key of ACTIVATIONS.
     bias: linear-layer biases, "none", "qkv" (the q/k/v projections) or "all" (every projection).
     parallel_residual: x + attn(norm1(x)) + mlp(norm2(x)) (GPT-NeoX) instead of two residual steps.
+    post_norms: a norm on each branch's output before it is added (Gemma 2 and 3's
+      post_attention_layernorm and post_feedforward_layernorm).
+    qk_norm: a norm over each head's query and key (H wide) after the projection, before RoPE
+      (Gemma 3's q_norm, k_norm).
+    query_pre_attn_scalar: logits scaled by its -1/2 power instead of H's (Gemma); 0: H.
     """
 
     norm: str = "rms"
@@ -117,6 +122,9 @@ class Arch:
     activation: str = "gelu_tanh"
     bias: str = "none"
     parallel_residual: bool = False
+    post_norms: bool = False
+    qk_norm: bool = False
+    query_pre_attn_scalar: float = 0.0
 
 
 class Norm(nnx.Module):
@@ -313,11 +321,15 @@ class Attention(nnx.Module):
                 self.bv = nnx.Param(jnp.zeros((K * H,), pdt))
         if arch.bias == "all":
             self.bo = nnx.Param(jnp.zeros((D,), pdt))
+        if arch.qk_norm:  # over each head's H features (Gemma 3)
+            self.q_norm = make_norm(H, arch, dtype=dtype, param_dtype=pdt)
+            if owns_kv:
+                self.k_norm = make_norm(H, arch, dtype=dtype, param_dtype=pdt)
         self.owns_kv = owns_kv
         self.rotary = rotary_module
         self.bias = bias_module
         self.causal = causal
-        self.scale = 1.0 if scale_free else 1.0 / math.sqrt(H)
+        self.scale = 1.0 if scale_free else 1.0 / math.sqrt(arch.query_pre_attn_scalar or H)
         self.implementation = implementation
         self.dtype = dtype
         # Per-layer position settings (posattn.nn.pattern): a sliding window, a query temperature
@@ -345,9 +357,14 @@ class Attention(nnx.Module):
         w = flat[0] if len(flat) == 1 else jnp.concatenate(flat, axis=1)
         y = dense(x, w.astype(dt))  # (B, T, sum of heads x H)
         splits = np.cumsum([f.shape[1] for f in flat])[:-1].tolist()
-        return [
+        out = [
             _bias(part.reshape(*part.shape[:-1], *wt.shape[1:]), self, f"b{n}", dt)
             for part, wt, n in zip(jnp.split(y, splits, axis=-1), weights, names, strict=True)
+        ]
+        # Query and key norms (arch.qk_norm), before any rotation.
+        return [
+            getattr(self, f"{n}_norm")(o) if hasattr(self, f"{n}_norm") else o
+            for o, n in zip(out, names, strict=True)
         ]
 
     def project_kv(
@@ -585,7 +602,7 @@ class Mlp(nnx.Module):
 
 class Block(nnx.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)) (or both branches on
-    x with `arch.parallel_residual`).
+    x with `arch.parallel_residual`; each branch's output normalised too with `arch.post_norms`).
 
     Args: as `Attention`, plus d_ff, F, the MLP's width, and `arch`, the switches (`Arch`).
     """
@@ -643,13 +660,21 @@ class Block(nnx.Module):
             rngs=rngs,
             arch=arch,
         )
+        if arch.post_norms:  # Gemma 2 and 3: each branch's output normalised before it is added
+            self.attn_post_norm = make_norm(d_model, arch, dtype=dtype, param_dtype=param_dtype)
+            self.mlp_post_norm = make_norm(d_model, arch, dtype=dtype, param_dtype=param_dtype)
         self.parallel_residual = arch.parallel_residual
 
+    def _branch(self, name: str, h: jax.Array) -> jax.Array:
+        post = getattr(self, f"{name}_post_norm", None)
+        return h if post is None else post(h)
+
     def _residual(self, x: jax.Array, h: jax.Array) -> jax.Array:
+        h = self._branch("attn", h)
         if self.parallel_residual:  # GPT-NeoX: both branches read the block's input
-            return x + h + self.mlp(self.mlp_norm(x))
+            return x + h + self._branch("mlp", self.mlp(self.mlp_norm(x)))
         x = x + h
-        return x + self.mlp(self.mlp_norm(x))
+        return x + self._branch("mlp", self.mlp(self.mlp_norm(x)))
 
     def __call__(self, x: jax.Array, **attention_args):
         """The block on x[B, T, D]; `attention_args` (kv, cache, q_offset, kv_lengths, ...) and
