@@ -162,6 +162,35 @@ def cases() -> dict[str, tuple[str, dict, dict]]:
             ),
             {"gemma3_legacy": True},
         ),
+        # Multimodal Gemma 3 (model_type "gemma3", as the Hub's 4B-27B files): posattn reads its
+        # text model; the logits are Gemma3ForConditionalGeneration's for text-only input. Image
+        # token ids past the vocabulary, so no sampled token is one.
+        "gemma3_multimodal": (
+            "Gemma3Config",
+            dict(
+                text_config=dict(
+                    LLAMA,
+                    head_dim=8,
+                    query_pre_attn_scalar=8,
+                    sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention"],
+                ),
+                vision_config=dict(
+                    model_type="siglip_vision_model",
+                    hidden_size=16,
+                    intermediate_size=16,
+                    num_hidden_layers=1,
+                    num_attention_heads=2,
+                    image_size=28,
+                    patch_size=14,
+                ),
+                mm_tokens_per_image=4,
+                boi_token_index=1000,
+                eoi_token_index=1001,
+                image_token_index=1002,
+            ),
+            {},
+        ),
         "gpt2": (
             "GPT2Config",
             dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32, n_inner=40),
@@ -233,7 +262,7 @@ def randomise(model, seed: int) -> None:
             is_norm = "norm" in name or ".ln" in name or name.startswith("ln")
             if is_norm and name.endswith("weight"):
                 # Gemma's norms scale by 1 + weight: its weights sit around 0, the others' around 1.
-                gemma = model.config.model_type in ("gemma", "gemma3_text")
+                gemma = model.config.model_type in ("gemma", "gemma3_text", "gemma3")
                 p.copy_((0.0 if gemma else 1.0) + 0.1 * noise)
             else:
                 p.copy_(0.3 * noise)
@@ -296,7 +325,7 @@ def write(name: str, out: pathlib.Path | None = None) -> None:
         out, dtype=torch.float32, attn_implementation="eager"
     )
     ref.eval()
-    ids = tokens(ref.config.vocab_size, seed)
+    ids = tokens(ref.config.get_text_config().vocab_size, seed)
     with torch.no_grad():
         logits = ref(torch.as_tensor(ids)).logits.float().numpy()
     np.savez(

@@ -61,7 +61,7 @@ def _edit_config(path, **changes):
 @pytest.mark.parametrize(
     "changes, named",
     [
-        (dict(model_type="gemma3"), "model_type='gemma3'"),
+        (dict(model_type="gemma2"), "model_type='gemma2'"),
         (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0"),
         (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), "longrope"),
         (dict(rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 0.5}), "partial"),
@@ -135,6 +135,30 @@ def test_inconsistent_sliding_window_configs_are_refused(tmp_path, case, changes
     path = _copy(tmp_path, case)
     _edit_config(path, **changes)
     with pytest.raises(HfConfigError, match=named):
+        hf.from_pretrained(path)
+
+
+def test_a_multimodal_gemma3_loads_its_text_model_in_either_naming(tmp_path):
+    # The golden is written as transformers writes it (the Hub's form: language_model.model.*,
+    # vision_tower.*); transformers 5's module names (model.language_model.*,
+    # model.vision_tower.*) load too. The vision tower's tensors are not read.
+    model = hf.from_pretrained(GOLDENS / "gemma3_multimodal")
+    assert [s.window for s in model.cfg.layers] == [8, None] and model.cfg.qk_norm
+    path = _copy(tmp_path, "gemma3_multimodal")
+
+    def rename(tensors):
+        for name in list(tensors):
+            new = name.replace("language_model.model.", "model.language_model.", 1)
+            for part in ("vision_tower.", "multi_modal_projector."):
+                if new.startswith(part):
+                    new = "model." + new
+            tensors[new] = tensors.pop(name)
+
+    _rewrite(path, rename)
+    _check(hf.from_pretrained(path), np.load(GOLDENS / "gemma3_multimodal" / "expected.npz"))
+    # A tensor of the text model that no rule reads is still an error.
+    _rewrite(path, lambda t: t.update({"model.language_model.extra.weight": np.zeros(2)}))
+    with pytest.raises(ValueError, match=r"does not use: model\.language_model\.extra"):
         hf.from_pretrained(path)
 
 
@@ -273,6 +297,7 @@ def test_mpt_slope_formula_is_transformers_own():
         "mistral_window",
         "gemma3",
         "gemma3_legacy",
+        "gemma3_multimodal",
         "gpt2",
         "bloom",
         "llama_mqa_tied",
@@ -360,6 +385,7 @@ def test_a_model_without_a_hugging_face_twin_is_not_saved(tmp_path):
         "mistral_window",
         "gemma3",
         "gemma3_legacy",
+        "gemma3_multimodal",
         "gpt2",
         "bloom",
         "neox_parallel",

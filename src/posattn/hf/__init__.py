@@ -121,7 +121,8 @@ class _Reader:
 
 
 def _resolve_names(names, model_type: str, rules) -> dict[str, str]:
-    """Rule name -> the file's name for it (files of a bare base model lack its prefix)."""
+    """Rule name -> the file's name for it (files of a bare base model lack its prefix; files of
+    older transformers may spell it with an older prefix, `mapping.renamed`)."""
     prefix = mapping.base_prefix(model_type)
     out = {}
     for rule in rules:
@@ -130,6 +131,14 @@ def _resolve_names(names, model_type: str, rules) -> dict[str, str]:
                 out[name] = name
             elif name.startswith(prefix) and name[len(prefix) :] in names:
                 out[name] = name[len(prefix) :]
+            else:
+                found = [
+                    old + name[len(new) :]
+                    for new, old in mapping.renamed(model_type)
+                    if name.startswith(new) and old + name[len(new) :] in names
+                ]
+                if found:
+                    out[name] = found[0]
     return out
 
 
@@ -186,7 +195,12 @@ def _load(path, cfg, model_type, abstract, shardings) -> nnx.State:
         resolved = _resolve_names(file_names, model_type, rules)
         missing = [n for r in rules for n in r.hf if n not in resolved]
         used = set(resolved.values())
-        unused = sorted(n for n in file_names - used if not n.endswith(mapping.ignored(model_type)))
+        unused = sorted(
+            n
+            for n in file_names - used
+            if not n.endswith(mapping.ignored(model_type))
+            and not n.startswith(mapping.skipped(model_type))
+        )
         filled = {p for r in rules for p in r.ours}
         unfilled = sorted("/".join(map(str, p)) for p in set(flat_abstract) - filled)
         problems = []

@@ -235,6 +235,34 @@ def _gemma(hf: dict) -> dict[str, Any]:
     return keys
 
 
+# transformers' Gemma3TextConfig defaults: the Hub's multimodal Gemma 3 files leave most of them
+# out of text_config (gemma-3-4b's names six keys).
+_GEMMA3_TEXT_DEFAULTS = dict(
+    vocab_size=262_208,
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_hidden_layers=26,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=256,
+    hidden_activation="gelu_pytorch_tanh",
+    max_position_embeddings=131_072,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    query_pre_attn_scalar=256,
+    sliding_window=4096,
+)
+
+
+def _gemma3_multimodal(hf: dict) -> dict[str, Any]:
+    """The text model of a multimodal Gemma 3 checkpoint (`model_type` "gemma3": text_config
+    plus a vision tower, whose tensors are not read): what transformers'
+    Gemma3ForConditionalGeneration computes for a text-only input."""
+    text = dict(hf.get("text_config") or {})
+    text.update(model_type="gemma3_text", tie_word_embeddings=hf.get("tie_word_embeddings", True))
+    return _gemma3(text)
+
+
 def _gemma3(hf: dict) -> dict[str, Any]:
     """Gemma 3 (text): Gemma's block with query/key norms and a norm after each branch, logits
     scaled by query_pre_attn_scalar ** -0.5, and local layers (a sliding window, their own RoPE)
@@ -242,7 +270,7 @@ def _gemma3(hf: dict) -> dict[str, Any]:
     transformers' Gemma3TextConfig defaults fill what config.json leaves out."""
     if hf.get("attention_bias"):
         raise _refuse("attention_bias", True, "only false (Gemma 3 has no biases)")
-    hf = {"head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", **hf}
+    hf = {**_GEMMA3_TEXT_DEFAULTS, **hf}
     n = hf["num_hidden_layers"]
     types = hf.get("layer_types")
     if types is None:
@@ -408,6 +436,7 @@ _PARSERS = {
     "gpt_neox": _neox,
     "gemma": _gemma,
     "gemma3_text": _gemma3,
+    "gemma3": _gemma3_multimodal,
     "mpt": _mpt,
 }
 

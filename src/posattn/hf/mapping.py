@@ -114,8 +114,32 @@ def base_prefix(model_type: str) -> str:
         "bloom": "transformer.",
         "gpt_neox": "gpt_neox.",
         "mpt": "transformer.",
+        "gemma3": "model.language_model.",  # the text model of a multimodal checkpoint
     }
     return prefixes.get(model_type, "model.")
+
+
+def renamed(model_type: str) -> tuple[tuple[str, str], ...]:
+    """(prefix, older prefix) pairs: a file written by older transformers (the Hub's multimodal
+    Gemma 3 files) names its text model's tensors with the second."""
+    if model_type == "gemma3":
+        return (
+            ("model.language_model.", "language_model.model."),
+            ("lm_head.", "language_model.lm_head."),
+        )
+    return ()
+
+
+def skipped(model_type: str) -> tuple[str, ...]:
+    """Prefixes of tensors posattn does not read: a multimodal checkpoint's vision tower and
+    projector (posattn's model is its text model)."""
+    if model_type == "gemma3":
+        return tuple(
+            f"{p}{part}."
+            for p in ("model.", "")
+            for part in ("vision_tower", "multi_modal_projector")
+        )
+    return ()
 
 
 def ignored(model_type: str) -> tuple[str, ...]:
@@ -141,14 +165,14 @@ def rules(cfg: ModelConfig, model_type: str) -> list[Rule]:
     def bias(hf, ours):
         out.append(_copy(f"{hf}.bias", ours))
 
-    if model_type in ("llama", "mistral", "qwen2", "gemma", "gemma3_text"):
+    if model_type in ("llama", "mistral", "qwen2", "gemma", "gemma3_text", "gemma3"):
         out.append(_copy(f"{p}embed_tokens.weight", ("embed",)))
         norm(f"{p}norm", ("final_norm",))
         for i in range(cfg.num_layers):
             L, b = f"{p}layers.{i}.", ("blocks", i)
             norm(f"{L}input_layernorm", (*b, "attn_norm"))
             a = f"{L}self_attn."
-            if model_type == "gemma3_text":
+            if model_type in ("gemma3_text", "gemma3"):
                 # Gemma 3's post_attention_layernorm normalises the attention's output; the MLP's
                 # input norm is pre_feedforward_layernorm (Llama's post_attention_layernorm).
                 norm(f"{L}post_attention_layernorm", (*b, "attn_post_norm"))
