@@ -354,13 +354,13 @@ def _gemma3_layers(cfg: ModelConfig) -> None:
 def _architecture(cfg: ModelConfig) -> str:
     """The `model_type` whose blocks compute what `cfg`'s do, its layers' positions aside."""
     arch = (cfg.norm, cfg.norm_bias, cfg.mlp, cfg.embed_scale, cfg.parallel_residual)
-    gemma_block = cfg.position == "rope" and arch == ("rms", False, "gated", "sqrt_d", False)
-    plain = gemma_block and cfg.settings.partial_factor == 1 and cfg.settings.proportion == 1
-    if plain and cfg.settings.layout == "half" and cfg.norm_unit_offset:
-        gemma = cfg.bias == "none" and not cfg.embed_norm and cfg.activation == "gelu_tanh"
-        whole = float(cfg.query_pre_attn_scalar).is_integer()  # transformers takes an int
-        if gemma and cfg.post_norms and cfg.qk_norm and whole:
-            return "gemma3_text"
+    rope = cfg.position == "rope" and cfg.settings.layout == "half"
+    rope = rope and cfg.settings.partial_factor == 1 and cfg.settings.proportion == 1
+    gemma = rope and arch == ("rms", False, "gated", "sqrt_d", False) and cfg.norm_unit_offset
+    gemma = gemma and cfg.bias == "none" and not cfg.embed_norm and cfg.activation == "gelu_tanh"
+    whole = float(cfg.query_pre_attn_scalar).is_integer()  # transformers takes an int
+    if gemma and cfg.post_norms and cfg.qk_norm and whole:
+        return "gemma3_text"
     if cfg.post_norms or cfg.qk_norm or cfg.query_pre_attn_scalar not in (0, cfg.head_dim):
         raise ValueError(
             "model.post_norms, model.qk_norm and model.query_pre_attn_scalar are written only "
@@ -369,20 +369,11 @@ def _architecture(cfg: ModelConfig) -> str:
             f"post_norms={cfg.post_norms}, qk_norm={cfg.qk_norm}, query_pre_attn_scalar="
             f"{cfg.query_pre_attn_scalar}"
         )
-    if cfg.position == "rope" and arch == ("rms", False, "gated", "sqrt_d", False):
-        plain = cfg.settings.partial_factor == 1 and cfg.settings.proportion == 1
-        if cfg.settings.layout == "half" and cfg.norm_unit_offset and plain:
-            if cfg.bias == "none" and not cfg.embed_norm and cfg.activation == "gelu_tanh":
-                return "gemma"
-    if cfg.position == "rope" and arch == ("rms", False, "gated", "one", False):
-        plain = cfg.settings.partial_factor == 1 and cfg.settings.proportion == 1
-        if (
-            cfg.settings.layout == "half"
-            and not cfg.norm_unit_offset
-            and not cfg.embed_norm
-            and plain
-        ):
-            return {"none": "llama", "all": "llama", "qkv": "qwen2"}[cfg.bias]
+    if gemma:
+        return "gemma"
+    llama = rope and arch == ("rms", False, "gated", "one", False)
+    if llama and not cfg.norm_unit_offset and not cfg.embed_norm:
+        return {"none": "llama", "all": "llama", "qkv": "qwen2"}[cfg.bias]
     neox = ("layer", True, "plain", "one")
     if cfg.position == "rope" and arch[:4] == neox and cfg.settings.layout == "half":
         if cfg.bias == "all" and not cfg.embed_norm and not cfg.norm_unit_offset:
@@ -400,7 +391,8 @@ def _architecture(cfg: ModelConfig) -> str:
             return "mpt"
     raise ValueError(
         "this model has no Hugging Face architecture that computes the same function; "
-        "save_pretrained writes Llama/Qwen2/Gemma (rope, half layout, RMSNorm, gated MLP), "
+        "save_pretrained writes Llama/Mistral/Qwen2/Gemma/Gemma 3 (rope, half layout, RMSNorm, "
+        "gated MLP), "
         "GPT-NeoX (rope, LayerNorm, biases), GPT-2 (learned positions), BLOOM "
         "(ALiBi, biases) and MPT (ALiBi, no biases) models"
     )

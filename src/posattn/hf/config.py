@@ -296,7 +296,7 @@ def _gemma3(hf: dict) -> dict[str, Any]:
     keys.update(
         post_norms=True,
         qk_norm=True,
-        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+        query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]),
     )
     if _SLIDING in types:
         local_entry = (
