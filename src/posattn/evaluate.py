@@ -1,7 +1,7 @@
 """Any evaluator on any trained workdir, at any lengths, beside the workdir's own results.
 
     python -m posattn.eval --workdir W [--lengths 64,100,2048] [--evaluators loss,passkey] \
-        [--max_tokens N] [--batch_size B] [--seed S]
+        [--max_tokens N] [--batch_size B] [--seed S] [--window W]
 
 W is a `posattn.train` workdir (an experiment's `WORKDIR/<entry>/` is one): its `config.json`
 and latest checkpoint are read, the checkpoint restored read-only (nothing is created, cleaned up
@@ -12,6 +12,9 @@ the longest length, sliding blocks of stride min(L, shortest length) for 512 L t
 1234 as the experiment's). The output goes to `W/eval/<settings hash>.json` (the settings,
 the checkpoint's step, each evaluator's values per length and the loss summarised with 95%
 intervals), never over an existing file of other settings; a table of the loss is printed.
+`--window W` reads the trained model with every layer's attention limited to a sliding window of
+W keys (`posattn.eval.lengths.windowed`: a layer's own smaller window is kept), the experiment's
+window rows for any workdir and any W.
 
 An entry point (like `posattn.generate`): it imports `posattn.train`, which restores the
 checkpoint; the evaluators in `posattn.eval` never do (`python -m posattn.eval` runs this module's
@@ -32,6 +35,7 @@ from posattn import cli
 from posattn import config as config_lib
 from posattn import data as data_lib
 from posattn.eval import heldout, intervals, registry, summary
+from posattn.eval import lengths as lengths_lib
 from posattn.nn.model import TransformerLM
 
 COMMAND = cli.Command(
@@ -48,6 +52,12 @@ COMMAND = cli.Command(
         cli.Flag("batch_size", "windows of the longest length per forward pass", 8, int),
         cli.Flag("seed", "draws the evaluation text and every probe sample", 1234, int),
         cli.Flag("bootstrap", "replicates of the bootstrap over held-out files", 1000, int),
+        cli.Flag(
+            "window",
+            "read every layer under a sliding window of this many keys (0: as trained)",
+            0,
+            int,
+        ),
     ),
     takes_config=False,
 )
@@ -69,6 +79,7 @@ def evaluate_workdir(
     batch_size: int = 8,
     seed: int = 1234,
     bootstrap: int = 1000,
+    window: int = 0,
 ) -> tuple[pathlib.Path, dict]:
     """Evaluates the latest checkpoint of `workdir`; returns (the file written, its content)."""
 
@@ -108,6 +119,12 @@ def evaluate_workdir(
     for e in chosen:
         if e.name == "loss" or "sliding_max_tokens" in e.defaults:
             settings["evaluators"][e.name]["sliding_max_tokens"] = 512 * L
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise config_lib.ConfigError(
+            f"--window={window!r} must be 0 (the model as trained) or a positive number of keys"
+        )
+    if window:
+        settings["window"] = window  # only when set: earlier files keep their settings hash
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     out = workdir / "eval" / f"{key}.json"
     try:
@@ -125,6 +142,8 @@ def evaluate_workdir(
     if restored is None:
         raise config_lib.ConfigError(f"{workdir / 'checkpoints'} holds no checkpoint to restore")
     cfg, state, step = restored
+    if window:
+        cfg = lengths_lib.windowed(cfg, window)  # a static setting: the same params read it
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(params=0))))
     model = (graphdef, state["params"], state["constants"])
     shared = {"train_len": L, "lengths": lengths, "batch_tokens": batch_size * lengths[-1]}
@@ -169,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             batch_size=args.batch_size,
             seed=args.seed,
             bootstrap=args.bootstrap,
+            window=args.window,
         )
     except (config_lib.ConfigError, data_lib.DataError) as e:
         print(f"posattn.eval: error: {e}", file=sys.stderr)

@@ -203,6 +203,33 @@ def test_end_to_end_files_schema_new_evaluator_and_rerun_reuses(tmp_path, capsys
     found = json.loads(written.read_text())
     np.testing.assert_allclose(found["loss"]["loss"], rope["loss"], rtol=1e-6)
     assert eval_cli.main([*argv, "--evaluators", "bogus"]) == 2
+    # --window 16: the model under a sliding window of 16 keys, written beside (another settings
+    # hash; the unwindowed file keeps its own): at 32 and 64 it is what the scoring code gives
+    # for the windowed config, and not the plain model's loss.
+    assert eval_cli.main([*argv, "--evaluators", "loss", "--window", "16"]) == 0
+    (windowed,) = set((tmp_path / "rope" / "eval").glob("*.json")) - {written}
+    found_w = json.loads(windowed.read_text())
+    assert found_w["settings"]["window"] == 16 and "window" not in found["settings"]
+    from flax import nnx
+
+    from posattn.nn.model import TransformerLM
+
+    small = lengths_lib.windowed(lengths_lib.model_config_of(graphdef, params, constants), 16)
+    g_w = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(small, rngs=nnx.Rngs(0))))
+    scores_w = scoring.score_lengths(
+        g_w,
+        params,
+        constants,
+        text.val,
+        text.plan,
+        lengths=[32, 64],
+        train_len=32,
+        batch_tokens=4 * 64,
+        curve_bins=1,
+    )
+    np.testing.assert_allclose(found_w["loss"]["loss"], summary.mean_losses(scores_w), rtol=1e-6)
+    assert np.all(np.abs(np.subtract(found_w["loss"]["loss"], rope["loss"])) > 1e-4)
+    assert eval_cli.main([*argv, "--window", "-1"]) == 2
 
 
 def _read(path):
