@@ -176,18 +176,22 @@ def test_end_to_end_files_schema_new_evaluator_and_rerun_reuses(tmp_path, capsys
         stride=32,
         seed=EVAL_SEED,
     )
-    scores = scoring.score_lengths(
-        graphdef,
-        params,
-        constants,
-        text.val,
-        text.plan,
-        lengths=[32, 64],
-        train_len=32,
-        batch_tokens=4 * 64,
-        curve_bins=1,
-    )
-    np.testing.assert_allclose(summary.mean_losses(scores), rope["loss"], rtol=1e-6)
+
+    def mean_losses(graphdef):
+        scores = scoring.score_lengths(
+            graphdef,
+            params,
+            constants,
+            text.val,
+            text.plan,
+            lengths=[32, 64],
+            train_len=32,
+            batch_tokens=4 * 64,
+            curve_bins=1,
+        )
+        return summary.mean_losses(scores)
+
+    np.testing.assert_allclose(mean_losses(graphdef), rope["loss"], rtol=1e-6)
 
     # python -m posattn.eval on the trained RoPE: the same loss, written beside, and nothing
     # under checkpoints/ created or changed.
@@ -216,18 +220,7 @@ def test_end_to_end_files_schema_new_evaluator_and_rerun_reuses(tmp_path, capsys
 
     small = lengths_lib.windowed(lengths_lib.model_config_of(graphdef, params, constants), 16)
     g_w = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(small, rngs=nnx.Rngs(0))))
-    scores_w = scoring.score_lengths(
-        g_w,
-        params,
-        constants,
-        text.val,
-        text.plan,
-        lengths=[32, 64],
-        train_len=32,
-        batch_tokens=4 * 64,
-        curve_bins=1,
-    )
-    np.testing.assert_allclose(found_w["loss"]["loss"], summary.mean_losses(scores_w), rtol=1e-6)
+    np.testing.assert_allclose(found_w["loss"]["loss"], mean_losses(g_w), rtol=1e-6)
     assert np.all(np.abs(np.subtract(found_w["loss"]["loss"], rope["loss"])) > 1e-4)
     assert eval_cli.main([*argv, "--window", "-1"]) == 2
 

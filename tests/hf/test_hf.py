@@ -16,6 +16,8 @@ from posattn.hf.config import HfConfigError
 GOLDENS = pathlib.Path(__file__).parent / "goldens"
 LOADED = sorted(p.name for p in GOLDENS.iterdir())
 TOL = 5e-5  # log-softmax, float32
+# The cases whose layers differ (windows, Gemma 3's local and global RoPE).
+PER_LAYER = ["qwen2_layer_types", "mistral_window", "gemma3", "gemma3_legacy", "gemma3_multimodal"]
 
 
 def _log_softmax(x):
@@ -293,11 +295,7 @@ def test_mpt_slope_formula_is_transformers_own():
     "case",
     [
         "qwen2",
-        "qwen2_layer_types",
-        "mistral_window",
-        "gemma3",
-        "gemma3_legacy",
-        "gemma3_multimodal",
+        *PER_LAYER,
         "gpt2",
         "bloom",
         "llama_mqa_tied",
@@ -381,11 +379,7 @@ def test_a_model_without_a_hugging_face_twin_is_not_saved(tmp_path):
     "case",
     [
         "qwen2",
-        "qwen2_layer_types",
-        "mistral_window",
-        "gemma3",
-        "gemma3_legacy",
-        "gemma3_multimodal",
+        *PER_LAYER,
         "gpt2",
         "bloom",
         "neox_parallel",
