@@ -80,25 +80,30 @@ def _token_dir(tmp_path):
     return data
 
 
-def _finetune_config(data, **model):
+def _finetune_config(data, case="llama_gqa", **model):
     config = config_lib.defaults()
     config.data.corpus = str(data)
     config.data.seq_len = 16
     config.train.update(
         steps=1, batch_size=2, checkpoint_every=1, eval_every=0, learning_rate=1e-9, warmup_steps=0
     )
-    config.model.update(init_from=f"hf:{GOLDENS / 'llama_gqa'}", **model)
+    config.model.update(init_from=f"hf:{GOLDENS / case}", **model)
     return config
 
 
-def test_finetuning_starts_from_the_checkpoint_with_position_interpolation(tmp_path):
+# gemma3: position interpolation reaches its global layers; its local layers keep their own RoPE.
+@pytest.mark.parametrize("case", ["llama_gqa", "gemma3"])
+def test_finetuning_starts_from_the_checkpoint_with_position_interpolation(tmp_path, case):
     from posattn.train import restore_trained, train_and_evaluate
 
     data = _token_dir(tmp_path)
     pi = {"rope_type": "linear", "factor": 2.0}
-    config = _finetune_config(data, rope_scaling=pi)
+    config = _finetune_config(data, case, rope_scaling=pi)
     cfg = config_lib.validate(config)
     assert cfg.d_model == 32 and cfg.mlp == "gated" and cfg.settings.scaling_dict["factor"] == 2.0
+    global_layers = [s for s in cfg.layers if s.window is None]
+    assert all(s.settings.scaling_dict == cfg.settings.scaling_dict for s in global_layers)
+    assert all(s.settings.scaling is None for s in cfg.layers if s.window is not None)
     from posattn import data as data_lib
 
     corpus = data_lib.load_corpus(str(data))
@@ -106,7 +111,7 @@ def test_finetuning_starts_from_the_checkpoint_with_position_interpolation(tmp_p
     train_and_evaluate(config, tmp_path / "run")
     _, state, step = restore_trained(config, tmp_path / "run" / "checkpoints")
     assert step == 1
-    loaded = hf.load_params(GOLDENS / "llama_gqa", cfg)
+    loaded = hf.load_params(GOLDENS / case, cfg)
     import jax
 
     for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(loaded), strict=True):
