@@ -613,10 +613,10 @@ def test_a_run_trained_before_a_config_key_existed_is_still_the_same_config(tmp_
 
 def test_worker_processes_give_one_cores_numbers_and_a_sigterm_resumes(tmp_path):
     """`config.workers=2` trains and evaluates the units (here alibi and nope) in two worker
-    processes, each on one core. A SIGTERM to the
-    command, once both workers have saved a checkpoint, reaches the workers: they save and stop,
-    the run fails with "rerun to resume", and the same command resumes both trainings and
-    finishes with every number equal to one process's on one core."""
+    processes, each on one core. A SIGTERM to the command, once both workers have saved a
+    checkpoint, reaches the workers: they save and stop, the run fails with "rerun to resume", and
+    the same command resumes both trainings and finishes with every number equal to one
+    process's on one core."""
     import os
     import signal
     import subprocess
@@ -624,15 +624,12 @@ def test_worker_processes_give_one_cores_numbers_and_a_sigterm_resumes(tmp_path)
 
     script = str(ROOT / "experiments" / "length_extrapolation.py")
     argv = [sys.executable, script, *LEARNED, "--config.families=('alibi','nope')"]
-    # The SIGTERM goes once both workers have saved their first checkpoint; the steps after it
-    # (900, ~8 s on one core) cover the workers' difference in start-up, so that neither has
-    # finished training by then (with 400 steps after a checkpoint at 50, one sometimes had).
-    argv += ["--config.train.steps=1000", "--config.train.checkpoint_every=100"]
+    argv += ["--config.train.steps=200", "--config.train.checkpoint_every=50"]
     one, two = tmp_path / "one", tmp_path / "two"
     core = min(os.sched_getaffinity(0))  # one process on one core: pinned, then the command
     pin = f"import os, sys; os.sched_setaffinity(0, {{{core}}}); os.execv(sys.executable, "
     pin += "[sys.executable, *sys.argv[1:]])"
-    env = dict(os.environ, XLA_FLAGS=xla_flags(optimised=True))  # 4000 steps: run, not compile
+    env = dict(os.environ, XLA_FLAGS=xla_flags(optimised=True))  # 800 steps: run, not compile
     alone = subprocess.run(
         [sys.executable, "-c", pin, *argv[1:], "--workdir", str(one)],
         capture_output=True,
@@ -645,10 +642,23 @@ def test_worker_processes_give_one_cores_numbers_and_a_sigterm_resumes(tmp_path)
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
-    deadline = time.monotonic() + 300
-    while not all(any((two / e / "checkpoints").glob("[0-9]*")) for e in ("alibi", "nope")):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.05)
+    # The worker that saves a checkpoint first is paused (SIGSTOP; its pid is in its workdir's
+    # lock) until the other has saved one too, so that neither finishes training before the
+    # SIGTERM, whatever the workers' difference in start-up on a loaded machine.
+    paused, deadline = None, time.monotonic() + 300
+    try:
+        while True:
+            saved = [e for e in ("alibi", "nope") if any((two / e / "checkpoints").glob("[0-9]*"))]
+            if len(saved) == 2:
+                break
+            if saved and paused is None:
+                paused = int((two / saved[0] / ".lock").read_text())
+                os.kill(paused, signal.SIGSTOP)
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+    finally:
+        if paused is not None:
+            os.kill(paused, signal.SIGCONT)
     os.kill(proc.pid, signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 1, out + err
