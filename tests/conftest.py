@@ -1,5 +1,6 @@
 """Shared test helpers: small configs, reading metrics, running code under N simulated devices."""
 
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -19,8 +20,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def pytest_configure(config):
-    """The suite's LLVM level (TEST_XLA_FLAG, below), and one XLA compilation cache for the whole
-    run, empty at its start and removed at its end.
+    """The suite's code generation (TEST_XLA_FLAGS, below), and one XLA compilation cache for the
+    whole run, empty at its start and removed at its end.
 
     Most of the suite's time is XLA compiling small programs, and many tests compile the same
     one (the same config's train step, a resumed run's step, a rerun's evaluation). With
@@ -49,39 +50,62 @@ def pytest_configure(config):
         )
 
 
-# LLVM's optimisation level for the programs the suite compiles (XLA's own HLO passes, fusion and
-# buffer assignment included, are unchanged). At 0 a small program compiles in about two thirds of
-# the time, and the suite is mostly compiling: tests/nn took 90 s against 135 s at XLA's default
-# (`python -m pytest tests/nn -q`, 2-core AMD EPYC). The tests check the math, which no LLVM level
-# changes beyond float rounding inside their tolerances. The default level is one variable away
-# (POSATTN_TEST_XLA_DEFAULT=1 python -m pytest -q), and is kept where XLA_FLAGS names a level.
-TEST_XLA_FLAG = "--xla_backend_optimization_level=0"
-_ADDED = "POSATTN_TEST_XLA_FLAG_ADDED"  # set when this suite added TEST_XLA_FLAG to XLA_FLAGS
-# XLA's own default level (its DebugOptions: 3), for the tests whose claim is about the programs
-# users run (bit-for-bit identities that hold in the optimised build): `jax.jit(...,
-# compiler_options=XLA_DEFAULT_LEVEL)` compiles at it whatever XLA_FLAGS says.
-XLA_DEFAULT_LEVEL = {"xla_backend_optimization_level": 3}
+# How XLA:CPU generates code for the programs the suite compiles (XLA's own HLO passes, fusion and
+# buffer assignment included, are unchanged). The tests check the math, which no code generation
+# changes beyond float rounding inside their tolerances, and the suite is mostly compiling:
+# * LLVM at level 0: a small program compiles in about two thirds of the time (tests/nn took 90 s
+#   against 135 s at XLA's default, `python -m pytest tests/nn -q`, 2-core AMD EPYC);
+# * XLA's older loop emitters for fusions (`xla_cpu_use_fusion_emitters=false`, where this jaxlib
+#   has the option): a training step compiles in ~60% of the time; tests/nn with two train-step
+#   files took 212 s against 242 s (2-core AVX2 AMD EPYC, jax 0.10.2).
+# XLA's defaults are one variable away (POSATTN_TEST_XLA_DEFAULT=1 python -m pytest -q), and are
+# kept where XLA_FLAGS names a level already.
+TEST_XLA_FLAGS = ["--xla_backend_optimization_level=0"]
+# XLA's own defaults (its DebugOptions), for the tests whose claim is about the programs users run
+# (bit-for-bit identities that hold in the optimised build): `jax.jit(...,
+# compiler_options=XLA_DEFAULT_LEVEL)` compiles with them whatever XLA_FLAGS says;
+# XLA_DEFAULT_CODEGEN is the same without the level (for a program compiled at a level of its own).
+XLA_DEFAULT_CODEGEN = {}
+
+
+def _has_fusion_emitter_option() -> bool:
+    """Whether this jaxlib's XLA knows `xla_cpu_use_fusion_emitters` (an unknown flag in XLA_FLAGS
+    ends the process): the 0.10 releases, where it was measured."""
+    try:
+        return importlib.metadata.version("jaxlib").startswith("0.10.")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+if _has_fusion_emitter_option():
+    TEST_XLA_FLAGS.append("--xla_cpu_use_fusion_emitters=false")
+    XLA_DEFAULT_CODEGEN["xla_cpu_use_fusion_emitters"] = True
+XLA_DEFAULT_LEVEL = {"xla_backend_optimization_level": 3, **XLA_DEFAULT_CODEGEN}
+_ADDED = "POSATTN_TEST_XLA_FLAGS_ADDED"  # the flags of TEST_XLA_FLAGS this suite added to XLA_FLAGS
 
 
 def _use_test_level():
-    """Adds TEST_XLA_FLAG to this process's XLA_FLAGS (before any backend starts; xdist workers
-    and subprocesses inherit it) unless asked not to or a level is named already."""
+    """Adds TEST_XLA_FLAGS to this process's XLA_FLAGS (before any backend starts; xdist workers
+    and subprocesses inherit them) unless asked not to or a level is named already; a flag the
+    user has set is kept."""
     flags = os.environ.get("XLA_FLAGS", "").split()
-    if os.environ.get("POSATTN_TEST_XLA_DEFAULT", "") not in ("", "0"):
+    if os.environ.get("POSATTN_TEST_XLA_DEFAULT", "") not in ("", "0") or _ADDED in os.environ:
         return
-    if not any(f.startswith("--xla_backend_optimization_level") for f in flags):
-        os.environ["XLA_FLAGS"] = " ".join([*flags, TEST_XLA_FLAG])
-        os.environ[_ADDED] = "1"
+    names = {f.split("=")[0] for f in flags}
+    if "--xla_backend_optimization_level" not in names:
+        added = [f for f in TEST_XLA_FLAGS if f.split("=")[0] not in names]
+        os.environ["XLA_FLAGS"] = " ".join([*flags, *added])
+        os.environ[_ADDED] = " ".join(added)
 
 
 def xla_flags(*extra: str, optimised: bool = False) -> str:
     """XLA_FLAGS for a subprocess: this process's, with `extra` in place of its flags of the same
-    names; `optimised`: without the suite's LLVM level (for a subprocess that runs more than it
-    compiles: a thousand steps run slower at level 0)."""
+    names; `optimised`: without the suite's code-generation flags (for a subprocess that runs more
+    than it compiles: a thousand steps run slower at level 0 and with the older emitters)."""
     names = {f.split("=")[0] for f in extra}
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] not in names]
-    if optimised and os.environ.get(_ADDED):
-        flags = [f for f in flags if f != TEST_XLA_FLAG]
+    if optimised:
+        flags = [f for f in flags if f not in os.environ.get(_ADDED, "").split()]
     return " ".join([*flags, *extra])
 
 

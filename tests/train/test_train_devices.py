@@ -78,7 +78,7 @@ def _two_processes(code: str) -> list[subprocess.Popen]:
     for pid in range(2):
         env = dict(
             os.environ,
-            XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=2", optimised=True),
+            XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=2"),
             JAX_PLATFORMS="cpu",
             JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
             JAX_NUM_PROCESSES="2",
