@@ -86,6 +86,7 @@ def _first_logit_gap(model, text, length, settings):
     return float(nll[:, 0].mean()) + settings["offset"]
 
 
+@pytest.mark.figures
 def test_end_to_end_files_schema_new_evaluator_and_rerun_reuses(tmp_path, capsys):
     registry.register(registry.Evaluator("first_nll", _first_logit_gap, defaults={"offset": 0.0}))
     try:

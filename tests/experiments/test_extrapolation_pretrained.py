@@ -121,6 +121,7 @@ def _direct(path, tok, text_dir, length, *, bos, model=None):
     return nll, count, nbytes
 
 
+@pytest.mark.figures
 def test_a_checkpoint_is_evaluated_per_token_and_per_byte_with_bos(tmp_path, capsys, tiny):
     text_dir, path, tok = tiny
     work = tmp_path / "run"
