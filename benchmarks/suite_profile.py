@@ -7,8 +7,10 @@ Runs `python -m pytest -q ARGS` with this file loaded as a pytest plugin (in eve
 xdist worker). The plugin listens to JAX's own compile events (`jax.monitoring`) and writes,
 per worker, every test's wall seconds and the seconds and count of its XLA compiles (all of
 them, and those under 0.2 s: mostly the one-op programs of eager, op-by-op calls), and each
-compiled function's name with its total. Afterwards the script prints the totals, the programs
-that took the most compile time and the tests that took the most wall time. Compiles in
+compiled function's name with its total, and the seconds spent tracing functions to jaxprs and
+lowering those to StableHLO (nested traces count in each enclosing one). Afterwards the script
+prints the totals, the programs that took the most compile time and the tests that took the most
+wall time. Compiles in
 subprocesses that tests start (the multi-device and worker-process tests) are not seen: their
 time is wall time of the test without compile time. A compile answered by the persistent
 compilation cache counts as a (short) compile.
@@ -28,6 +30,8 @@ import time
 import pytest
 
 _COMPILE = "/jax/core/compile/backend_compile_duration"
+_TRACE = "/jax/core/compile/jaxpr_trace_duration"  # Python tracing to a jaxpr
+_LOWER = "/jax/core/compile/jaxpr_to_mlir_module_duration"  # the jaxpr to StableHLO
 _SMALL = 0.2  # seconds: a one-op program compiles in well under this on a CPU
 _OUT = "POSATTN_SUITE_PROFILE_DIR"
 
@@ -38,6 +42,9 @@ _rows: list[dict] = []
 
 
 def _listen(event: str, duration: float, fun_name: str | None = None, **_):
+    if event in (_TRACE, _LOWER):
+        _test["trace" if event == _TRACE else "lower"] += duration
+        return
     if event != _COMPILE:
         return
     _test["compile"] += duration
@@ -70,6 +77,8 @@ def pytest_runtest_protocol(item, nextitem):
             "compiles": _count["compile"],
             "small": _test["small"],
             "smalls": _count["small"],
+            "trace": _test["trace"],
+            "lower": _test["lower"],
         }
     )
 
@@ -94,7 +103,8 @@ def _summarise(out: pathlib.Path, wall: float, top: int) -> None:
     if not rows:
         print("no test ran under the plugin", file=sys.stderr)
         return
-    total = {k: sum(r[k] for r in rows) for k in ("wall", "compile", "compiles", "small", "smalls")}
+    keys = ("wall", "compile", "compiles", "small", "smalls", "trace", "lower")
+    total = {k: sum(r.get(k, 0.0) for r in rows) for k in keys}
     print(f"\n# {len(rows)} tests, {wall:.0f} s wall; summed over workers:")
     print(f"test time {total['wall']:.0f} s")
     print(
@@ -104,6 +114,10 @@ def _summarise(out: pathlib.Path, wall: float, top: int) -> None:
     print(
         f"  of which under {_SMALL} s (one-op programs of eager calls, mostly): "
         f"{total['small']:.0f} s, {total['smalls']} programs"
+    )
+    print(
+        f"tracing to jaxprs {total['trace']:.0f} s, lowering them to StableHLO "
+        f"{total['lower']:.0f} s ({(total['trace'] + total['lower']) / total['wall']:.0%})"
     )
     print(f"\n# the {top} programs with the most compile time (seconds, compiles, name)")
     for name, (n, seconds) in sorted(programs.items(), key=lambda x: -x[1][1])[:top]:
