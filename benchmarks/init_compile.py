@@ -15,8 +15,9 @@ Shapes, both from configs/tiny.py through the command-line override path:
 For each (shape, family) the state is lowered and compiled with the default options and with
 posattn's, alternately, --rounds times (a new jitted function each time and JAX's persistent
 cache off, so every compile is a compile); it prints the median seconds of each, their ratio,
-and whether every array of the two states is bitwise equal. The numbers, with their machine:
-docs/training.md.
+and whether every array of the two states is bitwise equal. With a level in XLA_FLAGS
+(`--xla_backend_optimization_level=N`), "default" is that level, which posattn then keeps. The
+numbers, with their machine: docs/training.md.
 """
 
 from __future__ import annotations
@@ -56,7 +57,11 @@ def measure(shape: str, family: str, rounds: int) -> tuple[float, float, bool]:
     key = jax.random.key(int(config.train.seed))
     jitted = {
         "default": lambda: jax.jit(functools.partial(steps.init_train_state, cfg, tx)),
-        "fast": lambda: steps.jit_init_train_state(cfg, tx, platform="cpu"),
+        # what `steps.jit_init_train_state` compiles on a CPU when XLA_FLAGS name no level
+        "fast": lambda: jax.jit(
+            functools.partial(steps.init_train_state, cfg, tx),
+            compiler_options=steps._CPU_INIT_COMPILER_OPTIONS,
+        ),
     }
     times: dict[str, list[float]] = {"default": [], "fast": []}
     states = {}

@@ -3,13 +3,18 @@ schema, a new evaluator added from outside, reruns that reuse everything; proven
 fine-tunes (the science is the record's job: experiments/README.md)."""
 
 import json
+import os
+import pathlib
+import signal
+import subprocess
 import sys
+import time
 
 import jax
 import ml_collections
 import numpy as np
 import pytest
-from conftest import ROOT, xla_flags
+from conftest import ROOT
 
 from posattn import data
 from posattn.eval import heldout, registry, summary
@@ -612,60 +617,60 @@ def test_a_run_trained_before_a_config_key_existed_is_still_the_same_config(tmp_
     assert training.finished_run(train_config, tmp_path, code, reuse=False) is None
 
 
+def _sigterm_pending(pid: int) -> bool:
+    """Whether a SIGTERM sent to process `pid` waits for it (Linux's /proc, its ShdPnd mask)."""
+    status = pathlib.Path(f"/proc/{pid}/status").read_text()
+    pending = next(line for line in status.splitlines() if line.startswith("ShdPnd:"))
+    return bool(int(pending.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+
+
 def test_worker_processes_give_one_cores_numbers_and_a_sigterm_resumes(tmp_path):
     """`config.workers=2` trains and evaluates the units (here alibi and nope) in two worker
     processes, each on one core. A SIGTERM to the command, once both workers have saved a
     checkpoint, reaches the workers: they save and stop, the run fails with "rerun to resume", and
     the same command resumes both trainings and finishes with every number equal to one
     process's on one core."""
-    import os
-    import signal
-    import subprocess
-    import time
-
     script = str(ROOT / "experiments" / "length_extrapolation.py")
     argv = [sys.executable, script, *LEARNED, "--config.families=('alibi','nope')"]
-    argv += ["--config.train.steps=200", "--config.train.checkpoint_every=50"]
+    argv += ["--config.train.steps=60", "--config.train.checkpoint_every=10"]
     one, two = tmp_path / "one", tmp_path / "two"
     core = min(os.sched_getaffinity(0))  # one process on one core: pinned, then the command
     pin = f"import os, sys; os.sched_setaffinity(0, {{{core}}}); os.execv(sys.executable, "
     pin += "[sys.executable, *sys.argv[1:]])"
-    env = dict(os.environ, XLA_FLAGS=xla_flags(optimised=True))  # 800 steps: run, not compile
     alone = subprocess.run(
         [sys.executable, "-c", pin, *argv[1:], "--workdir", str(one)],
         capture_output=True,
         text=True,
         timeout=600,
-        env=env,
     )
     assert alone.returncode == 0, alone.stdout + alone.stderr
     argv += ["--config.workers=2", "--workdir", str(two)]
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
-    # The worker that saves a checkpoint first is paused (SIGSTOP; its pid is in its workdir's
-    # lock) until the other has saved one too, so that neither finishes training before the
-    # SIGTERM, whatever the workers' difference in start-up on a loaded machine.
-    paused, deadline = None, time.monotonic() + 300
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Each worker is paused (SIGSTOP; its pid is in its workdir's lock) once it has saved a
+    # checkpoint. With both paused, the command gets its SIGTERM; the workers go on only once
+    # the command has passed it to both. So both are stopped inside training, whatever their
+    # speeds and start-up times on a loaded machine.
+    paused, deadline = {}, time.monotonic() + 300
     try:
-        while True:
-            saved = [e for e in ("alibi", "nope") if any((two / e / "checkpoints").glob("[0-9]*"))]
-            if len(saved) == 2:
-                break
-            if saved and paused is None:
-                paused = int((two / saved[0] / ".lock").read_text())
-                os.kill(paused, signal.SIGSTOP)
+        while len(paused) < 2:
+            for unit in ("alibi", "nope"):
+                if unit not in paused and any((two / unit / "checkpoints").glob("[0-9]*")):
+                    paused[unit] = int((two / unit / ".lock").read_text())
+                    os.kill(paused[unit], signal.SIGSTOP)
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.05)
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGTERM)
+        while not all(_sigterm_pending(pid) for pid in paused.values()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.01)
     finally:
-        if paused is not None:
-            os.kill(paused, signal.SIGCONT)
-    os.kill(proc.pid, signal.SIGTERM)
+        for pid in paused.values():
+            os.kill(pid, signal.SIGCONT)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 1, out + err
     assert "stopped by SIGTERM" in err and "rerun" in err, err
     assert out.count("preempted (SIGTERM)") == 2 and not (two / "results.json").exists()
-    again = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "2 units in 2 worker processes" in again.stdout
     assert again.stdout.count("resuming") == 2, again.stdout

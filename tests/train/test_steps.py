@@ -2,6 +2,7 @@
 weight decay and one update agree between the loop and scanned layer layouts, evaluation sums,
 and a workdir refuses a layout change by name."""
 
+import functools
 import json
 
 import jax
@@ -257,7 +258,9 @@ def test_the_fast_compiled_init_gives_bitwise_the_default_compiles_state(monkeyp
     default = jax.jit(
         lambda k: steps.init_train_state(cfg, tx, k), compiler_options=XLA_DEFAULT_LEVEL
     )(key)
-    # compiled as users compile it (the suite's emitters are not theirs), at its own level
+    # compiled as users compile it (the suite's emitters are not theirs), at its own level: their
+    # XLA_FLAGS name no level (the suite's do; this process's flags were read at its start)
+    monkeypatch.setenv("XLA_FLAGS", "")
     fast_options = {**steps._CPU_INIT_COMPILER_OPTIONS, **XLA_DEFAULT_CODEGEN}
     monkeypatch.setattr(steps, "_CPU_INIT_COMPILER_OPTIONS", fast_options)
     fast = steps.jit_init_train_state(cfg, tx, platform="cpu")(key)
@@ -265,3 +268,22 @@ def test_the_fast_compiled_init_gives_bitwise_the_default_compiles_state(monkeyp
     assert jax.tree.structure(fast) == jax.tree.structure(default)
     for a, b in zip(jax.tree.leaves(default), jax.tree.leaves(fast), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_level_named_in_xla_flags_is_the_inits_level(monkeypatch):
+    """With a backend optimisation level in XLA_FLAGS, `jit_init_train_state` compiles as any jit
+    does, at that level: the suite's level 0, whose last bits differ from level 1's."""
+    cfg = make_cfg(position="t5")
+    tx = steps.make_optimizer(
+        steps.OptimConfig.from_config(config_lib.load_config(ROOT / "configs" / "tiny.py").train)
+    )
+    key = jax.random.key(3)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
+    assert steps._init_compiler_options("cpu") is None
+    named = steps.jit_init_train_state(cfg, tx, platform="cpu")(key)
+    plain = jax.jit(functools.partial(steps.init_train_state, cfg, tx))(key)
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(named), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    assert steps._init_compiler_options("cpu") == steps._CPU_INIT_COMPILER_OPTIONS
+    assert steps._init_compiler_options("gpu") is None

@@ -10,33 +10,40 @@ import sys
 import time
 
 import numpy as np
+import pytest
 from conftest import ROOT, losses, run_python, small_config, xla_flags
 
 from posattn.train import train_and_evaluate
 
 _RUN = """
-import json, sys
+import json
 from conftest import small_config, losses
 from posattn.train import train_and_evaluate
-overrides = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {{}}
-config = small_config(**{overrides})
-result = train_and_evaluate(config, {workdir!r}, stop_after={stop_after})
-print("LOSSES", json.dumps(losses({workdir!r})))
+for workdir, overrides, stop_after in {runs!r}:
+    train_and_evaluate(small_config(**overrides), workdir, stop_after=stop_after)
+    print("LOSSES", json.dumps(losses(workdir)))
 """
 
 
-def _subprocess_losses(workdir, *, devices=1, stop_after=None, **overrides):
-    out = run_python(
-        _RUN.format(overrides=overrides, workdir=str(workdir), stop_after=stop_after),
-        devices=devices,
+def _subprocess_losses(*runs, devices=8) -> list[list[float]]:
+    """Each (workdir, overrides, stop_after) of `runs` trained in turn in one process with
+    `devices` devices: the losses of each."""
+    out = run_python(_RUN.format(runs=[(str(w), o, s) for w, o, s in runs]), devices=devices)
+    return [json.loads(line.split("LOSSES", 1)[1]) for line in out.splitlines() if "LOSSES" in line]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """The losses of the 1-device run of small_config(), trained here."""
+    workdir = tmp_path_factory.mktemp("one")
+    train_and_evaluate(small_config(), workdir)
+    return losses(workdir)
+
+
+def test_eight_devices_and_fsdp_give_the_single_device_losses(tmp_path, single):
+    data_parallel, fsdp = _subprocess_losses(
+        (tmp_path / "dp", {}, None), (tmp_path / "fsdp", {"train__fsdp": 4}, None)
     )
-    return json.loads(out.split("LOSSES", 1)[1])
-
-
-def test_eight_devices_and_fsdp_give_the_single_device_losses(tmp_path):
-    single = losses(_train_here(tmp_path / "one"))
-    data_parallel = _subprocess_losses(tmp_path / "dp", devices=8)
-    fsdp = _subprocess_losses(tmp_path / "fsdp", devices=8, train__fsdp=4)
     np.testing.assert_allclose(data_parallel, single, rtol=2e-5)
     np.testing.assert_allclose(fsdp, single, rtol=2e-5)
 
@@ -46,11 +53,10 @@ def _train_here(workdir, **overrides):
     return workdir
 
 
-def test_restore_onto_a_different_mesh(tmp_path):
+def test_restore_onto_a_different_mesh(tmp_path, single):
     """Half a run on 8 devices (fsdp 2), the rest on 1: the losses of a 1-device run throughout."""
-    single = losses(_train_here(tmp_path / "one"))
     moved = tmp_path / "moved"
-    _subprocess_losses(moved, devices=8, stop_after=10, train__fsdp=2)
+    _subprocess_losses((moved, {"train__fsdp": 2}, 10))
     train_and_evaluate(small_config(), moved)  # this process has 1 device
     np.testing.assert_allclose(losses(moved), single, rtol=2e-5)
 
