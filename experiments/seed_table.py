@@ -3,6 +3,7 @@
     python experiments/seed_table.py runs/extrapolation             # every row, every seed
     python experiments/seed_table.py runs/kerple --params           # and the learned positions
     python experiments/seed_table.py runs/nope --heads              # and the heads that copy
+    python experiments/seed_table.py runs/t5 --digits               # and the passkey's digits
 
 `results.json` reports a row's mean over seeds; whether a probe is learned is a property of one
 trained model, so this reads the per-seed evaluations: a run's workdir keeps them in
@@ -26,6 +27,11 @@ letters written twice that the experiment's attention evaluator reads at L (`eva
 of them, drawn from `eval.seed`; `posattn.eval.attention_stats.head_scores`), so the first seed's
 lines are results.json's: a previous-token head in one layer and an induction head in a later
 one are how a model copies (Olsson et al. 2022).
+`--digits` (a workdir only) reads each seed's passkey probe at L again (the experiment's samples:
+`results.json`'s passkey settings and `eval.seed`) and prints, for each digit of the key in turn,
+the share right and where the wrong ones came from: a later or an earlier digit of the key, another
+digit of the sequence, or none (`posattn.eval.retrieval.passkey_places`). A model that found the
+key and lost its place in it reads a later digit; one that never found it reads a distractor's.
 """
 
 from __future__ import annotations
@@ -230,6 +236,79 @@ def head_lines(workdir: pathlib.Path) -> list[str]:
     return lines
 
 
+def passkey_draw(workdir: pathlib.Path) -> dict:
+    """The passkey probe's settings as the experiment drew it at L (results.json's `passkey` and
+    `eval` sections, the evaluators' defaults where the run has no results.json)."""
+    from posattn.eval import registry
+
+    try:
+        config = json.loads((workdir / "results.json").read_text())["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        config = {}
+    settings = registry.settings_of(registry.get("passkey"), config)
+    if settings is None:  # the run turned the probe off; read it as the default would
+        settings = dict(registry.get("passkey").defaults)
+    ev = config.get("eval") or {}
+    multiples = ev.get("multiples") or [1, 2, 4, 8, 16]
+    settings.update(seed=int(ev.get("seed", 1234)), batch_size=int(ev.get("batch_size", 8)))
+    settings["lengths"] = [int(x) for x in ev.get("lengths") or []] or [int(m) for m in multiples]
+    settings["multiples"] = not ev.get("lengths")
+    return settings
+
+
+def digit_lines(workdir: pathlib.Path) -> list[str]:
+    """Each trained seed's passkey at L, digit by digit: the share right and where the wrong
+    ones came from (`passkey_places`, pooled over the probe's depths), each cell a number per
+    key digit, first to last; first, for each L, what a reader that draws one of the digits
+    before each key digit at random would get (`passkey_places_at_random`)."""
+    from length_extrapolation.report import md_name
+
+    from posattn.eval.retrieval import PLACES, passkey_places, passkey_places_at_random
+    from posattn.generate import GenerateError, load_model
+
+    draw = passkey_draw(workdir)
+    probe = {
+        "depths": draw["depths"],
+        "samples": int(draw["samples"]),
+        "digits": int(draw["digits"]),
+        "seed": draw["seed"],
+        "distractors": bool(draw["distractors"]),
+    }
+    heads = ("right", "a later key digit", "an earlier key digit", "another digit", "no digit")
+
+    def cells(places) -> str:
+        return " | ".join(" ".join(f"{x:.2f}" for x in places[k].mean(axis=0)) for k in PLACES)
+
+    at_random: dict[int, str] = {}
+    lines = []
+    for family_dir in sorted(p for p in workdir.iterdir() if (p / "checkpoints").is_dir()):
+        for train_seed, sd in seed_dirs(family_dir):
+            try:
+                cfg, graphdef, params, constants, _ = load_model(sd)
+                L = int(json.loads((sd / "config.json").read_text())["data"]["seq_len"])
+            except (GenerateError, KeyError, ValueError) as e:
+                lines.append(
+                    f"| {md_name(family_dir.name)} | {train_seed} | not restored ({e}) |"
+                    + " |" * (len(heads) - 1)
+                )
+                continue
+            longest = max(draw["lengths"]) * (L if draw["multiples"] else 1)
+            places = passkey_places(
+                graphdef,
+                params,
+                constants,
+                length=L,
+                batch_tokens=draw["batch_size"] * longest,
+                **probe,
+            )
+            lines.append(f"| {md_name(family_dir.name)} | {train_seed} | {cells(places)} |")
+            if L not in at_random:
+                chance = passkey_places_at_random(length=L, **probe)
+                at_random[L] = f"| a digit before it, at random (L = {L}) | | {cells(chance)} |"
+    header = ["| row | seed | " + " | ".join(heads) + " |", "|---|---:|" + "---|" * len(heads)]
+    return header + list(at_random.values()) + lines
+
+
 def not_a_directory(workdir: pathlib.Path) -> bool:
     """Whether `workdir` is not a directory, saying so on stderr (the scripts' first check)."""
     if workdir.is_dir():
@@ -250,6 +329,11 @@ def main(argv: list[str] | None = None) -> int:
         "--heads",
         action="store_true",
         help="also print each head's previous-token and induction weight (a workdir only)",
+    )
+    parser.add_argument(
+        "--digits",
+        action="store_true",
+        help="also print where each digit of the passkey at L came from (a workdir only)",
     )
     args = parser.parse_args(argv)
     if not_a_directory(args.workdir):
@@ -278,6 +362,12 @@ def main(argv: list[str] | None = None) -> int:
             "occurrence"
         )
         print("\n".join(head_lines(args.workdir)))
+    if args.digits:
+        print(
+            "\nThe passkey at L, digit by digit (first to last, both depths): the share right, "
+            "and where the wrong ones came from"
+        )
+        print("\n".join(digit_lines(args.workdir)))
     return 0
 
 

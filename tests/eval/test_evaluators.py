@@ -174,6 +174,87 @@ def test_probe_evaluators_wrap_their_scores_and_give_none_where_unreadable(text)
     assert "induction" not in evaluator.run(model, text, 32, settings)
 
 
+def _reads(monkeypatch, predict):
+    """Make `retrieval.passkey_places` read predictions `predict(seqs) -> int[n, T]`."""
+
+    def forward(graphdef, params, constants, seqs, batch):
+        pred = predict(np.asarray(seqs))
+        yield np.zeros(pred.shape, np.float32), pred
+
+    monkeypatch.setattr(retrieval.lengths_lib, "forward", forward)
+
+
+def test_passkey_places_say_where_each_wrong_digit_came_from(monkeypatch):
+    kw = dict(length=48, depths=[0.0, 1.0], samples=16, digits=4, seed=0, batch_tokens=512)
+    made = retrieval.passkey_samples(
+        **{k: v for k, v in kw.items() if k != "batch_tokens"}, distractors=True
+    )
+    keys = np.stack([m.tokens[m.answer] for m in made])  # (2 * 16, 4)
+    assert len(made) == 32 and all(m.tokens.size == 49 for m in made)
+
+    def places(predict):
+        _reads(monkeypatch, predict)
+        got = retrieval.passkey_places(None, None, None, **kw)
+        assert set(got) == set(retrieval.PLACES) and got["right"].shape == (2, 4)
+        np.testing.assert_allclose(sum(got.values()), 1.0)  # every digit falls in one class
+        return got
+
+    assert (places(lambda s: s[:, 1:])["right"] == 1).all()  # the next byte: every digit right
+    # One byte ahead (the key found, its place lost): a digit the key holds next, or the same
+    # digit where the key repeats it; the last digit is read off the sequence's end, right.
+    ahead = places(lambda s: np.concatenate([s[:, 2:], s[:, -1:]], axis=1))
+    same = (keys[:, 1:] == keys[:, :-1]).reshape(2, 16, 3).mean(axis=1)
+    np.testing.assert_allclose(ahead["right"][:, :3], same)
+    np.testing.assert_allclose(ahead["later"][:, :3], 1 - same)
+    assert (ahead["right"][:, 3] == 1).all()
+    # One byte behind: the first digit reads "=", no digit; the others the key's digit before
+    # (counted as a later one where the key holds it again further on).
+    behind = places(lambda s: s[:, :-1])
+    assert (behind["other"][:, 0] == 1).all() and (behind["other"][:, 1:] == 0).all()
+    assert (behind["window"] == 0).all() and behind["earlier"][:, 1:].mean() > 0.7
+
+    # Another number of the window: each row's first distractor digit that its key lacks ("x",
+    # no digit, in a row without one).
+    found = [
+        next((d for d in m.tokens[: m.answer.start] if 48 <= d <= 57 and d not in k), None)
+        for m, k in zip(made, keys, strict=True)
+    ]
+
+    def distractor(s):
+        pred = np.full((len(s), s.shape[1] - 1), ord("x"), np.int32)
+        for i, (m, d) in enumerate(zip(made, found, strict=True)):
+            pred[i, probes.target_positions(m.answer)] = ord("x") if d is None else d
+        return pred
+
+    window = places(distractor)
+    has = np.array([d is not None for d in found]).reshape(2, 16).mean(axis=1)
+    assert 0 < has.min() and has.max() < 1
+    np.testing.assert_allclose(window["window"], np.repeat(has[:, None], 4, axis=1))
+    np.testing.assert_allclose(window["other"], 1 - window["window"])
+
+
+def test_passkey_places_at_random_draw_from_the_digits_before(monkeypatch):
+    text = b"x 77 passkey=12. passkey=12"
+    sample = probes.PasskeySample(np.frombuffer(text, np.uint8), slice(25, 27), 2)
+    monkeypatch.setattr(retrieval, "passkey_samples", lambda **kw: [sample])
+    got = retrieval.passkey_places_at_random(length=26, depths=[0.0], samples=1, digits=2, seed=0)
+    # Digit 1 of "12": 7 7 1 2 before it; digit 2: 7 7 1 2 1.
+    want = {"right": [1 / 4, 1 / 5], "later": [1 / 4, 0], "earlier": [0, 2 / 5]}
+    want.update(window=[2 / 4, 2 / 5], other=[0, 0])
+    for place in retrieval.PLACES:
+        np.testing.assert_allclose(got[place][0], want[place], err_msg=place)
+
+
+def test_passkey_places_of_a_model_agree_with_its_scores():
+    cfg, *model = _model("rope")
+    kw = dict(length=32, depths=[0.0, 1.0], samples=3, digits=3, seed=5, batch_tokens=256)
+    got = retrieval.passkey_places(*model, **kw)
+    grids = retrieval.passkey_scores(
+        *model, lengths=[32], **{k: v for k, v in kw.items() if k != "length"}
+    )
+    np.testing.assert_allclose(got["right"].mean(axis=1), grids["digit_acc"][0])
+
+
 def test_registry_settings_names_and_a_new_evaluator():
     assert registry.names()[:5] == ["loss", "attention", "passkey", "induction", "copy"]
     assert registry.settings_of(registry.get("copy"), None) is None  # off by default

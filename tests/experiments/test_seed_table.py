@@ -125,3 +125,36 @@ def test_a_layer_pattern_row_is_named_as_results_json_names_it(seed_table):
     row = "| rope:window=32\\|nope | 1 | 1.551 | 0.01 / 0.01 | 1.00 / 1.00 | 0.19 ± 0.07 |"
     assert row in lines
     assert all(line.count(" | ") == 5 for line in lines[2:])  # six cells, none split
+
+
+def test_digits_prints_where_each_passkey_digit_came_from(seed_table, tmp_path):
+    from conftest import small_config
+
+    from posattn.eval.retrieval import PLACES, passkey_places, passkey_places_at_random
+    from posattn.generate import load_model
+    from posattn.train import train_and_evaluate
+
+    config = small_config(train__steps=2, train__checkpoint_every=2)
+    train_and_evaluate(config, tmp_path / "rope")
+    L = config.data.seq_len
+    _, graphdef, params, constants, _ = load_model(tmp_path / "rope")
+
+    def cells(found):
+        return " | ".join(" ".join(f"{x:.2f}" for x in found[k].mean(axis=0)) for k in PLACES)
+
+    def want(seed, samples, depths, batch_tokens):
+        probe = dict(length=L, depths=depths, samples=samples, digits=4, seed=seed)
+        found = passkey_places(graphdef, params, constants, batch_tokens=batch_tokens, **probe)
+        chance = passkey_places_at_random(**probe)
+        return [
+            f"| a digit before it, at random (L = {L}) | | {cells(chance)} |",
+            f"| rope | 0 | {cells(found)} |",
+        ]
+
+    lines = seed_table.digit_lines(tmp_path)  # no results.json: the evaluators' defaults
+    assert len(lines) == 4 and lines[0].count("|") == 8
+    assert lines[2:] == want(1234, 32, [0.0, 1.0], 8 * 16 * L)
+    # The experiment's own draw: results.json's passkey settings, eval seed and batch.
+    run = {"passkey": {"samples": 3, "depths": [0.5]}, "eval": {"seed": 7, "batch_size": 2}}
+    (tmp_path / "results.json").write_text(json.dumps({"config": run}))
+    assert seed_table.digit_lines(tmp_path)[2:] == want(7, 3, [0.5], 2 * 16 * L)

@@ -9,6 +9,8 @@ can only be answered by looking back:
 * passkey (`passkey_scores`): a key of `digits` digits at a depth of filler that holds distractor
   numbers of the same length; per (length, depth): exact match of the whole key (argmax), the
   share of digits right, and the mean NLL per digit (chance: ln 10 = 2.30 nats);
+  `passkey_places` says where each wrong digit came from (later or earlier in the key, elsewhere
+  in the sequence);
 * copy (`copy_scores`): a random-letter segment repeated inside real text; per length the share
   of the repeat's letters (all but its first) predicted by argmax;
 * induction (`induction_scores`): a random lowercase string repeated after `gap` bytes of real
@@ -34,12 +36,16 @@ from posattn.eval import lengths as lengths_lib
 from posattn.eval.scoring import windows_per_pass
 
 __all__ = [
+    "PLACES",
     "copy_evaluator",
     "copy_scores",
     "induction_evaluator",
     "induction_gaps",
     "induction_scores",
     "passkey_evaluator",
+    "passkey_places",
+    "passkey_places_at_random",
+    "passkey_samples",
     "passkey_scores",
 ]
 
@@ -70,6 +76,30 @@ def _score(
     return loss, hit, exact
 
 
+def passkey_samples(
+    *,
+    length: int,
+    depths: Sequence[float],
+    samples: int,
+    digits: int,
+    seed: int,
+    distractors: bool = True,
+) -> list[probes.PasskeySample]:
+    """The passkey probe's sequences at one length, depth by depth (`samples` each, sample s of
+    depth index d drawn from (seed, length, d, s)): what `passkey_scores` reads."""
+    return [
+        probes.passkey_sample(
+            np.random.default_rng([seed, int(length), d, s, 0xD15]),
+            length=int(length) + 1,
+            depth=float(depths[d]),
+            digits=digits,
+            distractors=distractors,
+        )
+        for d in range(len(depths))
+        for s in range(samples)
+    ]
+
+
 def passkey_scores(
     graphdef: nnx.GraphDef,
     params: nnx.State,
@@ -96,17 +126,14 @@ def passkey_scores(
     for a, length in enumerate(lengths):
         if not lengths_lib.can_read(cfg, int(length)):
             continue
-        made = [
-            probes.passkey_sample(
-                np.random.default_rng([seed, int(length), d, s, 0xD15]),
-                length=int(length) + 1,
-                depth=float(depths[d]),
-                digits=digits,
-                distractors=distractors,
-            )
-            for d in range(len(depths))
-            for s in range(samples)
-        ]
+        made = passkey_samples(
+            length=int(length),
+            depths=depths,
+            samples=samples,
+            digits=digits,
+            seed=seed,
+            distractors=distractors,
+        )
         where = [probes.target_positions(m.answer) for m in made]
         targets = [m.tokens[m.answer] for m in made]
         loss, hit, exact = _score(
@@ -125,6 +152,109 @@ def passkey_scores(
         out["digit_acc"][a] = hit.reshape(shape).mean(axis=1)
         out["acc"][a] = exact.reshape(shape).mean(axis=1)
     return out
+
+
+PLACES = ("right", "later", "earlier", "window", "other")
+
+
+def passkey_places(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    constants: nnx.State,
+    *,
+    length: int,
+    depths: Sequence[float],
+    samples: int,
+    digits: int,
+    seed: int,
+    batch_tokens: int,
+    distractors: bool = True,
+) -> dict[str, np.ndarray]:
+    """Where each digit of the key goes wrong, at one length: `passkey_scores`' samples, each
+    key digit's argmax put in the first of these classes it fits (`PLACES`):
+
+    * "right": the digit asked for;
+    * "later": a digit the key holds after it (the model found the key, and read ahead of its
+      place in it);
+    * "earlier": a digit the key holds before it;
+    * "window": another digit of the sequence (a distractor's, where the key holds none);
+    * "other": not a digit of the sequence.
+
+    A key that repeats a digit counts a prediction of it as "later" before "earlier", so the two
+    are upper and lower bounds where keys repeat (4 random digits: 50% of keys repeat one).
+
+    Returns:
+      {class: float64[Dp, digits]}, the share of the depth's samples whose digit j falls in the
+      class; the classes of one (depth, digit) sum to 1, and "right" averaged over digits is
+      `passkey_scores`' digit_acc at that length.
+    """
+    made = passkey_samples(
+        length=length,
+        depths=depths,
+        samples=samples,
+        digits=digits,
+        seed=seed,
+        distractors=distractors,
+    )
+    seqs = np.stack([m.tokens for m in made]).astype(np.int32)  # (Dp * n, T + 1)
+    batch = windows_per_pass(seqs.shape[1] - 1, batch_tokens)
+    pred = np.concatenate(
+        [p for _, p in lengths_lib.forward(graphdef, params, constants, seqs, batch)]
+    )  # (Dp * n, T)
+    counts = {k: np.zeros((len(depths), digits)) for k in PLACES}
+    for i, m in enumerate(made):
+        key = m.tokens[m.answer]
+        got = pred[i, probes.target_positions(m.answer)]
+        seen = set(m.tokens[: m.answer.start].tolist())
+        for j in range(digits):
+            counts[_place(int(got[j]), key, j, seen)][i // samples, j] += 1
+    return {k: v / samples for k, v in counts.items()}
+
+
+def passkey_places_at_random(
+    *,
+    length: int,
+    depths: Sequence[float],
+    samples: int,
+    digits: int,
+    seed: int,
+    distractors: bool = True,
+) -> dict[str, np.ndarray]:
+    """`passkey_places` of a reader that knows a digit comes next and nothing more: each key
+    digit predicted as one of the digits the sequence holds before it (the needle's key, the
+    distractors, the query's digits so far), drawn uniformly over their occurrences. The
+    expected shares, as `passkey_places` returns them: the reference for a model's."""
+    made = passkey_samples(
+        length=length,
+        depths=depths,
+        samples=samples,
+        digits=digits,
+        seed=seed,
+        distractors=distractors,
+    )
+    counts = {k: np.zeros((len(depths), digits)) for k in PLACES}
+    for i, m in enumerate(made):
+        key = m.tokens[m.answer]
+        seen = set(m.tokens[: m.answer.start].tolist())
+        for j in range(digits):
+            before = m.tokens[: m.answer.start + j]
+            drawn = before[(before >= ord("0")) & (before <= ord("9"))]
+            for g in drawn.tolist():
+                counts[_place(g, key, j, seen)][i // samples, j] += 1 / drawn.size
+    return {k: v / samples for k, v in counts.items()}
+
+
+def _place(g: int, key: np.ndarray, j: int, seen: set[int]) -> str:
+    """The `PLACES` class of byte `g` predicted for digit j of `key` (`passkey_places`)."""
+    if g == key[j]:
+        return "right"
+    if g in key[j + 1 :]:
+        return "later"
+    if g in key[:j]:
+        return "earlier"
+    if g in seen and ord("0") <= g <= ord("9"):
+        return "window"
+    return "other"
 
 
 def induction_scores(
