@@ -76,6 +76,8 @@ def test_rope_scaling_dict_literal():
         (["data.passkey_fraction=0.1", "model.kind=encoder"], ["passkey_fraction", "encoder"]),
         (["data.probe_weight=-2.0"], ["probe_weight", ">= 0"]),
         (["data.induction_span=3"], ["data.induction_span", "at least 4"]),
+        (["data.passkey_digits=(0, 5)"], ["data.passkey_digits", "1 <= shortest <= longest"]),
+        (["data.passkey_digits=(6, 5)"], ["data.passkey_digits", "(shortest, longest)"]),
         (
             ["data.induction_fraction=0.2", "data.seq_len=32", "data.induction_span=17"],
             ["data.induction_span", "fit twice", "33 bytes"],

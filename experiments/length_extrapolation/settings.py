@@ -426,7 +426,8 @@ def check_finetune(config: ml_collections.ConfigDict) -> None:
             "fine-tune each trained RoPE model); add one or set config.finetune.enabled=False"
         )
     length = finetune_multiple(config) * int(config.data.seq_len)
-    if config.data.passkey_fraction and length < probes.passkey_min_length(probes.TRAIN_DIGITS):
+    longest = int(config.data.get("passkey_digits", (1, probes.TRAIN_DIGITS))[1])
+    if config.data.passkey_fraction and length < probes.passkey_min_length(longest):
         raise fail(
             f"config.finetune.multiple={m}: fine-tune windows of {length} cannot hold the "
             "training passkeys; raise it"

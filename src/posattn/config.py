@@ -67,6 +67,11 @@ DATA: dict[str, tuple[Any, str]] = {
         False,
         "training passkeys carry distractor numbers in their filler (the evaluation's format)",
     ),
+    "passkey_digits": (
+        (1, 5),
+        "the shortest and longest key of a training passkey row, in digits (each row's drawn "
+        "uniformly in between)",
+    ),
     "induction_fraction": (
         0.0,
         "share of training rows given a random string repeated later in the row (in-context "

@@ -98,6 +98,17 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
             data.probe_weight,
             "must be a finite weight >= 0 (1: the probe rows' answers weigh as any target)",
         )
+    if "passkey_digits" in data:
+        digits = data.passkey_digits
+        _require(
+            isinstance(digits, (tuple, list))
+            and len(digits) == 2
+            and all(isinstance(d, int) and not isinstance(d, bool) for d in digits)
+            and 1 <= digits[0] <= digits[1],
+            "data.passkey_digits",
+            digits,
+            "must be (shortest, longest) key lengths with 1 <= shortest <= longest, e.g. (1, 5)",
+        )
     if "induction_span" in data:
         _positive_int(data, "data", "induction_span")
         _require(

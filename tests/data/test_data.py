@@ -3,6 +3,7 @@ device) concatenates to the global batch; held-out windows; corpora and their re
 
 import hashlib
 
+import ml_collections
 import numpy as np
 import pytest
 
@@ -182,6 +183,39 @@ def test_induction_span_sets_the_longest_string():
         data.train_batch(corpus, step=0, **base, induction_span=3)
     with pytest.raises(data.DataError, match="induction_span=33 letters and its repeat"):
         data.train_batch(corpus, step=0, **base, induction_span=33)
+
+
+def test_passkey_digits_set_the_keys_lengths():
+    """`passkey_digits` draws each passkey row's key length uniformly from (shortest, longest)
+    (the weighted targets are the key's digits); the default (1, 5) is the batches of before it
+    existed; a key too long for the row is refused before any batch, from the config."""
+    corpus = _corpus(20000)
+    base = dict(seed=5, batch_size=64, seq_len=64, passkey_fraction=1.0, probe_weight=2.0)
+    lengths = []
+    for step in range(6):
+        batch = data.train_batch(corpus, step=step, **base, passkey_digits=(4, 8))
+        lengths += (batch["weights"] == 2.0).sum(axis=1).tolist()
+        keys = batch["targets"][batch["weights"] == 2.0]
+        assert ((keys >= ord("0")) & (keys <= ord("9"))).all()
+    assert min(lengths) == 4 and max(lengths) == 8 and len(set(lengths)) == 5
+    default = data.train_batch(corpus, step=0, **base)
+    same = data.train_batch(corpus, step=0, **base, passkey_digits=(1, 5))
+    for k in default:
+        np.testing.assert_array_equal(default[k], same[k])
+    assert (default["weights"] == 2.0).sum(axis=1).max() <= 5
+    with pytest.raises(data.DataError, match="passkey_digits=.*1 <= shortest <= longest"):
+        data.train_batch(corpus, step=0, **base, passkey_digits=(5, 4))
+    with pytest.raises(data.DataError, match="up to 30 digits needs rows of at least 78 bytes"):
+        data.train_batch(corpus, step=0, **base, passkey_digits=(1, 30))
+    config = ml_collections.ConfigDict(
+        {"seq_len": 64, "passkey_fraction": 0.2, "passkey_distractors": True}
+    )
+    config.update(passkey_digits=(2, 30), induction_fraction=0.0, induction_span=12)
+    config.probe_weight = 1.0
+    with pytest.raises(data.DataError, match="data.seq_len=64 is too short"):
+        data.batch_options(config, causal=True, vocab_size=256)
+    config.passkey_digits = (2, 6)
+    assert data.batch_options(config, causal=True, vocab_size=256)["passkey_digits"] == (2, 6)
 
 
 def test_probe_weight_weighs_exactly_the_answers_and_both_copies_lie_inside_the_window():

@@ -34,9 +34,13 @@ def batch_options(data_config, *, causal: bool, vocab_size: int) -> dict:
     `posattn.nn.model.mask_token_id`).
     """
     if causal:
+        shortest, longest = (int(d) for d in data_config.passkey_digits)
+        if data_config.passkey_fraction:
+            _check_passkey_fits(int(data_config.seq_len) + 1, longest)
         return {
             "passkey_fraction": float(data_config.passkey_fraction),
             "passkey_distractors": bool(data_config.passkey_distractors),
+            "passkey_digits": (shortest, longest),
             "induction_fraction": float(data_config.induction_fraction),
             "induction_span": int(data_config.induction_span),
             "probe_weight": float(data_config.probe_weight),
@@ -93,6 +97,7 @@ def train_batch(
     mask_id: int | None = None,
     passkey_fraction: float = 0.0,
     passkey_distractors: bool = False,
+    passkey_digits: tuple[int, int] = (1, probes.TRAIN_DIGITS),
     induction_fraction: float = 0.0,
     induction_span: int = probes.TRAIN_SPAN,
     probe_weight: float = 1.0,
@@ -110,13 +115,15 @@ def train_batch(
       mask_rate, mask_id: the encoder's masked-byte objective (BERT-style; every chosen position
         becomes `[MASK]` and is predicted); 0 for the causal LM.
       passkey_fraction: each row of the global batch is, with this probability, replaced by a
-        passkey-retrieval sequence (`posattn.data.probes`: random depth, a key of 1 to 5 random
-        digits) so that the skill the extrapolation experiment measures is learnable at the training
-        length. Drawn from its own stream of (seed, step), so 0 leaves every batch exactly as it
-        was; causal LM only.
+        passkey-retrieval sequence (`posattn.data.probes`: random depth, a key of random digits,
+        `passkey_digits` long) so that the skill the extrapolation experiment measures is
+        learnable at the training length. Drawn from its own stream of (seed, step), so 0
+        leaves every batch exactly as it was; causal LM only.
       passkey_distractors: the passkeys' filler holds distractor numbers of the key's length
         (`probes.passkey_sample(distractors=True)`, the evaluation's format), so that the skill
         learned is retrieval by the `passkey=` cue, not "copy the only digits in the window".
+      passkey_digits: (shortest, longest): each passkey row's key length is drawn uniformly from
+        this range (`data.passkey_digits`; 1 to 5 by default, any length the evaluation asks).
       induction_fraction: each row not taken by a passkey is, with this probability, its own text
         with a random lowercase string written into it and repeated later in the window
         (`mix_inductions`: the evaluation's induction probe at random spans and gaps inside L),
@@ -179,6 +186,7 @@ def train_batch(
             rows=rows,
             batch_size=batch_size,
             distractors=passkey_distractors,
+            digits=passkey_digits,
         )
         scored += scored_keys
         taken = _chosen_rows(seed, step, _PASSKEY_STREAM, passkey_fraction, batch_size)
@@ -213,6 +221,7 @@ def mix_passkeys(
     rows: slice,
     batch_size: int,
     distractors: bool = False,
+    digits: tuple[int, int] = (1, probes.TRAIN_DIGITS),
 ) -> np.ndarray:
     """This process's `rows` of the global batch with the chosen rows replaced by passkey sequences.
 
@@ -226,6 +235,7 @@ def mix_passkeys(
       rows: which global rows `windows` holds.
       batch_size: the global batch size B.
       distractors: distractor numbers in the filler (`probes.passkey_sample`).
+      digits: the shortest and longest key; each row's length is drawn uniformly between.
     """
     return _mix_passkeys(
         windows,
@@ -235,6 +245,7 @@ def mix_passkeys(
         rows=rows,
         batch_size=batch_size,
         distractors=distractors,
+        digits=digits,
     )[0]
 
 
@@ -247,26 +258,27 @@ def _mix_passkeys(
     rows: slice,
     batch_size: int,
     distractors: bool,
+    digits: tuple[int, int],
 ) -> tuple[np.ndarray, np.ndarray]:
     """`mix_passkeys` and int[b]: the key's digits of each replaced row (its last targets), 0 for
     a row left as it was."""
     if not 0.0 <= fraction <= 1.0:
         raise DataError(f"data.passkey_fraction={fraction!r} must lie in [0, 1]")
-    if fraction and windows.shape[1] < probes.passkey_min_length(probes.TRAIN_DIGITS):
+    shortest, longest = digits
+    if not 1 <= shortest <= longest:
         raise DataError(
-            f"data.passkey_fraction={fraction} needs windows of at least "
-            f"{probes.passkey_min_length(probes.TRAIN_DIGITS)} bytes to hold a passkey; "
-            f"data.seq_len={windows.shape[1] - 1} is too short (raise it or set the fraction to 0)"
+            f"data.passkey_digits={tuple(digits)!r} must be (shortest, longest) with "
+            "1 <= shortest <= longest"
         )
+    if fraction:
+        _check_passkey_fits(windows.shape[1], longest)
     chosen = _chosen_rows(seed, step, _PASSKEY_STREAM, fraction, batch_size)
     out = windows.copy()
     scored = np.zeros(len(windows), np.int64)
     for local, row in enumerate(range(rows.start, rows.stop)):
         if chosen[row]:
             rng = np.random.default_rng(np.random.SeedSequence([seed, step, _PASSKEY_STREAM, row]))
-            digits = int(
-                rng.integers(1, probes.TRAIN_DIGITS + 1)
-            )  # keys of 1..5 digits: any eval key length
+            digits = int(rng.integers(shortest, longest + 1))  # 1..5 by default
             out[local] = probes.passkey_sample(
                 rng,
                 length=windows.shape[1],
@@ -276,6 +288,16 @@ def _mix_passkeys(
             ).tokens
             scored[local] = digits
     return out, scored
+
+
+def _check_passkey_fits(row_bytes: int, longest: int) -> None:
+    need = probes.passkey_min_length(longest)
+    if row_bytes < need:
+        raise DataError(
+            f"data.passkey_fraction: a passkey of data.passkey_digits up to {longest} digits "
+            f"needs rows of at least {need} bytes; data.seq_len={row_bytes - 1} is too short "
+            "(raise it, shorten the keys, or set the fraction to 0)"
+        )
 
 
 def mix_inductions(
