@@ -12,7 +12,7 @@ What the numbers are and why (experiments/README.md has the measured times and t
     need; at this size a CPU step is mostly fixed overhead, so width buys little.
   * data: bytes of the Python standard library (real text; held-out files are the evaluation
     split), L = 64, batch 32 x 64 = 2048 bytes per step, with the probes' skills mixed in
-    (`posattn.data.probes`): 20% of the rows are passkey sequences (keys of 1-5 digits at random
+    (`posattn.data.probes`): 20% of the rows are passkey sequences (keys of 4-8 digits at random
     depths, distractor numbers in the filler: the evaluated format, needle and question inside
     the L + 1 bytes) and 30% induction rows (the row's own text with a random string of 4-24
     letters written into it and repeated at its end after a random gap), the answers weighing 8
@@ -20,20 +20,20 @@ What the numbers are and why (experiments/README.md has the measured times and t
     weight 1 2000 steps teach neither probe; with strings of at most 12 letters (the earlier
     default span) 2000 steps teach induction to none but ALiBi and RoPE partly; with 4-24
     letters and 30% of the rows the induction probe at L falls to 0.3-0.8 nats per letter (ln 26
-    = 3.26 is a uniform guess) for six of the ten families and the passkey is retrieved by four,
-    for 0.14-0.27 nats of text loss at L against training without induction rows
-    (experiments/README.md, "Induction rows of up to 24 letters").
+    = 3.26 is a uniform guess) for six of the ten families, for 0.14-0.27 nats of text loss at L
+    against training without induction rows (experiments/README.md, "Induction rows of up to 24
+    letters"). With keys of 1-5 digits (the default before `data.passkey_digits`) four families
+    retrieve the passkey and T5 and FIRE find the key but read its digits out of order; keys of
+    4-8 digits give it to the same six that copy, T5 and FIRE in 9 of 12 seeds against 5 of 12,
+    their text at L within 0.03 nats (experiments/README.md, "Training keys of 4-8 digits").
   * 2000 steps (4.1M bytes per family, 14% of the 30.2M training bytes) at peak learning rate 6e-3
     (60 warmup steps, cosine to 10%): the budget that keeps ten families plus evaluation under 15
     minutes on two CPU cores (45-68 s of training per family); 3e-3 costs 0.04-0.15 nats of text at
     L in nine families of ten and 1e-2 ties 6e-3, neither teaching more probes
-    (experiments/README.md, "The peak learning rate, measured"). `--config.train.steps=3000` buys
-    the passkey at L for five or six families (T5's and FIRE's seeds included) and 0.04-0.12 nats of
-    text at L for 12% more time on an AVX-512 CPU (experiments/README.md, "The whole experiment at
-    3000 steps"); the default keeps the budget of the slower machines. The same bytes in 3000 steps
-    of 21 rows, or a constant learning rate, do not give the passkey to most seeds of T5 and FIRE
-    ("The passkey inside the default's bytes"); the record runs 3000 steps (experiments/README.md,
-    "Record: 2026-12-03").
+    (experiments/README.md, "The peak learning rate, measured"). With the earlier keys of 1-5
+    digits, `--config.train.steps=3000` bought the passkey at L for five or six families and
+    0.04-0.12 nats of text at L for 12% more time on an AVX-512 CPU (experiments/README.md, "The
+    whole experiment at 3000 steps"), and the record ran 3000 steps ("Record: 2026-12-03").
   * evaluation at L, 2L, 4L, 8L, 16L (`posattn.eval.heldout`, `scoring`): chunks of 16L drawn
     round-robin over the held-out files, the same bytes at every length, under two protocols
     (non-overlapping windows, plus positions >= L alone; sliding windows of stride L scoring each
@@ -103,6 +103,8 @@ def get_config(arg=None):
         seq_len=L,
         passkey_fraction=0.2,
         passkey_distractors=True,
+        # keys of 4-8 digits (module docstring); 2 * (8 + digits) + 2 bytes must fit L + 1
+        passkey_digits=(4, min(8, (L - 1) // 2 - 8)),
         induction_fraction=0.3,
         induction_span=min(24, (L + 1) // 2),  # strings of 4-24 letters (both copies fit L + 1)
         probe_weight=8.0,  # the probes' answers' loss weight (module docstring)

@@ -15,6 +15,7 @@ from typing import Any
 import ml_collections
 
 from posattn import config as config_lib
+from posattn import data as data_lib
 from posattn import families, rotary
 from posattn.attention import IMPLEMENTATIONS
 from posattn.data import probes
@@ -113,6 +114,10 @@ def check_experiment(config: ml_collections.ConfigDict) -> None:
             family_config(config, entry)  # validated there
         except config_lib.ConfigError as err:
             raise fail(f"config.families entry {entry!r}: {err}") from None
+    try:  # the probe rows fit the training rows (keys, strings): before any training
+        data_lib.batch_options(config.data, causal=True, vocab_size=256)
+    except data_lib.DataError as err:
+        raise fail(str(err)) from None
     scalings = [rope_scaling_entry(e, fail) for e in config.rope_scalings]
     if len(set(config.rope_scalings)) != len(config.rope_scalings):
         raise fail(f"config.rope_scalings={tuple(config.rope_scalings)!r} repeats an entry")

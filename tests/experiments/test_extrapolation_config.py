@@ -23,7 +23,7 @@ def _experiment():
     return experiment
 
 
-def test_bad_settings_fail_before_compute(tmp_path):
+def test_bad_settings_fail_before_compute(tmp_path, capsys):
     experiment = _experiment()
     assert experiment.main(["--config.families=('rope','bogus')", "--workdir", str(tmp_path)]) == 2
     assert experiment.main(["--config.passkey.digits=40", "--workdir", str(tmp_path)]) == 2
@@ -33,6 +33,11 @@ def test_bad_settings_fail_before_compute(tmp_path):
     assert experiment.main(["--config.eval.max_tokens=0", "--workdir", str(tmp_path)]) == 2
     assert experiment.main(["--config.induction.gaps=(2000,)", "--workdir", str(tmp_path)]) == 2
     assert experiment.main(["--config.workers=-1", "--workdir", str(tmp_path)]) == 2
+    # The default's training keys (4-8 digits) do not fit rows of 33 bytes: named, not trained.
+    capsys.readouterr()
+    short = ["--config.data.seq_len=32", "--config.data.induction_span=16"]
+    assert experiment.main([*short, "--workdir", str(tmp_path)]) == 2
+    assert "data.passkey_digits up to 8 digits" in capsys.readouterr().err
     assert experiment.main(["--config.rope_scalings=('yarn:beta=2',)", "--workdir", str(tmp_path)])
     assert experiment.main(
         ["--config.rope_scalings=('dynamic:factor=0.5',)", "--workdir", str(tmp_path)]
