@@ -200,39 +200,50 @@ def head_draw(workdir: pathlib.Path, results: pathlib.Path | None = None) -> tup
         return 1234, strings
 
 
-def head_lines(workdir: pathlib.Path) -> list[str]:
-    """Each trained seed's previous-token and induction scores per layer and head
-    (`posattn.eval.attention_stats.head_scores`) on the random strings of L / 2 tokens written
-    twice that the experiment's attention evaluator draws (`repeated_strings`, `head_draw`)."""
+def restored_seeds(workdir: pathlib.Path):
+    """Yields (row, seed, model) for each trained seed of the workdir: model is (cfg, graphdef,
+    params, constants, L) restored from its checkpoint (`posattn.generate.load_model`), or the
+    reason it could not be restored (a string)."""
     from length_extrapolation.report import md_name
 
-    from posattn.eval.attention_stats import head_scores, repeated_strings
     from posattn.generate import GenerateError, load_model
 
-    seed, count = head_draw(workdir)
-    lines = [
-        "| row | seed | layer | previous-token weight, by head | induction weight, by head |",
-        "|---|---:|---:|---|---|",
-    ]
     for family_dir in sorted(p for p in workdir.iterdir() if (p / "checkpoints").is_dir()):
         for train_seed, sd in seed_dirs(family_dir):
             try:
                 cfg, graphdef, params, constants, _ = load_model(sd)
                 L = int(json.loads((sd / "config.json").read_text())["data"]["seq_len"])
             except (GenerateError, KeyError, ValueError) as e:
-                lines.append(
-                    f"| {md_name(family_dir.name)} | {train_seed} | not restored ({e}) | | |"
-                )
+                yield md_name(family_dir.name), train_seed, f"not restored ({e})"
                 continue
-            tokens = repeated_strings(np.random.default_rng(seed), count, L // 2, cfg.vocab_size)
-            scores = head_scores(graphdef, params, constants, tokens, period=L // 2)
-            for layer, (prev, ind) in enumerate(
-                zip(scores["previous_token"], scores["induction"], strict=True)
-            ):
-                lines.append(
-                    f"| {md_name(family_dir.name)} | {train_seed} | {layer} | "
-                    f"{' '.join(f'{x:.2f}' for x in prev)} | {' '.join(f'{x:.2f}' for x in ind)} |"
-                )
+            yield md_name(family_dir.name), train_seed, (cfg, graphdef, params, constants, L)
+
+
+def head_lines(workdir: pathlib.Path) -> list[str]:
+    """Each trained seed's previous-token and induction scores per layer and head
+    (`posattn.eval.attention_stats.head_scores`) on the random strings of L / 2 tokens written
+    twice that the experiment's attention evaluator draws (`repeated_strings`, `head_draw`)."""
+    from posattn.eval.attention_stats import head_scores, repeated_strings
+
+    seed, count = head_draw(workdir)
+    lines = [
+        "| row | seed | layer | previous-token weight, by head | induction weight, by head |",
+        "|---|---:|---:|---|---|",
+    ]
+    for row, train_seed, model in restored_seeds(workdir):
+        if isinstance(model, str):
+            lines.append(f"| {row} | {train_seed} | {model} | | |")
+            continue
+        cfg, graphdef, params, constants, L = model
+        tokens = repeated_strings(np.random.default_rng(seed), count, L // 2, cfg.vocab_size)
+        scores = head_scores(graphdef, params, constants, tokens, period=L // 2)
+        for layer, (prev, ind) in enumerate(
+            zip(scores["previous_token"], scores["induction"], strict=True)
+        ):
+            lines.append(
+                f"| {row} | {train_seed} | {layer} | "
+                f"{' '.join(f'{x:.2f}' for x in prev)} | {' '.join(f'{x:.2f}' for x in ind)} |"
+            )
     return lines
 
 
@@ -261,10 +272,7 @@ def digit_lines(workdir: pathlib.Path) -> list[str]:
     ones came from (`passkey_places`, pooled over the probe's depths), each cell a number per
     key digit, first to last; first, for each L, what a reader that draws one of the digits
     before each key digit at random would get (`passkey_places_at_random`)."""
-    from length_extrapolation.report import md_name
-
     from posattn.eval.retrieval import PLACES, passkey_places, passkey_places_at_random
-    from posattn.generate import GenerateError, load_model
 
     draw = passkey_draw(workdir)
     probe = {
@@ -281,30 +289,24 @@ def digit_lines(workdir: pathlib.Path) -> list[str]:
 
     at_random: dict[int, str] = {}
     lines = []
-    for family_dir in sorted(p for p in workdir.iterdir() if (p / "checkpoints").is_dir()):
-        for train_seed, sd in seed_dirs(family_dir):
-            try:
-                cfg, graphdef, params, constants, _ = load_model(sd)
-                L = int(json.loads((sd / "config.json").read_text())["data"]["seq_len"])
-            except (GenerateError, KeyError, ValueError) as e:
-                lines.append(
-                    f"| {md_name(family_dir.name)} | {train_seed} | not restored ({e}) |"
-                    + " |" * (len(heads) - 1)
-                )
-                continue
-            longest = max(draw["lengths"]) * (L if draw["multiples"] else 1)
-            places = passkey_places(
-                graphdef,
-                params,
-                constants,
-                length=L,
-                batch_tokens=draw["batch_size"] * longest,
-                **probe,
-            )
-            lines.append(f"| {md_name(family_dir.name)} | {train_seed} | {cells(places)} |")
-            if L not in at_random:
-                chance = passkey_places_at_random(length=L, **probe)
-                at_random[L] = f"| a digit before it, at random (L = {L}) | | {cells(chance)} |"
+    for row, train_seed, model in restored_seeds(workdir):
+        if isinstance(model, str):
+            lines.append(f"| {row} | {train_seed} | {model} |" + " |" * (len(heads) - 1))
+            continue
+        _, graphdef, params, constants, L = model
+        longest = max(draw["lengths"]) * (L if draw["multiples"] else 1)
+        places = passkey_places(
+            graphdef,
+            params,
+            constants,
+            length=L,
+            batch_tokens=draw["batch_size"] * longest,
+            **probe,
+        )
+        lines.append(f"| {row} | {train_seed} | {cells(places)} |")
+        if L not in at_random:
+            chance = passkey_places_at_random(length=L, **probe)
+            at_random[L] = f"| a digit before it, at random (L = {L}) | | {cells(chance)} |"
     header = ["| row | seed | " + " | ".join(heads) + " |", "|---|---:|" + "---|" * len(heads)]
     return header + list(at_random.values()) + lines
 
