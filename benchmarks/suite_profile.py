@@ -89,6 +89,7 @@ def pytest_unconfigure(config):
         return
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     path = pathlib.Path(out) / f"{worker}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)  # the plugin may run without the script
     path.write_text(json.dumps({"tests": _rows, "programs": dict(_programs)}))
 
 

@@ -28,9 +28,10 @@ What the numbers are and why (experiments/README.md has the measured times and t
     their text at L within 0.03 nats (experiments/README.md, "Training keys of 4-8 digits").
   * 2000 steps (4.1M bytes per family, 14% of the 30.2M training bytes) at peak learning rate 6e-3
     (60 warmup steps, cosine to 10%): the budget that keeps ten families plus evaluation under 15
-    minutes on two CPU cores (45-68 s of training per family); 3e-3 costs 0.04-0.15 nats of text at
-    L in nine families of ten and 1e-2 ties 6e-3, neither teaching more probes
-    (experiments/README.md, "The peak learning rate, measured"). With the earlier keys of 1-5
+    minutes on the two-core CPUs measured (training 88-128 s a family on one core of an AVX2
+    EPYC, 708 s for the command; experiments/README.md, "The command's time"); 3e-3 costs
+    0.04-0.15 nats of text at L in nine families of ten and 1e-2 ties 6e-3, neither teaching more
+    probes (experiments/README.md, "The peak learning rate, measured"). With the earlier keys of 1-5
     digits, `--config.train.steps=3000` bought the passkey at L for five or six families and
     0.04-0.12 nats of text at L for 12% more time on an AVX-512 CPU (experiments/README.md, "The
     whole experiment at 3000 steps"), and the record ran 3000 steps ("Record: 2026-12-03").
