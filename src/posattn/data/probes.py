@@ -65,7 +65,7 @@ FILLER = (
     b"The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 )
 NEEDLE_PREFIX = b"passkey="
-TRAIN_DIGITS = 5  # the longest key of the passkeys mixed into training batches (1..5 digits)
+TRAIN_DIGITS = 5  # the longest training key by default (`data.passkey_digits` = (1, 5))
 TRAIN_SPAN = 12  # the longest string of the induction rows mixed into training (4..12 letters)
 _ASCII_DIGITS = np.frombuffer(b"0123456789", np.uint8)
 _ASCII_LOWER = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", np.uint8)
