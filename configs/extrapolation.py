@@ -36,7 +36,9 @@ What the numbers are and why (experiments/README.md has the measured times and t
     probes (experiments/README.md, "The peak learning rate, measured"). With the earlier keys of 1-5
     digits, `--config.train.steps=3000` bought the passkey at L for five or six families and
     0.04-0.12 nats of text at L for 12% more time on an AVX-512 CPU (experiments/README.md, "The
-    whole experiment at 3000 steps"), and the record ran 3000 steps ("Record: 2026-12-03").
+    whole experiment at 3000 steps"), and the record of then ran 3000 steps ("Record:
+    2026-12-03"); with keys of 4-8 digits this config at three seeds learns both probes for the
+    same six families ("Record: 2026-12-04").
   * evaluation at L, 2L, 4L, 8L, 16L (`posattn.eval.heldout`, `scoring`): chunks of 16L drawn
     round-robin over the held-out files, the same bytes at every length, under two protocols
     (non-overlapping windows, plus positions >= L alone; sliding windows of stride L scoring each
