@@ -66,7 +66,7 @@ FILLER = (
 )
 NEEDLE_PREFIX = b"passkey="
 TRAIN_DIGITS = 5  # the longest training key by default (`data.passkey_digits` = (1, 5))
-TRAIN_SPAN = 12  # the longest string of the induction rows mixed into training (4..12 letters)
+TRAIN_SPAN = 12  # the longest training induction string by default (`data.induction_span`)
 _ASCII_DIGITS = np.frombuffer(b"0123456789", np.uint8)
 _ASCII_LOWER = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", np.uint8)
 _DISTRACTOR = (b"Room ", b" is free. ")  # a filler sentence around a random number
