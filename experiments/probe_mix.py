@@ -40,7 +40,7 @@ import numpy as np
 from posattn import hostmem
 
 if __name__ == "__main__":
-    hostmem.reexec_with_huge_pages()  # first, before JAX starts (posattn.hostmem)
+    hostmem.reexec_with_malloc_tunables()  # first, before JAX starts (posattn.hostmem)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))

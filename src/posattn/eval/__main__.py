@@ -6,7 +6,7 @@ import sys
 from posattn import hostmem
 
 if __name__ == "__main__":
-    hostmem.reexec_with_huge_pages()  # first, before JAX starts (posattn.hostmem)
+    hostmem.reexec_with_malloc_tunables()  # first, before JAX starts (posattn.hostmem)
     from posattn.evaluate import main
 
     sys.exit(main())
