@@ -15,8 +15,8 @@ Two remedies, both glibc tunables (docs/benchmarks.md, "Page faults" and "Keepin
 * `glibc.malloc.arena_max=1`, `glibc.malloc.mmap_max=0` and `glibc.malloc.trim_threshold=1 GiB`:
   one arena for every thread, no block mapped on its own, and up to 1 GiB of free memory kept at
   the top of the heap. The block then comes from the heap, goes back to it at the end of the
-  step, and the next step reuses it: no page faults after the first step. The small step gained
-  another ~10% on a 2-core AVX2 VM. A process keeps up to `TRIM_THRESHOLD` of freed memory
+  step, and the next step reuses it: no page faults once the heap holds it. The small step's
+  median was 3-15% lower again on a 2-core AVX2 VM. A process keeps up to `TRIM_THRESHOLD` of freed memory
   instead of returning it; its peak is unchanged.
 Smaller programs (the length experiment's default shape, whose scratch is under 32 MiB and is
 reused from the heap anyway) neither gain nor lose. What is computed does not change, only where
