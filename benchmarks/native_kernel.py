@@ -1,0 +1,95 @@
+"""The native CPU attention kernel alone: forward, and forward + backward, at the training shapes.
+
+Question: how long does `posattn.attention.native`'s kernel take at the shapes of
+`benchmarks/train_throughput.py` (one layer's attention), and does a change to the kernel change
+what it computes?
+
+Run (from the repository root):
+    python benchmarks/native_kernel.py                 # both shapes, with and without a bias
+    python benchmarks/native_kernel.py --repeats 50
+
+Shapes [B, T, N, H]: small (16, 256, 4, 32) and tiny (32, 64, 4, 16), causal, float32, inputs
+from a fixed seed; "bias" adds a [1, N, T, S] logit bias (ALiBi's slopes times the offsets, no
+bias gradient), as an ALiBi layer passes it. Each program is jitted, run once, then timed
+--repeats times (wall clock, `block_until_ready`); best and median are printed with a sha256 of
+the outputs' bytes (the forward's output; the backward's dq, dk, dv), so two commits' kernels can
+be compared for identical results as well as time. Times vary between machines and with load:
+compare kernels by running this at each commit, alternately, on one machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _machine import cpu_name  # noqa: E402
+
+from posattn.attention import native  # noqa: E402
+
+SHAPES = {"small": (16, 256, 4, 32), "tiny": (32, 64, 4, 16)}
+
+
+def _programs(B: int, T: int, N: int, H: int, with_bias: bool):
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    q, k, v, g = (jax.random.normal(key, (B, T, N, H)) for key in keys)
+    bias = None
+    if with_bias:
+        slopes = 2.0 ** (-8.0 * jnp.arange(1, N + 1) / N)
+        offsets = jnp.arange(T)[None, :] - jnp.arange(T)[:, None]
+        bias = (slopes[:, None, None] * jnp.minimum(offsets, 0))[None]
+
+    def forward(q, k, v):
+        return native.native_attention(
+            q, k, v, bias, scale=H**-0.5, bias_grad=False, causal_offset=0
+        )
+
+    def loss(q, k, v):
+        return (forward(q, k, v) * g).sum()
+
+    grads = jax.grad(loss, argnums=(0, 1, 2))
+    return (q, k, v), {"forward": jax.jit(forward), "forward + backward": jax.jit(grads)}
+
+
+def _time(fn, args, repeats: int) -> tuple[float, float, str]:
+    out = jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    leaves = jax.tree_util.tree_leaves(out)
+    digest = hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in leaves)).hexdigest()
+    return min(times) * 1e3, float(np.median(times)) * 1e3, digest[:12]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--repeats", type=int, default=20, help="timed runs of each program")
+    args = parser.parse_args(argv)
+    if not native.available():
+        raise SystemExit(f"the native kernel is not available here: {native.why_unavailable()}")
+    print(f"# {cpu_name()}; jax {jax.__version__} ({jax.default_backend()}); {args.repeats} runs")
+    print("\n| shape [B, T, N, H] | bias | program | ms (best / median) | outputs sha256 |")
+    print("|---|---|---|---|---|")
+    for name in args.shapes:
+        for with_bias in (False, True):
+            inputs, programs = _programs(*SHAPES[name], with_bias)
+            for program, fn in programs.items():
+                best, median, digest = _time(fn, inputs, args.repeats)
+                print(
+                    f"| {name} {SHAPES[name]} | {'yes' if with_bias else 'no'} | {program} | "
+                    f"{best:.2f} / {median:.2f} | `{digest}` |"
+                )
+
+
+if __name__ == "__main__":
+    main()
