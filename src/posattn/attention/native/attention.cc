@@ -230,36 +230,31 @@ inline void WeightedRows(const float* w, int64_t ld, int64_t j0, int64_t j1, con
     for (int c = 0; c < C; ++c) std::memcpy(&out[r][c * kV], &acc[r][c], kV * sizeof(float));
 }
 
-// dk[j][:] += sum_r ds[r][j] qs[r][:] and dv[j][:] += sum_r p[r][j] do[r][:], j in [j0, j1).
+// dk[j][:] += sum_r ds[r][j] qs[r][:] and dv[j][:] += sum_r p[r][j] do[r][:], j in [j0, j1):
+// one pass for each, so that a pass's row vectors and its accumulators stay in registers.
+template <int H, int R>
+inline void AccumulateRows(const float* w, int64_t ld, int64_t j0, int64_t j1,
+                           const float (&rows)[R][H], float* acc) {
+  constexpr int C = H / kV;
+  vf rv[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) rv[r][c] = Load(&rows[r][c * kV]);
+  for (int64_t j = j0; j < j1; ++j) {
+    vf aj[C];
+    for (int c = 0; c < C; ++c) aj[c] = Load(acc + j * H + c * kV);
+    for (int r = 0; r < R; ++r) {
+      const vf wv = Splat(w[r * ld + j]);
+      for (int c = 0; c < C; ++c) aj[c] += wv * rv[r][c];
+    }
+    for (int c = 0; c < C; ++c) Store(acc + j * H + c * kV, aj[c]);
+  }
+}
+
 template <int H, int R>
 inline void KeyGrads(const float* ds, const float* p, int64_t ld, int64_t j0, int64_t j1,
                      const float (&qs)[R][H], const float (&dout)[R][H], float* dk, float* dv) {
-  constexpr int C = H / kV;
-  vf qv[R][C], dov[R][C];
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < C; ++c) {
-      qv[r][c] = Load(&qs[r][c * kV]);
-      dov[r][c] = Load(&dout[r][c * kV]);
-    }
-  }
-  for (int64_t j = j0; j < j1; ++j) {
-    vf dkj[C], dvj[C];
-    for (int c = 0; c < C; ++c) {
-      dkj[c] = Load(dk + j * H + c * kV);
-      dvj[c] = Load(dv + j * H + c * kV);
-    }
-    for (int r = 0; r < R; ++r) {
-      const vf sv = Splat(ds[r * ld + j]), pv = Splat(p[r * ld + j]);
-      for (int c = 0; c < C; ++c) {
-        dkj[c] += sv * qv[r][c];
-        dvj[c] += pv * dov[r][c];
-      }
-    }
-    for (int c = 0; c < C; ++c) {
-      Store(dk + j * H + c * kV, dkj[c]);
-      Store(dv + j * H + c * kV, dvj[c]);
-    }
-  }
+  AccumulateRows<H, R>(ds, ld, j0, j1, qs, dk);
+  AccumulateRows<H, R>(p, ld, j0, j1, dout, dv);
 }
 
 // Rows of query heads per block: enough to reuse each packed key vector, few enough that the
