@@ -25,13 +25,14 @@ Configs (both built from configs/tiny.py through the command-line override path)
 
 The step is `posattn.train.steps.train_step` jitted with donated state, as `posattn.train` runs it
 (AdamW, clipping, bound projection, metrics), on `data.train_batch` batches of the stdlib corpus
-built before timing, in a process started as `python -m posattn.train` starts (with glibc's malloc tunables that keep
-XLA:CPU's scratch in the heap, `posattn.hostmem`; `POSATTN_HUGE_PAGES=0` times it without them,
-`GLIBC_TUNABLES=glibc.malloc.hugetlb=1` with huge pages alone). The page faults and system (kernel) CPU time a step, the process's over the round, are
-printed beside its time: scratch served by fresh 4 KiB pages every step shows up there. A round
-times --steps consecutive steps (wall clock, ended by `block_until_ready` on the metrics) after a
-warm-up; the rounds of every (config, family) and of the baseline alternate, so each sees the same
-contention; min and median over rounds are printed.
+built before timing, in a process started as `python -m posattn.train` starts (with glibc's malloc
+tunables that keep XLA:CPU's scratch in the heap, `posattn.hostmem`; `POSATTN_HUGE_PAGES=0` times
+it without them, `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` with huge pages alone). The page faults
+and system (kernel) CPU time a step, the process's over the round, are printed beside its time:
+scratch served by fresh 4 KiB pages every step shows up there. A round times --steps consecutive
+steps (wall clock, ended by `block_until_ready` on the metrics) after a warm-up; the rounds of
+every (config, family) and of the baseline alternate, so each sees the same contention; min and
+median over rounds are printed.
 
 Where the time goes, measured by timing the pieces alone, in the same process, in every round:
   attention  `attention(q, k, v, bias=the family's (BiasFn, params) of layer 0, causal,

@@ -152,8 +152,13 @@ def _faults_per_run(tunables: str) -> tuple[int, list[int]]:
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     env["GLIBC_TUNABLES"] = tunables
     proc = subprocess.run(
-        [sys.executable, "-c", _FAULTS], capture_output=True, text=True, env=env, cwd=ROOT,
-        timeout=120, check=True,
+        [sys.executable, "-c", _FAULTS],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+        check=True,
     )
     scratch, *faults = (int(x) for x in proc.stdout.split())
     return scratch, faults

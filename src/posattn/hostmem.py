@@ -8,7 +8,8 @@ threshold cannot exceed 32 MiB, and XLA's worker threads allocate from their own
 it is first written and unmaps it at the end: ~55,000 page faults and ~120 ms of system CPU time a
 step at that shape on a 2-core VM, in 4 KiB pages.
 
-Two remedies, both glibc tunables (docs/benchmarks.md, "Page faults" and "Keeping the scratch"):
+Two remedies, both glibc tunables (docs/benchmarks.md, "Page faults" and "Keeping the scratch in
+the heap"):
 * `glibc.malloc.hugetlb=1` (glibc 2.35 and later): malloc asks for transparent huge pages on what
   it maps (`madvise(MADV_HUGEPAGE)`), so the block faults in 2 MiB at a time: ~770 faults and
   20-40 ms of system time a step, the step 1.3-1.4x faster than in 4 KiB pages.
@@ -16,8 +17,8 @@ Two remedies, both glibc tunables (docs/benchmarks.md, "Page faults" and "Keepin
   one arena for every thread, no block mapped on its own, and up to 1 GiB of free memory kept at
   the top of the heap. The block then comes from the heap, goes back to it at the end of the
   step, and the next step reuses it: no page faults once the heap holds it. The small step's
-  median was 3-15% lower again on a 2-core AVX2 VM. A process keeps up to `TRIM_THRESHOLD` of freed memory
-  instead of returning it; its peak is unchanged.
+  median was 3-15% lower again on a 2-core AVX2 VM. A process keeps up to `TRIM_THRESHOLD` of
+  freed memory instead of returning it to the system.
 Smaller programs (the length experiment's default shape, whose scratch is under 32 MiB and is
 reused from the heap anyway) neither gain nor lose. What is computed does not change, only where
 its memory comes from.
@@ -90,7 +91,7 @@ def _thp_mode() -> str | None:
 
 
 def tunables_string() -> str | None:
-    """The `GLIBC_TUNABLES` value the commands set on this machine (None off glibc >= 2.26)."""
+    """The `GLIBC_TUNABLES` value the commands set here; None off Linux with glibc 2.26+."""
     glibc = _glibc_version()
     if not sys.platform.startswith("linux") or glibc is None or glibc < (2, 26):
         return None
@@ -101,8 +102,8 @@ def tunables_string() -> str | None:
 def malloc_environ(environ: Mapping[str, str]) -> dict[str, str] | None:
     """`environ` with `tunables_string()` added to GLIBC_TUNABLES, or None where nothing is added.
 
-    None: off Linux or glibc >= 2.26; GLIBC_TUNABLES already setting a `glibc.malloc.` tunable
-    (the environment's choice stands); or `POSATTN_HUGE_PAGES=0`.
+    None: off Linux, off glibc or on a glibc older than 2.26; GLIBC_TUNABLES already setting a
+    `glibc.malloc.` tunable (the environment's choice stands); or `POSATTN_HUGE_PAGES=0`.
     """
     if environ.get(OPT_OUT, "1").strip() == "0":
         return None
