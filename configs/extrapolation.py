@@ -30,8 +30,8 @@ What the numbers are and why (experiments/README.md has the measured times and t
     keys in half the rows").
   * 2000 steps (4.1M bytes per family, 14% of the 30.2M training bytes) at peak learning rate 6e-3
     (60 warmup steps, cosine to 10%): the budget that keeps ten families plus evaluation under 15
-    minutes on the two-core CPUs measured (training 76-128 s a family on one core of an AVX2
-    EPYC, 598-708 s for the command; experiments/README.md, "The command's time"); 3e-3 costs
+    minutes on the two-core CPUs measured (training 72-128 s a family on one core of an AVX2
+    EPYC, 552-708 s for the command; experiments/README.md, "The command's time"); 3e-3 costs
     0.04-0.15 nats of text at L in nine families of ten and 1e-2 ties 6e-3, neither teaching more
     probes (experiments/README.md, "The peak learning rate, measured"). With the earlier keys of 1-5
     digits, `--config.train.steps=3000` bought the passkey at L for five or six families and

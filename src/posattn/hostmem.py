@@ -19,9 +19,9 @@ the heap"):
   step, and the next step reuses it: no page faults once the heap holds it. The small step's
   median was 3-15% lower again on a 2-core AVX2 VM. A process keeps up to `TRIM_THRESHOLD` of
   freed memory instead of returning it to the system.
-Smaller programs (the length experiment's default shape, whose scratch is under 32 MiB and is
-reused from the heap anyway) neither gain nor lose. What is computed does not change, only where
-its memory comes from.
+The length experiment's default command (its step's scratch is under 32 MiB, reused from the heap
+anyway) took the same time with the second remedy as with the first alone, and its peak RSS was
+0.89 GiB against 1.23. What is computed does not change, only where its memory comes from.
 
 glibc reads its tunables once, when a process starts. So the commands that run many steps
 (`python -m posattn.train`, `posattn.sweep`, `posattn.eval`, `experiments/length_extrapolation.py`)
