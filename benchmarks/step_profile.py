@@ -24,8 +24,11 @@ Printed per (config, family): the step's wall time in the trace, the ops per ste
   * by phase: forward, backward, update;
   * the --top longest ops, with their shape and source operation.
 Durations are the trace's own (the profiler adds a little per op); shares are of the summed op
-time, which excludes the gaps between ops (dispatch). Times vary between machines and with load:
-compare configurations only within one run.
+time, which excludes the gaps between ops (dispatch). XLA's own `dot` thunks (the weight
+gradients of a step) appear to run asynchronously on the thread pool: their events (0.1-0.4 ms at
+the small shape) seem to record the dispatch only, their work showing in the ops beside them
+(docs/benchmarks.md, "Keeping the scratch in the heap"). Times vary between machines and with
+load: compare configurations only within one run.
 """
 
 from __future__ import annotations
