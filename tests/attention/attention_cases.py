@@ -114,9 +114,22 @@ def _value_and_grads(impl, q, k, v, d_out, bias, **kw):
     return out, grads
 
 
+# The bias parameters' gradients (grads[3] of `_value_and_grads`) sum a term per (query, key)
+# pair, ~10^4 here, and some of their components are zero up to rounding: where a parameter moves
+# a whole row's logits alike (a FIRE unit active for every key of the row: d b1 = w2 * sum of the
+# row's ds), the softmax's row sums cancel the terms exactly, and what is left is float32
+# rounding of the sum of their magnitudes, in an order that differs between implementations and
+# with XLA:CPU's code for the CPU. Measured on an AVX-512 "AMD EPYC" (family 25, model 17) with the
+# suite's code generation: FIRE's d b1 in the "padding" case within 1.03e-5 of the vector's largest
+# component for blockwise, 4-7e-6 for the others. These leaves get PARAMS_RTOL.
+PARAMS_RTOL = 3e-5
+
+
 def _assert_close(got, want, rtol, atol=1e-7, name=""):
     """Every array within rtol of the largest magnitude of its reference counterpart (plus a
-    small atol for scalar parameter gradients that are sums of cancelling terms)."""
+    small atol for scalar parameter gradients that are sums of cancelling terms); the bias
+    parameters' gradients of an (out, grads) pair within max(rtol, PARAMS_RTOL)."""
+    params = (jax.tree_util.SequenceKey(1), jax.tree_util.SequenceKey(3))
     for path, g, w in zip(
         jax.tree_util.tree_leaves_with_path(want),
         jax.tree.leaves(got),
@@ -125,10 +138,11 @@ def _assert_close(got, want, rtol, atol=1e-7, name=""):
     ):
         if w.dtype == jax.dtypes.float0:
             continue
+        tol = max(rtol, PARAMS_RTOL) if tuple(path[0][:2]) == params else rtol
         g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
         assert np.isfinite(g).all(), f"{name}{jax.tree_util.keystr(path[0])}: non-finite"
         err = np.max(np.abs(g - w)) if w.size else 0.0
-        assert err <= rtol * np.max(np.abs(w), initial=0.0) + atol, (
+        assert err <= tol * np.max(np.abs(w), initial=0.0) + atol, (
             f"{name}{jax.tree_util.keystr(path[0])}: max error {err:.3g}, "
             f"reference scale {np.max(np.abs(w)):.3g}"
         )
