@@ -56,6 +56,15 @@ inline vf Load(const float* p) {
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
+// A vector that R rows' FMAs read: for R > 1 loaded once into a register the compiler must keep
+// (GCC otherwise folds the load into every row's FMA, and the loop is bound by loads); for one row
+// the load folded into its FMA is best.
+template <int R>
+inline vf LoadShared(const float* p) {
+  vf v = Load(p);
+  if constexpr (R > 1) asm("" : "+x"(v));
+  return v;
+}
 inline void Store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 inline vi Broadcast(int32_t x) { return vi{x, x, x, x, x, x, x, x}; }
 inline float HorizontalMax(vf v) {
@@ -196,7 +205,7 @@ inline void RowDots(const float (&a)[R][H], const float* bt, int64_t j0, int64_t
     vf acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Splat(0.0f);
     for (int h = 0; h < H; ++h) {
-      const vf c0 = Load(block + h * kW), c1 = Load(block + h * kW + kV);
+      const vf c0 = LoadShared<R>(block + h * kW), c1 = LoadShared<R>(block + h * kW + kV);
       for (int r = 0; r < R; ++r) {
         const vf av = Splat(a[r][h]);
         acc[r][0] += av * c0;
@@ -210,24 +219,38 @@ inline void RowDots(const float (&a)[R][H], const float* bt, int64_t j0, int64_t
   }
 }
 
-// out[r][:] = sum_{j in [j0, j1)} w[r][j] * x[j][:] for r < R (x [Sp, H] contiguous).
+// Vectors of a row's H per pass of `WeightedRows` and `AccumulateRows`: R * CB row or accumulator
+// vectors stay in registers (at most 8 of AVX2's 16, the rest for the key's vectors).
+template <int H, int R>
+constexpr int ColumnBlock() {
+  constexpr int C = (H + kV - 1) / kV;
+  return R == 1 || R * C <= 8 ? C : 8 / R;
+}
+
+// out[r][:] = sum_{j in [j0, j1)} w[r][j] * x[j][:] for r < R (x [Sp, H] contiguous), in passes
+// of ColumnBlock vectors of the row (each element's sum in the same order whatever the passes).
 template <int H, int R>
 inline void WeightedRows(const float* w, int64_t ld, int64_t j0, int64_t j1, const float* x,
                          float (&out)[R][H]) {
   constexpr int C = (H + kV - 1) / kV;  // vectors per row (H = 8: one)
-  vf acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = Splat(0.0f);
-  for (int64_t j = j0; j < j1; ++j) {
-    vf xr[C];
-    for (int c = 0; c < C; ++c) xr[c] = Load(x + j * H + c * kV);
-    for (int r = 0; r < R; ++r) {
-      const vf wv = Splat(w[r * ld + j]);
-      for (int c = 0; c < C; ++c) acc[r][c] += wv * xr[c];
+  constexpr int CB = ColumnBlock<H, R>();
+  static_assert(C % CB == 0, "whole passes");
+  for (int c0 = 0; c0 < C; c0 += CB) {
+    vf acc[R][CB];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < CB; ++c) acc[r][c] = Splat(0.0f);
+    for (int64_t j = j0; j < j1; ++j) {
+      vf xr[CB];
+      for (int c = 0; c < CB; ++c) xr[c] = LoadShared<R>(x + j * H + (c0 + c) * kV);
+      for (int r = 0; r < R; ++r) {
+        const vf wv = Splat(w[r * ld + j]);
+        for (int c = 0; c < CB; ++c) acc[r][c] += wv * xr[c];
+      }
     }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < CB; ++c)
+        std::memcpy(&out[r][(c0 + c) * kV], &acc[r][c], kV * sizeof(float));
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) std::memcpy(&out[r][c * kV], &acc[r][c], kV * sizeof(float));
 }
 
 // dk[j][:] += sum_r ds[r][j] qs[r][:] and dv[j][:] += sum_r p[r][j] do[r][:], j in [j0, j1):
@@ -236,17 +259,21 @@ template <int H, int R>
 inline void AccumulateRows(const float* w, int64_t ld, int64_t j0, int64_t j1,
                            const float (&rows)[R][H], float* acc) {
   constexpr int C = H / kV;
-  vf rv[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) rv[r][c] = Load(&rows[r][c * kV]);
-  for (int64_t j = j0; j < j1; ++j) {
-    vf aj[C];
-    for (int c = 0; c < C; ++c) aj[c] = Load(acc + j * H + c * kV);
-    for (int r = 0; r < R; ++r) {
-      const vf wv = Splat(w[r * ld + j]);
-      for (int c = 0; c < C; ++c) aj[c] += wv * rv[r][c];
+  constexpr int CB = ColumnBlock<H, R>();
+  static_assert(C % CB == 0, "whole passes");
+  for (int c0 = 0; c0 < C; c0 += CB) {
+    vf rv[R][CB];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < CB; ++c) rv[r][c] = Load(&rows[r][(c0 + c) * kV]);
+    for (int64_t j = j0; j < j1; ++j) {
+      vf aj[CB];
+      for (int c = 0; c < CB; ++c) aj[c] = Load(acc + j * H + (c0 + c) * kV);
+      for (int r = 0; r < R; ++r) {
+        const vf wv = Splat(w[r * ld + j]);
+        for (int c = 0; c < CB; ++c) aj[c] += wv * rv[r][c];
+      }
+      for (int c = 0; c < CB; ++c) Store(acc + j * H + (c0 + c) * kV, aj[c]);
     }
-    for (int c = 0; c < C; ++c) Store(acc + j * H + c * kV, aj[c]);
   }
 }
 
@@ -261,7 +288,7 @@ inline void KeyGrads(const float* ds, const float* p, int64_t ld, int64_t j0, in
 // accumulators stay in registers.
 template <int H>
 constexpr int RowsPerBlock() {
-  return H <= 16 ? 4 : (H <= 32 ? 2 : 1);
+  return H <= 32 ? 4 : 1;
 }
 
 // A row block: its rows' key ranges and the span [a, e) of keys any of them sees, widened to
