@@ -62,7 +62,9 @@ inline vf Load(const float* p) {
 template <int R>
 inline vf LoadShared(const float* p) {
   vf v = Load(p);
-  if constexpr (R > 1) asm("" : "+x"(v));
+#if defined(__AVX__)
+  if constexpr (R > 1) asm("" : "+x"(v));  // one ymm register (elsewhere: the compiler's choice)
+#endif
   return v;
 }
 inline void Store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
