@@ -221,11 +221,10 @@ inline void RowDots(const float (&a)[R][H], const float* bt, int64_t j0, int64_t
   }
 }
 
-// Vectors of a row's H per pass of `WeightedRows` and `AccumulateRows`: R * CB row or accumulator
+// Vectors of a row's C per pass of `WeightedRows` and `AccumulateRows`: R * CB row or accumulator
 // vectors stay in registers (at most 8 of AVX2's 16, the rest for the key's vectors).
-template <int H, int R>
+template <int C, int R>
 constexpr int ColumnBlock() {
-  constexpr int C = (H + kV - 1) / kV;
   return R == 1 || R * C <= 8 ? C : 8 / R;
 }
 
@@ -235,7 +234,7 @@ template <int H, int R>
 inline void WeightedRows(const float* w, int64_t ld, int64_t j0, int64_t j1, const float* x,
                          float (&out)[R][H]) {
   constexpr int C = (H + kV - 1) / kV;  // vectors per row (H = 8: one)
-  constexpr int CB = ColumnBlock<H, R>();
+  constexpr int CB = ColumnBlock<C, R>();
   static_assert(C % CB == 0, "whole passes");
   for (int c0 = 0; c0 < C; c0 += CB) {
     vf acc[R][CB];
@@ -261,7 +260,7 @@ template <int H, int R>
 inline void AccumulateRows(const float* w, int64_t ld, int64_t j0, int64_t j1,
                            const float (&rows)[R][H], float* acc) {
   constexpr int C = H / kV;
-  constexpr int CB = ColumnBlock<H, R>();
+  constexpr int CB = ColumnBlock<C, R>();
   static_assert(C % CB == 0, "whole passes");
   for (int c0 = 0; c0 < C; c0 += CB) {
     vf rv[R][CB];
