@@ -8,13 +8,13 @@ Run (from the repository root):
     python benchmarks/native_kernel.py                 # both shapes, with and without a bias
     python benchmarks/native_kernel.py --repeats 50
 
-Shapes [B, T, N, H]: small (16, 256, 4, 32) and tiny (32, 64, 4, 16), causal, float32, inputs
-from a fixed seed; "bias" adds a [1, N, T, S] logit bias (ALiBi's slopes times the offsets, no
-bias gradient), as an ALiBi layer passes it. Each program is jitted, run once, then timed
---repeats times (wall clock, `block_until_ready`); best and median are printed with a sha256 of
-the outputs' bytes (the forward's output; the backward's dq, dk, dv), so two commits' kernels can
-be compared for identical results as well as time. Times vary between machines and with load:
-compare kernels by running this at each commit, alternately, on one machine.
+Shapes [B, T, N, H]: small (16, 256, 4, 32) and tiny (32, 64, 4, 16), causal, float32, inputs from
+a fixed seed; "bias" adds a [1, N, T, S] logit bias (ALiBi's slopes times the offsets) with no bias
+gradient, as in an ALiBi layer's step (its slopes are constants). Each program is jitted, run once,
+then timed --repeats times (wall clock, `block_until_ready`); best and median are printed with a
+sha256 of the outputs' bytes (the forward's output; the backward's dq, dk, dv), so two commits'
+kernels can be compared for identical results as well as time. Times vary between machines and with
+load: compare kernels by running this at each commit, alternately, on one machine.
 """
 
 from __future__ import annotations

@@ -114,6 +114,31 @@ def test_bias_gradient_shared_by_heads():
         _assert_close(got, want, rtol=1e-5, name=f"{shape} ")
 
 
+def test_the_bias_gradient_is_computed_only_where_the_bias_is_differentiated():
+    """bias_grad=True allows the bias gradient; the backward computes it only when the bias
+    carries a tangent (a bias built from constants, as ALiBi's slopes are, needs none), and the
+    other gradients are the same either way."""
+    q, k, v, d_out = _inputs(2, jax.random.key(4), T=24)
+    bias = jax.random.normal(jax.random.key(6), (1, q.shape[2], q.shape[1], k.shape[1]))
+
+    def loss(q, k, v, bias):
+        out = native.native_attention(q, k, v, bias, scale=0.3, bias_grad=True, causal_offset=0)
+        return jnp.sum(out * d_out)
+
+    def bias_grad_shapes(argnums):
+        text = jax.jit(jax.grad(loss, argnums)).lower(q, k, v, bias).compile().as_text()
+        calls = [line for line in text.splitlines() if "posattn_attention_backward" in line]
+        return [line.split(") custom-call(")[0].rsplit(", ", 1)[1] for line in calls]
+
+    assert bias_grad_shapes((0, 1, 2)) == ["f32[0]{0}"]
+    assert bias_grad_shapes((0, 1, 2, 3)) == [f"f32{list(bias.shape)}{{3,2,1,0}}".replace(" ", "")]
+    with_bias = jax.jit(jax.grad(loss, (0, 1, 2, 3)))(q, k, v, bias)
+    without = jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v, bias)
+    for got, want in zip(without, with_bias[:3], strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert float(jnp.abs(with_bias[3]).max()) > 0
+
+
 def test_bfloat16_inputs_keep_their_dtype():
     q, k, v, d_out = (x.astype(jnp.bfloat16) for x in _inputs(2, jax.random.key(5)))
     got = _value_and_grads("native", q, k, v, d_out, None, causal=True)

@@ -38,6 +38,7 @@ import tempfile
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero
 
 from posattn.attention import masks
 
@@ -220,7 +221,8 @@ def native_attention(
       q: float[B, T, N, H]; k, v: float[B, S, K, H], N % K == 0, H in HEAD_DIMS.
       logit_bias: None or float[B or 1, N or 1, T, S] added to the logits, -inf hides a key.
       scale: the logit scale (a Python float; a traced scale is folded into q).
-      bias_grad: whether `logit_bias` needs its gradient (False: a constant mask).
+      bias_grad: whether `logit_bias` may need its gradient (False: a constant mask). Even
+        when True, the backward computes it only where the bias is being differentiated.
       causal_offset: a static int when the attention is causal with that position of query 0:
         the kernel then skips (and hides) keys j > causal_offset + t itself, so the bias need not
         hide them. None: every key is visible up to the bias.
@@ -260,13 +262,22 @@ def _attend(plan, q, k, v, bias):
 
 
 def _attend_fwd(plan, q, k, v, bias):
+    # symbolic_zeros: the primals come with whether they carry a tangent. The bias gradient is
+    # computed only when asked for (plan.bias_grad) and the bias is being differentiated: ALiBi's
+    # slopes, say, are a constant of the model, so its training step needs no bias gradient.
+    bias_grad = plan.bias_grad and bias.perturbed
+    q, k, v, bias = q.value, k.value, v.value, bias.value
     out, m, inv_l = _forward_call(plan, q, k, v, bias)
-    return out, (q, k, v, bias, m, inv_l)
+    # The residuals' tree says whether to compute the bias gradient (None: no).
+    return out, (q, k, v, bias, m, inv_l, () if bias_grad else None)
 
 
 def _attend_bwd(plan, res, d_out):
-    q, k, v, bias, m, inv_l = res
-    grad_shape = bias.shape if plan.bias_grad else (0,)
+    q, k, v, bias, m, inv_l, bias_grad = res
+    bias_grad = bias_grad is not None
+    if isinstance(d_out, SymbolicZero):
+        d_out = jnp.zeros(q.shape, f32)
+    grad_shape = bias.shape if bias_grad else (0,)
     call = jax.ffi.ffi_call(
         _BACKWARD,
         (
@@ -278,15 +289,15 @@ def _attend_bwd(plan, res, d_out):
         vmap_method="sequential",
     )
     dq, dk, dv, d_bias = call(
-        q, k, v, bias, d_out.astype(f32), m, inv_l, bias_grad=np.int64(plan.bias_grad),
+        q, k, v, bias, d_out.astype(f32), m, inv_l, bias_grad=np.int64(bias_grad),
         **plan.attrs(),
     )  # fmt: skip
-    if not plan.bias_grad:
+    if not bias_grad:
         d_bias = jnp.zeros(bias.shape, f32)
     return dq, dk, dv, d_bias
 
 
-_attend.defvjp(_attend_fwd, _attend_bwd)
+_attend.defvjp(_attend_fwd, _attend_bwd, symbolic_zeros=True)
 
 
 def attention_from_bias(
