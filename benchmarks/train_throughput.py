@@ -39,7 +39,8 @@ Where the time goes, measured by timing the pieces alone, in the same process, i
              implementation=the config's)` forward + backward (value_and_grad over q, k, v and the
              bias parameters) at the step's [B, T, N, H], times the number of layers;
   matmuls    every dense product of the step at its shape as a 2-D GEMM, forward (x W) and both
-             backward products (dY W^T, X^T dY): q, k, v, output projections, the MLP's two,
+             backward products (dY W^T, X^T dY, the latter in the orientation the step's
+             `posattn.nn.layers.dense` computes it): q, k, v, output projections, the MLP's two,
              the tied logits; in the model's compute dtype (`--dtypes`).
 The attention piece runs in float32 for every dtype (see `Case._attention_piece`).
 "other" is the step minus both: norms, RoPE, GELU, residuals, embedding, cross-entropy, the
@@ -96,6 +97,7 @@ from posattn import attention as attention_lib  # noqa: E402
 from posattn import config as config_lib  # noqa: E402
 from posattn import data, families  # noqa: E402
 from posattn.attention import native as native_lib  # noqa: E402
+from posattn.nn import layers  # noqa: E402
 from posattn.nn.layers import compute_dtype  # noqa: E402
 from posattn.nn.model import TransformerLM  # noqa: E402
 from posattn.train import steps  # noqa: E402
@@ -233,9 +235,13 @@ class Case:
             for i, o in shapes
         ]
 
+        def products(x, w, dy):  # forward, dX, dW, the latter two as the step's dense does them
+            y, pullback = jax.vjp(layers._matmul, x, w)
+            return (y, *pullback(dy))
+
         @jax.jit
         def gemms(operands):
-            return [(x @ w, dy @ w.T, x.T @ dy) for x, w, dy in operands]  # forward, dX, dW
+            return [products(*xs) for xs in operands]
 
         self.matmul_args = (gemms, operands)
         self.matmul_flops = sum(3 * 2 * M * i * o for i, o in shapes)

@@ -27,6 +27,45 @@ def test_dense_is_the_einsum_over_the_last_and_first_axes():
     )
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape", [(64, 16), (16, 64), (32, 32)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_dense_gradients_are_jax_own_and_the_weight_gradient_is_computed_wide(
+    shape, transposed, dtype
+):
+    """dense's backward (the weight gradient in the orientation whose result is wide) gives the
+    bits of JAX's own matmul gradient, for a tall, a wide and a square weight, also where the
+    weight is a transposed table (the tied output layer's `table.T`). The compiled backward's
+    weight-gradient product has no more rows than columns."""
+    x = jax.random.normal(jax.random.key(0), (2, 48, shape[0])).astype(dtype)
+    table = jax.random.normal(jax.random.key(1), shape[::-1] if transposed else shape)
+    table = table.astype(dtype)
+    g = jax.random.normal(jax.random.key(2), (2, 48, shape[1])).astype(dtype)
+
+    def loss(product, x, table):
+        w = table.T if transposed else table
+        return jnp.sum((product(x, w) * g).astype(jnp.float32))
+
+    def plain(x, w):
+        return (x.reshape(-1, x.shape[-1]) @ w).reshape(*x.shape[:-1], -1)
+
+    grad = jax.jit(jax.grad(lambda *a: loss(layers.dense, *a), (0, 1)))
+    got, want = grad(x, table), jax.grad(lambda *a: loss(plain, *a), (0, 1))(x, table)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    text = grad.lower(x, table).compile().as_text()
+    products = [
+        line for line in text.splitlines() if " dot(" in line and "lhs_contracting_dims={0}" in line
+    ]
+    assert products, "no weight-gradient product found"
+    for line in products:  # "= f32[a,b]{minor,major} dot(": rows and columns as laid out
+        shape, layout = line.split(" dot(")[0].split("[", 1)[1].split("]{")
+        dims = [int(n) for n in shape.split(",")]
+        rows, cols = (dims[0], dims[1]) if layout.startswith("1") else (dims[1], dims[0])
+        assert rows <= cols, line
+
+
 @pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.bfloat16])
 def test_rms_norm_normalises_in_float32_and_scales(param_dtype):
     norm = layers.RMSNorm(8, dtype=jnp.bfloat16, param_dtype=param_dtype)
