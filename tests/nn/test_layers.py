@@ -66,6 +66,18 @@ def test_dense_gradients_are_jax_own_and_the_weight_gradient_is_computed_wide(
         assert rows <= cols, line
 
 
+def test_dense_backward_elsewhere_than_cpu_is_jax_own(monkeypatch):
+    """On another backend dense's backward is JAX's own product (its branch, run on this CPU)."""
+    monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
+    x = jax.random.normal(jax.random.key(0), (40, 64))
+    w = jax.random.normal(jax.random.key(1), (64, 16))
+    g = jax.random.normal(jax.random.key(2), (40, 16))
+    got = jax.grad(lambda x, w: jnp.sum(layers.dense(x, w) * g), (0, 1))(x, w)
+    want = jax.grad(lambda x, w: jnp.sum((x @ w) * g), (0, 1))(x, w)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.bfloat16])
 def test_rms_norm_normalises_in_float32_and_scales(param_dtype):
     norm = layers.RMSNorm(8, dtype=jnp.bfloat16, param_dtype=param_dtype)
