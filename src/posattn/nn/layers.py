@@ -79,8 +79,8 @@ def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 
     XLA:CPU runs a weight gradient (a product contracting the M rows of both operands) with Eigen,
     which is up to twice as slow when the result has more rows than columns: on a Zen 4 core,
-    x^T dy of [4096, 512] x [4096, 128] took 10.2 ms and the same product transposed,
-    dy^T x [128, 512], 5.4 ms (docs/benchmarks.md, "The weight gradients' orientation"). So for
+    x^T dy of [4096, 512] x [4096, 128] took 10.3 ms (median) and the same product transposed,
+    dy^T x [128, 512], 5.6 ms (docs/benchmarks.md, "The weight gradients' orientation"). So for
     A > B the backward computes dy^T x and transposes it; an optimization barrier keeps XLA from
     folding the transpose back into the product (and, where the caller transposes the gradient
     itself, as the tied output layer's `table.T` does, from folding that one in). Each element is
