@@ -15,7 +15,7 @@ worker processes are started, one on REV's `src/` and `benchmarks/train_throughp
 this checkout's (uncommitted changes included), each building the step as
 `benchmarks/train_throughput.py` does (its `Case`: the jitted `train_step`, donated state, the same
 stdlib batches) and warming it up. The parent then asks them in turn, --pairs times (the order
-swapped every pair), to run --steps consecutive steps and report the seconds, so that only one
+swapped every pair), to run --steps consecutive steps and report their mean, so that only one
 computes at a time. Printed per (config, family): each side's best and median window, the median
 and quartiles of the pairs' ratios (this checkout / REV; below 1: faster), and whether the two
 training states were bitwise equal after the warm-up and at the end (a change that keeps the
@@ -39,7 +39,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def worker(benchmarks: str, config: str, family: str, steps: int) -> None:
-    """Serves one step over stdin/stdout: `run` (seconds of --steps steps), `digest`, `quit`."""
+    """Serves one step over stdin/stdout: `run` (ms a step over `steps` steps), `digest`, `quit`."""
     sys.path.insert(0, benchmarks)
     import jax
     import numpy as np
@@ -55,7 +55,7 @@ def worker(benchmarks: str, config: str, family: str, steps: int) -> None:
     for line in sys.stdin:
         command = line.strip()
         if command == "run":
-            print(json.dumps({"seconds": case.run_steps()[0] * steps}), flush=True)
+            print(json.dumps({"ms": case.run_steps()[0] * 1e3}), flush=True)
         elif command == "digest":
             print(json.dumps({"digest": digest()}), flush=True)
         else:
@@ -144,8 +144,7 @@ def main(argv=None) -> None:
                 times = [[], []]
                 for i in range(args.pairs):
                     for side in (0, 1) if i % 2 == 0 else (1, 0):
-                        seconds = sides[side].ask("run")["seconds"]
-                        times[side].append(seconds / steps * 1e3)
+                        times[side].append(sides[side].ask("run")["ms"])
                 equal = (
                     sides[0].ready == sides[1].ready,
                     sides[0].ask("digest") == sides[1].ask("digest"),
