@@ -91,10 +91,16 @@ class Worker:
 
 def export(rev: str, into: pathlib.Path) -> str:
     """REV's tree under `into` (git archive); returns its short hash."""
-    commit = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", rev],
-        capture_output=True, text=True, check=True,
-    ).stdout.strip()  # fmt: skip
+    found = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "--verify", f"{rev}^{{commit}}"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if found.returncode != 0:
+        raise SystemExit(
+            f"step_ab.py: {rev!r} is not a commit of the git checkout at {ROOT} "
+            f"({found.stderr.strip() or 'git failed'}); pass --against a commit, e.g. HEAD~1"
+        )
+    commit = found.stdout.strip()
     archive = into / "tree.tar"
     subprocess.run(
         ["git", "-C", str(ROOT), "archive", "--format=tar", "-o", str(archive), commit], check=True
