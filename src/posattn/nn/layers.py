@@ -78,7 +78,7 @@ def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """x[M, A] @ w[A, B], whose weight gradient x^T dy is computed in the faster orientation.
 
     XLA:CPU runs a weight gradient (a product contracting the M rows of both operands) with Eigen,
-    which is up to twice as slow when the result has more rows than columns: on a Zen 4 core,
+    which was up to 1.84x as slow when the result has more rows than columns: on a Zen 4 core,
     x^T dy of [4096, 512] x [4096, 128] took 10.3 ms (median) and the same product transposed,
     dy^T x [128, 512], 5.6 ms (docs/benchmarks.md, "The weight gradients' orientation"). So for
     A > B the backward computes dy^T x and transposes it; an optimization barrier keeps XLA from
