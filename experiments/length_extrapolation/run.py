@@ -26,6 +26,7 @@ import numpy as np
 
 from posattn import config as config_lib
 from posattn import data as data_lib
+from posattn.attention import native
 from posattn.eval import heldout, registry
 
 from . import provenance as prov_lib
@@ -250,11 +251,58 @@ def _output_dir(workdir: pathlib.Path, config) -> pathlib.Path:
     return workdir
 
 
-def _unit(job: dict, entry: str, seed: int) -> dict:
+def _unit_parts(job: dict, entry: str, seed: int):
+    """(the entry's rows, its trained row, the seed's training config, its run dir, the first
+    seed's dir) of one unit."""
+    config, workdir = job["config"], job["workdir"]
+    rows = [r for r in build_rows(config) if r.entry == entry]
+    head = next(r for r in rows if r.trained)
+    first = seed_list(config)[0]
+    run_dir = member_dir(workdir, entry, seed, first)
+    return (
+        rows,
+        head,
+        seed_config(head.train_config, seed),
+        run_dir,
+        member_dir(workdir, entry, first, first),
+    )
+
+
+def _trained(job: dict, head: Row, seed: int, tc, run_dir, then: str = "") -> tuple[dict, bool]:
+    """`train_member`'s (record, reused) for one seed, said in the log (`then` ends the line)."""
+    code, reuse = job["code"], job["reuse"]
+    if finished_run(tc, run_dir, code, reuse=reuse) is None:
+        say(f"{head.name} seed {seed}: training ({tc.train.steps} steps at L={tc.data.seq_len})")
+    info, reused = train_member(tc, run_dir, code, reuse=reuse)
+    what = "reused (trained earlier" if reused else "trained (in this run"
+    say(
+        f"{head.name} seed {seed}: {what}, {info['seconds']} s, by "
+        f"{prov_lib.describe_origin(info)}), last step's train loss "
+        f"{info['final_train_loss']:.4f}{then}"
+    )
+    return info, reused
+
+
+def _train(job: dict, entry: str, seed: int) -> tuple[dict, bool]:
+    """The training part of a unit, run in a worker before the unit's evaluation (`_unit`, which
+    gets the result): the seed trained (or reused), then its entry's fine-tunes (the `+ft` rows)
+    made (or reused) where `_unit` reads them."""
+    rows, head, tc, run_dir, base = _unit_parts(job, entry, seed)
+    trained = _trained(job, head, seed, tc, run_dir)
+    kinds = [r.finetune for r in rows if r.finetune is not None]
+    if kinds:
+        member = _Seed(job["config"], head, seed, run_dir, base, job["code"], job["reuse"])
+        for kind in kinds:
+            member.params_of(kind)
+    return trained
+
+
+def _unit(job: dict, entry: str, seed: int, trained: tuple[dict, bool] | None = None) -> dict:
     """One seed of one entry: trained (or reused), then every row of the entry evaluated (or read
     from its caches). Runs here or in a worker process (`workers.run_units`): `job` is plain data
-    and the rows and evaluators are rebuilt from its config."""
-    config, workdir, reuse, code = job["config"], job["workdir"], job["reuse"], job["code"]
+    and the rows and evaluators are rebuilt from its config. `trained`: `_train`'s result, where
+    it ran first (then this only evaluates)."""
+    config, reuse, code = job["config"], job["reuse"], job["code"]
     evaluators = evaluators_of(config)
     if [e.name for e, _ in evaluators] != job["evaluators"]:
         raise config_lib.ConfigError(
@@ -263,21 +311,13 @@ def _unit(job: dict, entry: str, seed: int) -> dict:
             "evaluator registered after its module was imported (in a script's main block) is "
             "unknown to worker processes; register it at import time, or set config.workers=1"
         )
-    rows = [r for r in build_rows(config) if r.entry == entry]
-    head = next(r for r in rows if r.trained)
-    seeds = seed_list(config)
-    run_dir = member_dir(workdir, entry, seed, seeds[0])
-    tc = seed_config(head.train_config, seed)
-    if finished_run(tc, run_dir, code, reuse=reuse) is None:
-        say(f"{head.name} seed {seed}: training ({tc.train.steps} steps at L={tc.data.seq_len})")
-    info, reused = train_member(tc, run_dir, code, reuse=reuse)
-    what = "reused (trained earlier" if reused else "trained (in this run"
-    say(
-        f"{head.name} seed {seed}: {what}, {info['seconds']} s, by "
-        f"{prov_lib.describe_origin(info)}), last step's train loss "
-        f"{info['final_train_loss']:.4f}; evaluating at {job['lengths']}"
-    )
-    base = member_dir(workdir, entry, seeds[0], seeds[0])
+    rows, head, tc, run_dir, base = _unit_parts(job, entry, seed)
+    evaluating = f"evaluating at {job['lengths']}"
+    if trained is None:
+        trained = _trained(job, head, seed, tc, run_dir, then=f"; {evaluating}")
+    else:
+        say(f"{head.name} seed {seed}: {evaluating}")
+    info = trained[0]
     member = _Seed(config, head, seed, run_dir, base, code, reuse)
     memo: dict = {}
     out: dict[str, Any] = {"info": info, "values": {}, "by": {}, "spent": {}}
@@ -340,7 +380,14 @@ def _run_units(job, requested, rows, trained_rows, seeds, evaluators) -> tuple[d
     ]
     pending.sort(key=lambda k: -cost[k[0]])  # stable: the config's order among equals
     count = workers_lib.worker_count(requested, len(pending))
-    done = workers_lib.run_units(_unit, job, pending, count)
+    impls = {job["config"].eval.attention_impl}
+    impls |= {h.train_config.model.attention_impl for h in trained_rows}
+    if count and impls & {"auto", "native"}:
+        native.build_in_background()  # one build, while the workers start (a cold cache: ~9 s)
+    # In workers, every unit's training (and fine-tunes) starts before any evaluation: the
+    # evaluations, a fraction of a training each, are then the last to finish, so the workers
+    # end together rather than one computing a whole unit alone (experiments/README.md).
+    done = workers_lib.run_units(_unit, job, pending, count, first=_train if count else None)
     for key in keys:
         if key not in done:
             done[key] = _unit(job, *key)

@@ -159,12 +159,24 @@ def _start_worker(cpus, parent: int) -> None:
 
 
 def run_units(
-    fn: Callable[..., Any], job: Any, keys: Sequence[Any], workers: int
+    fn: Callable[..., Any],
+    job: Any,
+    keys: Sequence[Any],
+    workers: int,
+    *,
+    first: Callable[..., Any] | None = None,
 ) -> dict[Any, Any]:
     """{key: fn(job, *key)} for every key, in `workers` processes (0: here, in order). The keys
-    are started in the order given (longest first is the caller's choice)."""
+    are started in the order given (longest first is the caller's choice).
+
+    With `first`, each key's `first(job, *key)` runs before it, and the result is passed on:
+    `fn(job, *key, result)`. Every key's `first` is started before any `fn`, and a key's `fn`
+    once its `first` has finished, in any worker: the long parts (the trainings) first, the short
+    ones (their evaluations) last, so that the workers finish together."""
     if workers == 0:
-        return {key: fn(job, *key) for key in keys}
+        if first is None:
+            return {key: fn(job, *key) for key in keys}
+        return {key: fn(job, *key, first(job, *key)) for key in keys}
     context = multiprocessing.get_context("spawn")  # JAX's threads do not survive fork
     cpus = usable_cpus()
     queue = None
@@ -198,23 +210,36 @@ def run_units(
     out: dict[Any, Any] = {}
     failure: BaseException | None = None
     try:
-        running = {pool.submit(_call, fn, job, key): key for key in keys}
-        for done in futures.as_completed(running):
-            try:
-                out[running[done]] = done.result()
-            except futures.process.BrokenProcessPool:
-                failure = failure or WorkerDied(
-                    "a worker process ended without an answer (killed, or out of memory?); "
-                    "rerun to resume, or set --config.workers=1 to run in one process"
-                )
-                break
-            except Exception as e:  # the first failure stops the others, which save and stop
-                if failure is None:
-                    failure = e
-                    for other in running:
-                        other.cancel()
-                    if not received:
-                        tell_workers(signal.SIGTERM)
+        # future -> (key, whether it is the key's `first`)
+        running = {
+            pool.submit(_call, first or fn, job, key): (key, first is not None) for key in keys
+        }
+        while running and not isinstance(failure, WorkerDied):
+            finished, _ = futures.wait(running, return_when=futures.FIRST_COMPLETED)
+            for done in finished:
+                key, is_first = running.pop(done)
+                if done.cancelled():
+                    continue
+                try:
+                    result = done.result()
+                except futures.process.BrokenProcessPool:
+                    failure = failure or WorkerDied(
+                        "a worker process ended without an answer (killed, or out of memory?); "
+                        "rerun to resume, or set --config.workers=1 to run in one process"
+                    )
+                    break
+                except Exception as e:  # the first failure stops the others, which save and stop
+                    if failure is None:
+                        failure = e
+                        for other in running:
+                            other.cancel()
+                        if not received:
+                            tell_workers(signal.SIGTERM)
+                    continue
+                if not is_first:
+                    out[key] = result
+                elif failure is None:
+                    running[pool.submit(_call, fn, job, (*key, result))] = (key, False)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         for sig, old in previous.items():

@@ -293,3 +293,30 @@ def test_a_config_asking_for_native_where_it_cannot_run_fails_before_compute():
         ROOT / "configs" / "tiny.py", ["--config.model.attention_impl=native"]
     )
     config_lib.validate(config)  # head dim 16: fine
+
+
+def test_build_in_background_builds_the_cached_library_once_without_loading_it(
+    tmp_path, monkeypatch
+):
+    """`build_in_background` (the experiment's parent, before its workers start) builds the
+    library where the workers look for it, registering nothing; a failed build is left for the
+    loading process to report; with the kernel switched off it starts nothing."""
+    fake = tmp_path / "fake-c++"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "--version" ]; then echo "fake 1.0"; exit 0; fi\n'
+        'while [ "$#" -gt 0 ]; do if [ "$1" = "-o" ]; then echo built > "$2"; fi; shift; done\n'
+        '[ -z "$FAIL" ]\n'
+    )
+    fake.chmod(0o755)
+    monkeypatch.setattr(native, "_compiler", lambda: str(fake))
+    monkeypatch.setenv("POSATTN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("FAIL", "1")
+    native.build_in_background().join()
+    assert not list((tmp_path / "cache").glob("*.so"))
+    monkeypatch.delenv("FAIL")
+    native.build_in_background().join()
+    (built,) = (tmp_path / "cache").glob("attention-*.so")
+    assert built.read_text() == "built\n" and native._build(str(fake)) == built
+    monkeypatch.setenv("POSATTN_NATIVE", "0")
+    assert native.build_in_background() is None

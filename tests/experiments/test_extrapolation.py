@@ -627,13 +627,15 @@ def _sigterm_pending(pid: int) -> bool:
 
 
 def test_worker_processes_give_one_cores_numbers_and_a_sigterm_resumes(tmp_path):
-    """`config.workers=2` trains and evaluates the units (here alibi and nope) in two worker
-    processes, each on one core. A SIGTERM to the command, once both workers have saved a
-    checkpoint, reaches the workers: they save and stop, the run fails with "rerun to resume", and
-    the same command resumes both trainings and finishes with every number equal to one
-    process's on one core."""
+    """`config.workers=2` trains and evaluates the units (here alibi, and rope with a fine-tune)
+    in two worker processes, each on one core, every training (fine-tunes included) started
+    before any evaluation. A SIGTERM to the command, once both workers have saved a checkpoint,
+    reaches the workers: they save and stop, the run fails with "rerun to resume", and the same
+    command resumes both trainings and finishes with every number equal to one process's on one
+    core."""
     script = str(ROOT / "experiments" / "length_extrapolation.py")
-    argv = [sys.executable, script, *LEARNED, "--config.families=('alibi','nope')"]
+    argv = [sys.executable, script, *LEARNED, "--config.families=('alibi','rope')"]
+    argv += ["--config.finetune.enabled=True", "--config.finetune.kinds=('linear',)"]
     argv += ["--config.train.steps=60", "--config.train.checkpoint_every=10"]
     one, two = tmp_path / "one", tmp_path / "two"
     core = min(os.sched_getaffinity(0))  # one process on one core: pinned, then the command
@@ -655,7 +657,7 @@ def test_worker_processes_give_one_cores_numbers_and_a_sigterm_resumes(tmp_path)
     paused, deadline = {}, time.monotonic() + 300
     try:
         while len(paused) < 2:
-            for unit in ("alibi", "nope"):
+            for unit in ("alibi", "rope"):
                 if unit not in paused and any((two / unit / "checkpoints").glob("[0-9]*")):
                     paused[unit] = int((two / unit / ".lock").read_text())
                     os.kill(paused[unit], signal.SIGSTOP)
@@ -676,8 +678,18 @@ def test_worker_processes_give_one_cores_numbers_and_a_sigterm_resumes(tmp_path)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "2 units in 2 worker processes" in again.stdout
     assert again.stdout.count("resuming") == 2, again.stdout
+    lines = again.stdout.splitlines()
+    trainings = [i for i, x in enumerate(lines) if ": training (" in x or "fine-tuning" in x]
+    evaluations = [i for i, x in enumerate(lines) if "evaluating at" in x]
+    assert len(trainings) == 3 and len(evaluations) == 2, again.stdout
+    assert trainings[1] < evaluations[0], again.stdout  # both trainings before an evaluation
+    tuning = next(i for i, x in enumerate(lines) if "rope+linear+ft: fine-tuning" in x)
+    assert tuning < next(i for i, x in enumerate(lines) if "rope seed 0: evaluating" in x)
     a, b = _read(one / "results.json"), _read(two / "results.json")
+    assert set(a["families"]) == {"alibi", "rope", "rope+linear+ft"}
     assert a["families"] == b["families"]
     assert (a["timing"]["workers"], b["timing"]["workers"]) == (0, 2)
-    for name in ("alibi", "nope"):
+    for name in ("alibi", "rope"):
         assert a["training"][name]["final_train_loss"] == b["training"][name]["final_train_loss"]
+    tuned = [r["training"]["finetune"]["linear"]["final_train_loss"] for r in (a, b)]
+    assert tuned[0] == tuned[1]

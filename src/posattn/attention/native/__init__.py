@@ -34,6 +34,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +47,7 @@ __all__ = [
     "HEAD_DIMS",
     "attention_from_bias",
     "available",
+    "build_in_background",
     "native_attention",
     "supports",
     "why_unavailable",
@@ -153,6 +155,27 @@ def _load() -> str | None:
     except (OSError, RuntimeError, AttributeError) as e:
         return f"building it failed: {e}"
     return None
+
+
+def build_in_background() -> threading.Thread | None:
+    """Starts building the library in a thread of this process, for other processes about to
+    load it (the experiment's workers: they find it built, or wait on its lock for this build
+    rather than one of them building while the others wait). Nothing is registered here, and a
+    failure is left for the loading process to report. None (nothing started) where the kernel
+    is switched off or no compiler is found."""
+    compiler = _compiler()
+    if os.environ.get("POSATTN_NATIVE", "1") == "0" or compiler is None:
+        return None
+
+    def build():
+        try:
+            _build(compiler)
+        except (OSError, RuntimeError):
+            pass
+
+    thread = threading.Thread(target=build, name="posattn-native-build", daemon=True)
+    thread.start()
+    return thread
 
 
 def why_unavailable() -> str | None:
