@@ -1,5 +1,8 @@
 """The experiment's units of work (one seed of one entry: its training, then its rows'
-evaluations) run in worker processes, one per CPU core, or in this process.
+evaluations) run in worker processes, one per CPU core, or in this process. In workers a unit's
+training (with its fine-tunes) and its evaluation are two tasks: every training is started
+before any evaluation, so that the short evaluations, not a whole unit, end the run and the
+workers finish together (experiments/README.md, "Trainings before evaluations").
 
 Why: at the default's shape (d_model 64, T 64, batch 32) a training step is a few hundred small
 ops, bound by their overhead rather than by arithmetic, and one process uses a second core
@@ -238,7 +241,7 @@ def run_units(
                     continue
                 if not is_first:
                     out[key] = result
-                elif failure is None:
+                elif failure is None and not received:  # nothing new once stopping
                     running[pool.submit(_call, fn, job, (*key, result))] = (key, False)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
