@@ -2,7 +2,9 @@
 
 Question: how long does `posattn.train` spend compiling `init_train_state` (every run compiles it
 once, before its first step), and does the faster compile (`steps.jit_init_train_state`: XLA's
-backend optimisation level 1 on a CPU) give the same state?
+backend optimisation level 1 on a CPU) give the same state? And a run that starts from given
+parameters (a fine-tune, a published checkpoint: `init_train_state(..., params)`), whose drawn
+parameters XLA drops, how long does its compile take?
 
 Run (from the repository root):
     python benchmarks/init_compile.py                      # every family, both shapes
@@ -15,7 +17,8 @@ Shapes, both from configs/tiny.py through the command-line override path:
 For each (shape, family) the state is lowered and compiled with the default options and with
 posattn's, alternately, --rounds times (a new jitted function each time and JAX's persistent
 cache off, so every compile is a compile); it prints the median seconds of each, their ratio,
-and whether every array of the two states is bitwise equal. With a level in XLA_FLAGS
+and whether every array of the two states is bitwise equal; then the median seconds of posattn's
+compile of the same initialisation given parameters (the drawn state's). With a level in XLA_FLAGS
 (`--xla_backend_optimization_level=N`), "default" is that level, which posattn then keeps. The
 numbers, with their machine: docs/training.md.
 """
@@ -48,7 +51,7 @@ SHAPES = {
 }
 
 
-def measure(shape: str, family: str, rounds: int) -> tuple[float, float, bool]:
+def measure(shape: str, family: str, rounds: int) -> tuple[float, float, bool, float]:
     config = config_lib.load_config(
         ROOT / "configs" / "tiny.py", [*SHAPES[shape], f"model.position={family}"]
     )
@@ -63,17 +66,23 @@ def measure(shape: str, family: str, rounds: int) -> tuple[float, float, bool]:
             compiler_options=steps._CPU_INIT_COMPILER_OPTIONS,
         ),
     }
-    times: dict[str, list[float]] = {"default": [], "fast": []}
-    states = {}
+    times: dict[str, list[float]] = {"default": [], "fast": [], "given": []}
+    states, params = {}, None
     for _ in range(rounds):
         for name, make in jitted.items():
             lowered = make().lower(key)  # a new function each round: nothing cached in memory
             start = time.perf_counter()
             compiled = lowered.compile()
             times[name].append(time.perf_counter() - start)
-            states[name] = [np.asarray(x) for x in jax.tree.leaves(compiled(key))]
+            state = compiled(key)
+            states[name], params = [np.asarray(x) for x in jax.tree.leaves(state)], state["params"]
+        lowered = jitted["fast"]().lower(key, params)
+        start = time.perf_counter()
+        lowered.compile()
+        times["given"].append(time.perf_counter() - start)
     same = all(np.array_equal(a, b) for a, b in zip(states["default"], states["fast"], strict=True))
-    return statistics.median(times["default"]), statistics.median(times["fast"]), same
+    median = {name: statistics.median(t) for name, t in times.items()}
+    return median["default"], median["fast"], same, median["given"]
 
 
 def main(argv=None) -> int:
@@ -89,20 +98,25 @@ def main(argv=None) -> int:
         parser.error(f"this measures XLA:CPU; JAX's backend here is {jax.default_backend()!r}")
     jax.config.update("jax_enable_compilation_cache", False)
     print(f"# {cpu_name()}, {len(jax.devices())} device(s), jax {jax.__version__}")
-    print("| shape | family | default compile (s) | posattn's (s) | ratio | same state |")
-    print("|---|---|---:|---:|---:|---|")
-    totals = [0.0, 0.0]
+    print(
+        "| shape | family | default compile (s) | posattn's (s) | ratio | same state "
+        "| posattn's, parameters given (s) |"
+    )
+    print("|---|---|---:|---:|---:|---|---:|")
+    totals = [0.0, 0.0, 0.0]
     for shape in args.shapes:
         for family in args.families:
-            slow, fast, same = measure(shape, family, args.rounds)
-            totals[0] += slow
-            totals[1] += fast
+            slow, fast, same, given = measure(shape, family, args.rounds)
+            totals = [totals[0] + slow, totals[1] + fast, totals[2] + given]
             print(
                 f"| {shape} | {family} | {slow:.2f} | {fast:.2f} | {slow / fast:.2f}x | "
-                f"{'bitwise' if same else 'DIFFERENT'} |",
+                f"{'bitwise' if same else 'DIFFERENT'} | {given:.2f} |",
                 flush=True,
             )
-    print(f"| all | | {totals[0]:.1f} | {totals[1]:.1f} | {totals[0] / totals[1]:.2f}x | |")
+    print(
+        f"| all | | {totals[0]:.1f} | {totals[1]:.1f} | {totals[0] / totals[1]:.2f}x | | "
+        f"{totals[2]:.1f} |"
+    )
     return 0
 
 

@@ -287,3 +287,26 @@ def test_a_level_named_in_xla_flags_is_the_inits_level(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
     assert steps._init_compiler_options("cpu") == steps._CPU_INIT_COMPILER_OPTIONS
     assert steps._init_compiler_options("gpu") is None
+
+
+def test_starting_parameters_replace_the_drawn_ones_which_are_never_computed():
+    """`init_train_state(..., params)` (a fine-tune's, a published checkpoint's start): the state
+    is the drawn one's with those parameters (constants, zero moments and step bitwise the
+    same), and its compiled program holds no random-number kernel: the drawn parameters, unused,
+    are never computed."""
+    cfg = make_cfg(position="kerple_log")
+    tx = steps.make_optimizer(
+        steps.OptimConfig.from_config(config_lib.load_config(ROOT / "configs" / "tiny.py").train)
+    )
+    key = jax.random.key(5)
+    init = steps.jit_init_train_state(cfg, tx, platform="cpu")
+    drawn = init(key)
+    start = jax.tree.map(lambda p: p * 2.0 + 1.0, drawn["params"])
+    started = init(key, start)
+    assert jax.tree.structure(started) == jax.tree.structure(drawn)
+    for name in ("params", "constants", "opt_state", "step"):
+        expected = start if name == "params" else drawn[name]
+        for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(started[name]), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert "threefry" in init.lower(key).compile().as_text()
+    assert "threefry" not in init.lower(key, start).compile().as_text()

@@ -440,16 +440,15 @@ def _train(
         how = f"restarting from {restart_from}" if restart_from is not None else "resuming"
         workdir_lib.say(lead, f"{how} {workdir} from step {start}")
     else:
-        platform = mesh.devices.flat[0].platform
-        state = steps.jit_init_train_state(cfg, tx, out_shardings=state_sh, platform=platform)(key)
-        start = 0
-        if cfg.init_from:  # a published checkpoint's weights (posattn.hf), AdamW moments at 0
+        # The starting parameters: a published checkpoint's (posattn.hf), another run's, or
+        # (None) drawn from the key; AdamW's moments at 0 either way.
+        params, start, origin = None, 0, None
+        if cfg.init_from:
             from posattn import hf
 
             params = hf.load_params(cfg.init_from[3:], cfg, shardings=state_sh["params"])
-            state = {**state, "params": params}
-            workdir_lib.say(lead, f"starting from {cfg.init_from}")
-        elif source is not None:  # another run's parameters, AdamW moments at 0
+            origin = cfg.init_from
+        elif source is not None:
             targets = jax.tree.map(
                 lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                 abstract["params"],
@@ -460,8 +459,12 @@ def _train(
             except BaseException:
                 ckpt.close()
                 raise
-            state = {**state, "params": params}
-            workdir_lib.say(lead, f"starting from {source.workdir} (its step {at})")
+            origin = f"{source.workdir} (its step {at})"
+        platform = mesh.devices.flat[0].platform
+        init = steps.jit_init_train_state(cfg, tx, out_shardings=state_sh, platform=platform)
+        state = init(key) if params is None else init(key, params)
+        if origin is not None:
+            workdir_lib.say(lead, f"starting from {origin}")
     if lead:
         workdir_lib.write_config(workdir, config)
     metrics = workdir_lib.MetricsFile(

@@ -129,9 +129,16 @@ def init_model(cfg: ModelConfig, key: jax.Array) -> tuple[nnx.GraphDef, nnx.Stat
 
 
 def init_train_state(
-    cfg: ModelConfig, tx: optax.GradientTransformation, key: jax.Array
+    cfg: ModelConfig, tx: optax.GradientTransformation, key: jax.Array, params=None
 ) -> dict[str, Any]:
-    _, params, constants = init_model(cfg, key)
+    """A run's first state: the model initialised from `key`, AdamW's moments at 0, step 0.
+
+    `params`: the parameters to start from instead (another run's, a published checkpoint's),
+    of the model's structure. The random ones are then unused, so a jitted initialisation never
+    computes them (XLA drops them: no random-number kernels compiled or run, no second copy of a
+    large model's weights); the constants and moments are what they would be."""
+    _, drawn, constants = init_model(cfg, key)
+    params = drawn if params is None else params
     # AdamW's moments are float32 whatever model.param_dtype: its updates mix them with float32
     # hyperparameter arrays, so bfloat16 moments would come back float32 after the first step
     # (changing the state's dtypes under jit, and against a checkpoint's restore targets).
@@ -163,9 +170,9 @@ def _init_compiler_options(platform: str) -> dict[str, Any] | None:
 def jit_init_train_state(
     cfg: ModelConfig, tx: optax.GradientTransformation, *, out_shardings=None, platform=None
 ):
-    """`init_train_state(cfg, tx, key)` jitted (called with the key), compiled the fast way on
-    a CPU (`platform`, default JAX's backend) to the same values, unless XLA_FLAGS names a
-    backend optimisation level."""
+    """`init_train_state(cfg, tx, key[, params])` jitted (called with the key, and the starting
+    parameters if any), compiled the fast way on a CPU (`platform`, default JAX's backend) to
+    the same values, unless XLA_FLAGS names a backend optimisation level."""
     platform = platform or jax.default_backend()
     return jax.jit(
         functools.partial(init_train_state, cfg, tx),
