@@ -683,8 +683,9 @@ def test_worker_processes_give_one_cores_numbers_and_a_sigterm_resumes(tmp_path)
     evaluations = [i for i, x in enumerate(lines) if "evaluating at" in x]
     assert len(trainings) == 3 and len(evaluations) == 2, again.stdout
     assert trainings[1] < evaluations[0], again.stdout  # both trainings before an evaluation
-    tuning = next(i for i, x in enumerate(lines) if "rope+linear+ft: fine-tuning" in x)
-    assert tuning < next(i for i, x in enumerate(lines) if "rope seed 0: evaluating" in x)
+    tuning = [i for i, x in enumerate(lines) if "rope+linear+ft: fine-tuning" in x]
+    rope = [i for i, x in enumerate(lines) if "rope seed 0:" in x and "evaluating at" in x]
+    assert tuning[0] < rope[0], again.stdout  # the fine-tune with the training, before the rows
     a, b = _read(one / "results.json"), _read(two / "results.json")
     assert set(a["families"]) == {"alibi", "rope", "rope+linear+ft"}
     assert a["families"] == b["families"]
