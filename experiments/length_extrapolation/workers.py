@@ -121,13 +121,20 @@ def _die_with_parent(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+class _Stopped(BaseException):
+    """A busy worker's SIGTERM outside a training loop. A BaseException, as KeyboardInterrupt is,
+    so that no `except Exception` it passes through takes it for a failure of its own: restoring
+    a checkpoint, for one, would report a good checkpoint as damaged (and a trainer's resume
+    would move it aside). `_call` turns it into Interrupted for the parent."""
+
+
 def _stop(signum, frame):
-    """A worker's SIGTERM outside training: a unit being evaluated ends with Interrupted (the
-    training loop installs its own handler while it runs: it saves a checkpoint, then stops). An
-    idle worker ignores it: it has nothing to save, and dying would break the pool and end the
-    others before they saved."""
+    """A worker's SIGTERM outside training: a unit being evaluated (or restored, or between its
+    training and its fine-tunes) ends with Interrupted (the training loop installs its own
+    handler while it runs: it saves a checkpoint, then stops). An idle worker ignores it: it has
+    nothing to save, and dying would break the pool and end the others before they saved."""
     if _busy.is_set():
-        raise Interrupted(f"stopped by {signal.Signals(signum).name} while evaluating")
+        raise _Stopped(signal.Signals(signum).name)
 
 
 _busy = threading.Event()  # a unit is running in this worker
@@ -147,6 +154,8 @@ def _call(fn, job, key):
     _busy.set()
     try:
         return fn(job, *key)
+    except _Stopped as e:
+        raise Interrupted(f"stopped by {e} outside a training loop") from None
     finally:
         _busy.clear()
 

@@ -626,6 +626,33 @@ def _sigterm_pending(pid: int) -> bool:
     return bool(int(pending.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
 
 
+def test_a_workers_sigterm_outside_training_is_no_failure_of_the_code_it_passes():
+    """In a busy worker, a SIGTERM outside a training loop ends the task with Interrupted, even
+    through code that catches every Exception (a checkpoint's restore takes those for damage and
+    would set a good checkpoint aside); an idle worker ignores it."""
+    from length_extrapolation import workers
+
+    caught = []
+
+    def task(job, key):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler runs here
+        except Exception as e:
+            caught.append(e)
+        return "went on"
+
+    previous = signal.signal(signal.SIGTERM, workers._stop)
+    try:
+        with pytest.raises(experiment.Interrupted, match="stopped by SIGTERM"):
+            workers._call(task, None, ("unit",))
+        assert not caught and not workers._busy.is_set()
+        os.kill(os.getpid(), signal.SIGTERM)  # idle: ignored
+        time.sleep(0.1)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_worker_processes_give_one_cores_numbers_and_a_sigterm_resumes(tmp_path):
     """`config.workers=2` trains and evaluates the units (here alibi, and rope with a fine-tune)
     in two worker processes, each on one core, every training (fine-tunes included) started
