@@ -10,16 +10,23 @@ Run (from the repository root; needs nothing but the project):
     python benchmarks/accelerator.py --smoke              # tiny sizes (automatic on CPU)
     python benchmarks/accelerator.py --lengths 8192 --families alibi fire \
         --implementations cudnn pallas --skip-training              # one goal, quickly
+    python benchmarks/accelerator.py --variants window forget --skip-training   # the new masks
+    python benchmarks/accelerator.py --skip-attention \
+        --train-families rope fox "rope:window=256/rope"            # per-layer patterns
 
 Part 1, attention alone: for T = S in --lengths (default 1k, 2k, 4k, 8k, 16k, 64k), B 4, 16 query
 heads and 16 key/value heads of 128, bfloat16, causal, bias families none / alibi / t5 /
 kerple_power / fire as `(BiasFn, params)` pairs from `posattn.families` (implementations that take
-a materialised bias get it materialised by `posattn.attention`), for every implementation in
+a materialised bias get it materialised by `posattn.attention`), for each of --variants: "causal"
+(the plain causal mask), "window" (causal with a sliding window of --window keys, Hugging Face's
+`sliding_window`) and "forget" (causal with FoX's per-row log forget gates, float32[B, T, N]
+log-sigmoid values, differentiated too), for every implementation in
 --implementations the backend has ("cudnn" only on GPU and only where posattn offers it; "pallas"
 in interpret mode on CPU). Per case: the best of --repeats wall-clock times of the jitted forward
 and of the jitted forward + backward (value_and_grad over q, k, v and the bias parameters, a
-weighted sum of the output as loss); TFLOP/s from causal FLOPs (forward 2 B N T S H, i.e. half of
-the two [T, S, H] products; forward + backward 3.5x the forward, the FlashAttention-2 count);
+weighted sum of the output as loss); TFLOP/s from the visible pairs (forward 4 B N H P for P pairs:
+T^2 / 2 causal, i.e. half of the two [T, S, H] products, and T w - w^2 / 2 with a window w < T;
+forward + backward 3.5x the forward, the FlashAttention-2 count);
 memory: the compiled forward + backward's arguments + outputs + temporaries
 (`compiled.memory_analysis()`) and, where the device reports it, the process's peak bytes in use
 so far (`device.memory_stats()["peak_bytes_in_use"]`, a high-water mark that only grows); at the
@@ -31,13 +38,17 @@ skipped with its reason.
 Part 2, training: `configs/gpt2_small.py` (bfloat16, d_model 768, 12 layers, 12 heads of 64,
 T 1024, batch --train-batch) per family in --train-families with model.attention_impl=auto:
 `posattn.train.steps.train_step` jitted with donated state (as `python -m posattn.train` runs it
-and benchmarks/train_throughput.py times it), --train-steps steps after a warm-up; tokens/s and
+and benchmarks/train_throughput.py times it), --train-steps steps after a warm-up. A
+--train-families entry is a family name, or layer-pattern entries joined by "/" (the syntax of
+`model.layer_pattern`, docs/families.md#per-layer-settings), e.g. "rope:window=256/rope" for
+local layers with a window and a global layer, cycled over the 12 layers. Per entry: tokens/s and
 MFU = model FLOP/s over the device's dense bfloat16 peak (model FLOPs per token 6 P + 6 L T D for
 P parameters, L layers, context T, width D: the causal attention products counted once at half
 size), the peak from the table below (None when the device is not in it).
 
 Writes --out/accelerator.json (every case, the device, the command) and --out/accelerator.md (the
-tables) and prints the tables.
+tables), both rewritten after every case (a run stopped early keeps what it measured), and prints
+the tables.
 """
 
 from __future__ import annotations
@@ -56,11 +67,13 @@ import jax.numpy as jnp
 
 from posattn import attention as attention_lib
 from posattn import families
+from posattn.nn import pattern as pattern_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 FULL_LENGTHS = (1024, 2048, 4096, 8192, 16384, 65536)
 FAMILIES = ("none", "alibi", "t5", "kerple_power", "fire")
+VARIANTS = ("causal", "window", "forget")
 IMPLEMENTATIONS = ("xla", "cudnn", "blockwise", "pallas")
 # Dense bfloat16 peak FLOP/s per device kind (vendor datasheets; no sparsity).
 PEAK_BF16 = {
@@ -127,52 +140,77 @@ def available(impl: str, backend: str) -> str | None:
     return None
 
 
-def materialised_bytes(impl: str, B: int, N: int, T: int, bias: bool) -> int:
+def materialised_bytes(impl: str, B: int, N: int, T: int, bias: bool, per_row: bool) -> int:
     """A lower bound on what an implementation that materialises [B, N, T, T] needs."""
     if impl in ("blockwise", "pallas"):
         return 0
     logits = B * N * T * T * 2 * 2  # bfloat16 logits and probabilities, forward
-    return logits + (N * T * T * 4 if bias else 0)  # the float32 [1, N, T, T] bias
+    rows = B if per_row else 1  # forget gates make the bias per batch row
+    return logits + (rows * N * T * T * 4 if bias else 0)  # the float32 [rows, N, T, T] bias
 
 
-def attention_case(impl, family, *, B, T, N, H, repeats, with_error, device):
-    """One (implementation, family, T) measurement as a dict."""
+def visible_pairs(T: int, window: int | None) -> float:
+    """Query-key pairs a causal mask (with a sliding window) leaves: T^2 / 2, or T w - w^2 / 2."""
+    if window is None or window >= T:
+        return T * T / 2
+    return T * window - window * window / 2
+
+
+def attention_case(impl, family, *, B, T, N, H, repeats, with_error, device, window, forget):
+    """One (implementation, family, T, variant) measurement as a dict: `window` None or the
+    sliding window, `forget` whether FoX's log forget gates are added."""
     bias, scale = family_bias(family, N, H)
     limit = memory_limit(device)
-    need = materialised_bytes(impl, B, N, T, bias is not None)
+    need = materialised_bytes(impl, B, N, T, bias is not None or forget, forget)
     if limit is not None and need > 0.9 * limit:
         return {
             "skipped": f"materialises >= {need / 2**30:.1f} GiB, device has {limit / 2**30:.1f}"
         }
-    keys = jax.random.split(jax.random.key(0), 4)
+    keys = jax.random.split(jax.random.key(0), 5)
     q = jax.random.normal(keys[0], (B, T, N, H), jnp.bfloat16)
     k = jax.random.normal(keys[1], (B, T, N, H), jnp.bfloat16)
     v = jax.random.normal(keys[2], (B, T, N, H), jnp.bfloat16)
     d_out = jax.random.normal(keys[3], (B, T, N, H), jnp.bfloat16)
+    # FoX's gates as a model makes them: log sigmoid of a logit, here near 0 (forget rate ~5%).
+    log_forget = (
+        jax.nn.log_sigmoid(3.0 + jax.random.normal(keys[4], (B, T, N), jnp.float32))
+        if forget
+        else None
+    )
     fn, params = bias if bias is not None else (None, {})
 
-    def run(q, k, v, params, impl=impl):
+    def run(q, k, v, params, log_forget, impl=impl):
         b = None if fn is None else (fn, params)
         return attention_lib.attention(
-            q, k, v, bias=b, causal=True, scale=scale, implementation=impl
+            q,
+            k,
+            v,
+            bias=b,
+            causal=True,
+            scale=scale,
+            window=window,
+            log_forget=log_forget,
+            implementation=impl,
         )
 
-    def loss(q, k, v, params):
-        return jnp.sum(run(q, k, v, params).astype(jnp.float32) * d_out.astype(jnp.float32))
+    def loss(q, k, v, params, log_forget):
+        out = run(q, k, v, params, log_forget)
+        return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32))
 
+    args = (q, k, v, params, log_forget)
     forward = jax.jit(run)
-    grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+    grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4) if forget else (0, 1, 2, 3)))
     try:
-        forward = forward.lower(q, k, v, params).compile()
-        grads = grads.lower(q, k, v, params).compile()
+        forward = forward.lower(*args).compile()
+        grads = grads.lower(*args).compile()
         analysis = grads.memory_analysis()
-        jax.block_until_ready(forward(q, k, v, params))  # warm up
-        fwd_s = best_time(forward, q, k, v, params, repeats=repeats)
-        jax.block_until_ready(grads(q, k, v, params))
-        bwd_s = best_time(grads, q, k, v, params, repeats=repeats)
+        jax.block_until_ready(forward(*args))  # warm up
+        fwd_s = best_time(forward, *args, repeats=repeats)
+        jax.block_until_ready(grads(*args))
+        bwd_s = best_time(grads, *args, repeats=repeats)
     except Exception as err:  # a compile or resource failure is a result, not a crash
         return {"skipped": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
-    flops_fwd = 2.0 * B * N * T * T * H  # causal: half of 4 B N T S H
+    flops_fwd = 4.0 * B * N * H * visible_pairs(T, window)
     result = {
         "forward_ms": fwd_s * 1e3,
         "forward_backward_ms": bwd_s * 1e3,
@@ -190,7 +228,7 @@ def attention_case(impl, family, *, B, T, N, H, repeats, with_error, device):
     if with_error:
         f32 = [x.astype(jnp.float32) for x in (q, k, v, d_out)]
 
-        def ref_out_dq(q, k, v, d_out):
+        def ref_out_dq(q, k, v, d_out, log_forget):
             def ref_loss(q):
                 out = attention_lib.attention(
                     q,
@@ -199,23 +237,42 @@ def attention_case(impl, family, *, B, T, N, H, repeats, with_error, device):
                     bias=None if fn is None else (fn, params),
                     causal=True,
                     scale=scale,
+                    window=window,
+                    log_forget=log_forget,
                     implementation="reference",
                 )
                 return jnp.sum(out * d_out), out
 
             return jax.grad(ref_loss, has_aux=True)(q)
 
-        want_dq, want_out = jax.jit(ref_out_dq)(*f32)
-        got_out = forward(q, k, v, params).astype(jnp.float32)
-        got_dq = grads(q, k, v, params)[1][0].astype(jnp.float32)
+        with jax.default_matmul_precision("highest"):  # no TF32 in the reference on a GPU
+            want_dq, want_out = jax.jit(ref_out_dq)(*f32, log_forget)
+        got_out = forward(*args).astype(jnp.float32)
+        got_dq = grads(*args)[1][0].astype(jnp.float32)
         result["max_error_out"] = float(jnp.max(jnp.abs(got_out - want_out)))
         result["max_error_dq"] = float(jnp.max(jnp.abs(got_dq - want_dq)))
         result["reference_scale_dq"] = float(jnp.max(jnp.abs(want_dq)))
     return result
 
 
-def training_case(family, *, overrides, steps_count, device):
-    """tokens/s and MFU of configs/gpt2_small.py for one family with attention_impl=auto."""
+def position_overrides(entry: str) -> list[str]:
+    """Config overrides for a --train-families entry: a family name ("none" for NoPE), or
+    layer-pattern entries joined by "/" ("rope:window=256/rope": local layers, then a global one).
+    """
+    if entry == "none":
+        return ["model.position=nope"]
+    if ":" not in entry and "/" not in entry:
+        return [f"model.position={entry}"]
+    layers = tuple(entry.split("/"))
+    first = pattern_lib.parse_entry(layers[0], where="--train-families")[0]
+    for layer in layers[1:]:
+        pattern_lib.parse_entry(layer, where="--train-families")
+    return [f"model.position={first}", f"model.layer_pattern={layers!r}"]
+
+
+def training_case(entry, *, overrides, steps_count, device):
+    """tokens/s and MFU of configs/gpt2_small.py for one --train-families entry with
+    attention_impl=auto."""
     from flax import nnx
 
     from posattn import config as config_lib
@@ -223,7 +280,7 @@ def training_case(family, *, overrides, steps_count, device):
     from posattn.nn.model import TransformerLM
     from posattn.train import steps
 
-    args = [f"--config.{o}" for o in overrides + [f"model.position={family}"]]
+    args = [f"--config.{o}" for o in overrides + position_overrides(entry)]
     args.append("--config.model.attention_impl=auto")
     config = config_lib.load_config(ROOT / "configs" / "gpt2_small.py", args)
     cfg = config_lib.validate(config)
@@ -265,9 +322,9 @@ def markdown(results) -> str:
     lines = [
         f"Device: {results['device']} ({results['backend']}); command: `{results['command']}`",
         "",
-        "| T | family | implementation | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s "
-        "| compiled GiB | peak GiB | max err out | max err dq |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| T | family | variant | implementation | fwd ms | fwd TFLOP/s | fwd+bwd ms "
+        "| fwd+bwd TFLOP/s | compiled GiB | peak GiB | max err out | max err dq |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def num(x, fmt):
@@ -275,7 +332,7 @@ def markdown(results) -> str:
 
     for row in results["attention"]:
         r = row["result"]
-        head = f"| {row['T']} | {row['family']} | {row['implementation']} |"
+        head = f"| {row['T']} | {row['family']} | {row['variant']} | {row['implementation']} |"
         if "skipped" in r:
             lines.append(f"{head} skipped: {r['skipped']} |||||||||")
             continue
@@ -321,7 +378,7 @@ def cpu_model() -> str:
 SMOKE = dict(lengths=(32,), B=1, N=2, H=16)
 SMOKE_TRAIN = [
     "model.d_model=32",
-    "model.num_layers=1",
+    "model.num_layers=2",
     "model.num_heads=2",
     "model.num_kv_heads=2",
     "model.max_len=32",
@@ -334,6 +391,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", nargs="+", type=int, default=None)
     parser.add_argument("--families", nargs="+", default=list(FAMILIES))
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--window", type=int, default=1024, help="the window of variant window")
     parser.add_argument("--implementations", nargs="+", default=list(IMPLEMENTATIONS))
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--heads", type=int, default=16)
@@ -343,6 +402,7 @@ def main(argv=None):
     parser.add_argument("--train-batch", type=int, default=32)
     parser.add_argument("--train-steps", type=int, default=10)
     parser.add_argument("--skip-training", action="store_true")
+    parser.add_argument("--skip-attention", action="store_true")
     parser.add_argument(
         "--smoke",
         action="store_true",
@@ -351,9 +411,13 @@ def main(argv=None):
     parser.add_argument("--out", default=str(ROOT / "runs" / "accelerator"))
     args = parser.parse_args(argv)
 
-    for name in set(args.families) | set(args.train_families):
+    for name in args.families:
         if name != "none":
             families.get(name)  # an unknown family is an error listing the known ones
+    for entry in args.train_families:
+        position_overrides(entry)  # likewise, before anything is measured
+    if args.window < 1:
+        parser.error(f"--window {args.window}: a window is at least one key")
     device = jax.devices()[0]
     backend = jax.default_backend()
     backend = "gpu" if backend in ("cuda", "rocm") else backend
@@ -364,12 +428,14 @@ def main(argv=None):
         repeats = min(args.repeats, 2)
         train_overrides = SMOKE_TRAIN
         train_steps = min(args.train_steps, 2)
+        window = min(args.window, max(lengths) // 4)  # a window narrower than T at smoke sizes
     else:
         lengths = tuple(args.lengths or FULL_LENGTHS)
         B, N, H = args.batch, args.heads, args.head_dim
         repeats = args.repeats
         train_overrides = [f"train.batch_size={args.train_batch}"]
         train_steps = args.train_steps
+        window = args.window
     results = {
         "device": f"{getattr(device, 'device_kind', device.platform)}"
         + (f" / {cpu_model()}" if backend == "cpu" else ""),
@@ -378,46 +444,51 @@ def main(argv=None):
         "command": " ".join([pathlib.Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
         "smoke": smoke,
         "shape": {"B": B, "N": N, "K": N, "H": H, "dtype": "bfloat16", "causal": True},
+        "window": window,
         "attention": [],
         "training": [],
     }
-    for T in lengths:
-        for family in args.families:
-            for impl in args.implementations:
-                reason = available(impl, backend)
-                result = (
-                    {"skipped": reason}
-                    if reason
-                    else attention_case(
-                        impl,
-                        family,
-                        B=B,
-                        T=T,
-                        N=N,
-                        H=H,
-                        repeats=repeats,
-                        with_error=T == min(lengths),
-                        device=device,
-                    )
-                )
-                row = {"T": T, "family": family, "implementation": impl, "result": result}
-                results["attention"].append(row)
-                print(json.dumps(row), flush=True)
-    if not args.skip_training:
-        for family in args.train_families:
-            position = "nope" if family == "none" else family
-            try:
-                result = training_case(
-                    position, overrides=train_overrides, steps_count=train_steps, device=device
-                )
-            except Exception as err:
-                result = {"skipped": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
-            row = {"family": family, "result": result}
-            results["training"].append(row)
-            print(json.dumps(row), flush=True)
-
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+
+    def record(part, row):
+        results[part].append(row)
+        print(json.dumps(row), flush=True)
+        (out / "accelerator.json").write_text(json.dumps(results, indent=1) + "\n")
+        (out / "accelerator.md").write_text(markdown(results))
+
+    for T in () if args.skip_attention else lengths:
+        for family in args.families:
+            for variant in args.variants:
+                for impl in args.implementations:
+                    reason = available(impl, backend)
+                    result = (
+                        {"skipped": reason}
+                        if reason
+                        else attention_case(
+                            impl,
+                            family,
+                            B=B,
+                            T=T,
+                            N=N,
+                            H=H,
+                            repeats=repeats,
+                            with_error=T == min(lengths),
+                            device=device,
+                            window=window if variant == "window" else None,
+                            forget=variant == "forget",
+                        )
+                    )
+                    row = {"T": T, "family": family, "variant": variant, "implementation": impl}
+                    record("attention", {**row, "result": result})
+    for entry in () if args.skip_training else args.train_families:
+        try:
+            result = training_case(
+                entry, overrides=train_overrides, steps_count=train_steps, device=device
+            )
+        except Exception as err:
+            result = {"skipped": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+        record("training", {"family": entry, "result": result})
     (out / "accelerator.json").write_text(json.dumps(results, indent=1) + "\n")
     table = markdown(results)
     (out / "accelerator.md").write_text(table)

@@ -5,6 +5,8 @@ import json
 
 from conftest import ROOT, run_python
 
+VARIANTS = ("causal", "window", "forget")
+
 
 def test_accelerator_benchmark_smoke(tmp_path):
     script = ROOT / "benchmarks" / "accelerator.py"
@@ -12,7 +14,8 @@ def test_accelerator_benchmark_smoke(tmp_path):
         f"""
         import runpy, sys
         sys.argv = [{str(script)!r}, "--families", "alibi", "--implementations", "cudnn",
-                    "blockwise", "pallas", "--train-families", "alibi", "--repeats", "1",
+                    "blockwise", "pallas", "--train-families", "alibi", "fox",
+                    "rope:window=8/rope", "--repeats", "1",
                     "--train-steps", "1", "--out", {str(tmp_path)!r}]
         runpy.run_path(sys.argv[0], run_name="__main__")
         """,
@@ -20,14 +23,43 @@ def test_accelerator_benchmark_smoke(tmp_path):
     )
     results = json.loads((tmp_path / "accelerator.json").read_text())
     assert results["smoke"] and results["backend"] == "cpu"
-    rows = {row["implementation"]: row["result"] for row in results["attention"]}
-    assert rows["cudnn"] == {"skipped": "cuDNN attention needs a GPU"}
-    for impl in ("blockwise", "pallas"):
-        r = rows[impl]
-        assert r["forward_ms"] > 0 and r["forward_backward_tflops"] > 0, r
-        # bfloat16 inputs against the float32 reference: bfloat16-sized errors, not wrong answers.
-        assert r["max_error_out"] < 3e-2 and r["max_error_dq"] < 3e-2 * r["reference_scale_dq"], r
-    (train,) = results["training"]
-    assert train["family"] == "alibi" and train["result"]["tokens_per_s"] > 0, train
+    rows = {(row["variant"], row["implementation"]): row["result"] for row in results["attention"]}
+    assert set(rows) == {(v, i) for v in VARIANTS for i in ("cudnn", "blockwise", "pallas")}
+    assert results["window"] == 8  # narrower than T = 32 at smoke sizes
+    for variant in VARIANTS:
+        assert rows[variant, "cudnn"] == {"skipped": "cuDNN attention needs a GPU"}
+        for impl in ("blockwise", "pallas"):
+            r = rows[variant, impl]
+            assert r["forward_ms"] > 0 and r["forward_backward_tflops"] > 0, (variant, impl, r)
+            # bfloat16 inputs against the float32 reference (with the same window or gates):
+            # bfloat16-sized errors, not wrong answers.
+            assert r["max_error_out"] < 3e-2, (variant, impl, r)
+            assert r["max_error_dq"] < 3e-2 * r["reference_scale_dq"], (variant, impl, r)
+    train = {row["family"]: row["result"] for row in results["training"]}
+    assert train["alibi"]["tokens_per_s"] > 0 and train["fox"]["tokens_per_s"] > 0, train
+    # A layer-pattern entry reaches the model: two layers, a windowed one and a global one.
+    assert train["rope:window=8/rope"]["tokens_per_s"] > 0, train
     table = (tmp_path / "accelerator.md").read_text()
-    assert "| 32 | alibi | pallas |" in table and "| alibi | 2 x 32 |" in table
+    assert "| 32 | alibi | window | pallas |" in table and "| alibi | 2 x 32 |" in table
+
+
+def test_a_bad_pattern_entry_fails_before_anything_is_measured(tmp_path):
+    """An unknown family inside a --train-families pattern is an error before any compile."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "accelerator.py"),
+            "--train-families",
+            "rope:window=8/ropee",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0 and "unknown family 'ropee'" in proc.stderr, proc.stderr
+    assert not (tmp_path / "accelerator.json").exists()
