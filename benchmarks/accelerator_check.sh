@@ -45,7 +45,7 @@ cat "$OUT/device.txt" >>"$LOG"
 
 # Tests: one worker per 2 CPU cores, each with a share of the GPU's memory taken as needed.
 XLA_PYTHON_CLIENT_PREALLOCATE=false POSATTN_TEST_XLA_DEFAULT=1 part tests "${SECONDS_TESTS:-110}" \
-    $PY -m pytest -v --tb=short -o addopts="" -ra -m "slow or not slow" -n 8 --dist loadscope \
+    $PY -m pytest -v --tb=short -o addopts="" -ra -m "slow or not slow" -n 8 --dist load \
     --durations=10 tests/attention/test_pallas.py tests/attention/test_window_forget.py
 sed -n '/== tests (limit/,/== tests: exit/p' "$LOG" >"$OUT/pytest.txt"
 

@@ -126,6 +126,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _float32_products_off_cpu():
+    """The suite's float32 tolerances assume float32 matrix products. A GPU multiplies float32
+    matrices in TF32 by default (a 10-bit mantissa: errors near 1e-3 of the scale, seen on an H200
+    in every implementation), so off CPU the suite runs at jax_default_matmul_precision="highest"
+    (Pallas' Triton dots then multiply in IEEE float32), subprocesses too through the
+    environment. On CPU, whose products are float32 already, nothing changes."""
+    import jax
+
+    if jax.default_backend() == "cpu":
+        yield
+        return
+    os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _experiment_figures_only_where_read(request, monkeypatch):
     """The length-extrapolation experiment's PNGs (matplotlib, seconds a run) are written only by

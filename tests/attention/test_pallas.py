@@ -295,20 +295,17 @@ def _export(platform, name, T=256, window=None, forget=False):
 
 
 @pytest.fixture
-def pretend_tpu(platform, monkeypatch):
-    """Mosaic asks the default device for its TPU generation while lowering some operations; on a
-    CPU machine, answer as a v5e would (a private jax module: the TPU case is skipped where it
-    moved; the CUDA case needs nothing)."""
+def pretend_tpu(platform):
+    """Mosaic asks for the TPU generation while lowering some operations: the abstract mesh's
+    device when one is set, else the default device. Outside a TPU (a CPU, or a GPU machine),
+    lower inside an abstract mesh whose device is a v5e, JAX's own way to target a TPU from
+    elsewhere. The CUDA case needs nothing."""
     if platform != "tpu":
+        yield
         return
-    tpu_info = pytest.importorskip("jax._src.pallas.mosaic.tpu_info")
-    if not hasattr(tpu_info, "get_device_kind"):
-        pytest.skip(
-            "this jax has no jax._src.pallas.mosaic.tpu_info.get_device_kind, the private "
-            "function the test replaces to lower for a TPU on a CPU machine"
-        )
-    monkeypatch.setattr(tpu_info, "get_device_kind", lambda: "TPU v5 lite")
-    monkeypatch.setattr(tpu_info, "get_num_device_cores", lambda: 1)
+    device = jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
+        yield
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
