@@ -328,11 +328,14 @@ def training_case(entry, *, overrides, steps_count, device):
 def markdown(results) -> str:
     lines = [
         f"Device: {results['device']} ({results['backend']}); command: `{results['command']}`",
-        "",
-        "| T | family | variant | implementation | fwd ms | fwd TFLOP/s | fwd+bwd ms "
-        "| fwd+bwd TFLOP/s | compiled GiB | peak GiB | max err out | max err dq |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    if results["attention"]:
+        lines += [
+            "",
+            "| T | family | variant | implementation | fwd ms | fwd TFLOP/s | fwd+bwd ms "
+            "| fwd+bwd TFLOP/s | compiled GiB | peak GiB | max err out | max err dq |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
 
     def num(x, fmt):
         return "" if x is None else format(x, fmt)
@@ -341,7 +344,7 @@ def markdown(results) -> str:
         r = row["result"]
         head = f"| {row['T']} | {row['family']} | {row['variant']} | {row['implementation']} |"
         if "skipped" in r:
-            lines.append(f"{head} skipped: {r['skipped']} |||||||||")
+            lines.append(f"{head} skipped: {r['skipped']} ||||||||||")
             continue
         gib = lambda b: None if b is None else b / 2**30  # noqa: E731
         lines.append(

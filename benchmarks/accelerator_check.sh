@@ -1,24 +1,42 @@
 #!/usr/bin/env bash
-# The accelerator checks of a short lease on one GPU, as one command (docs/accelerators.md):
+# The accelerator checks of a short lease on one GPU (docs/accelerators.md), by part:
 #
-#   1. the device, the driver and the versions;
-#   2. the Pallas kernel's tests on the device (compiled by Triton, not interpreted), slow ones
-#      included: tests/attention/test_pallas.py and test_window_forget.py;
-#   3. benchmarks/accelerator.py at T 8k (no bias, ALiBi, FIRE; every implementation), then the
-#      sliding-window (512 keys) and forget-gate variants at T 1k and 8k with ALiBi;
-#   4. GPT-2 small training throughput with "auto" for RoPE, ALiBi, FoX and a local/global
-#      hybrid (windowed RoPE layers with a global one).
+#   tests      the Pallas kernel's tests on the device (compiled by Triton, not interpreted), slow
+#              ones included: tests/attention/test_pallas.py and test_window_forget.py  (120 s)
+#   attention  benchmarks/accelerator.py at T 8k: no bias, ALiBi and FIRE, every implementation
+#              (200 s)
+#   masks      the sliding-window (512 keys) and forget-gate variants with ALiBi at T 1k and 8k,
+#              every implementation  (130 s)
+#   long       pallas at T 64k, no bias and ALiBi  (90 s)
+#   training   GPT-2 small training throughput with "auto" for RoPE, ALiBi, FoX and a
+#              local/global hybrid (windowed RoPE layers with a global one)  (240 s)
 #
-# Each part has its own time limit and keeps what it measured when stopped; a failing part does
-# not stop the next. Everything lands in $OUT (default runs/accelerator_check): device.txt,
-# pytest.txt, attention_8k.json, attention_masks.json, training.json and log.txt. Run from the
-# repository root with the project importable (`pip install -e .`, or PYTHONPATH=src):
+# Limits in parentheses (SECONDS_<PART> overrides one, e.g. SECONDS_TRAINING=300), set from the
+# first lease's timings (benchmarks/records/accelerator_h200_2026-12-04): a GPT-2 small training
+# step compiles in about a minute, and Triton's FIRE kernels in more than thirty seconds. Each
+# part keeps what it measured when stopped (SIGINT at the limit: pytest prints its summary, the
+# benchmark has written every case it finished), and a failing part does not stop the next.
 #
-#     bash benchmarks/accelerator_check.sh
+# All five take about 13 minutes, more than one 10-minute call: on a 15-minute lease run
 #
-# SECONDS_TESTS, SECONDS_8K, SECONDS_MASKS and SECONDS_TRAIN set the parts' limits (defaults
-# 110, 110, 100, 120 seconds: the whole within about eight minutes with the start).
+#     bash benchmarks/accelerator_check.sh tests attention masks     # about 7.5 minutes
+#     bash benchmarks/accelerator_check.sh long training             # about 5.5 minutes
+#
+# (no argument runs all five). From the repository root, with the project importable
+# (`pip install -e .`, or PYTHONPATH=src). Everything lands in $OUT (default
+# runs/accelerator_check): device.txt, log.txt, and per part pytest.txt or <part>.json.
 set -u
+PARTS=("$@")
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(tests attention masks long training)
+for name in "${PARTS[@]}"; do
+    case $name in
+    tests | attention | masks | long | training) ;;
+    *)
+        echo "accelerator_check.sh: unknown part '$name'; parts: tests attention masks long training" >&2
+        exit 2
+        ;;
+    esac
+done
 OUT=${OUT:-runs/accelerator_check}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
@@ -26,40 +44,59 @@ export PYTHONUNBUFFERED=1
 LOG="$OUT/log.txt"
 TMP=$(mktemp -d)
 
-part() {  # part NAME SECONDS COMMAND...: runs COMMAND with a time limit, logging its status
-    local name=$1 limit=$2
+limit() {  # limit PART DEFAULT: SECONDS_<PART> or DEFAULT
+    local var="SECONDS_${1^^}"
+    echo "${!var:-$2}"
+}
+
+run_part() {  # run_part NAME SECONDS COMMAND...: COMMAND with a time limit, its status logged
+    local name=$1 seconds=$2
     shift 2
-    echo "== $name (limit ${limit} s): $*" | tee -a "$LOG"
-    local start=$SECONDS  # SIGINT at the limit: pytest prints its summary, the benchmark has
-    # already written every case it finished
-    timeout --signal=INT --kill-after=10 "$limit" "$@" >>"$LOG" 2>&1
+    echo "== $name (limit ${seconds} s): $*" | tee -a "$LOG"
+    local start=$SECONDS
+    timeout --signal=INT --kill-after=10 "$seconds" "$@" >>"$LOG" 2>&1
     echo "== $name: exit $? after $((SECONDS - start)) s" | tee -a "$LOG"
+}
+
+bench() {  # bench PART SECONDS ARGS...: benchmarks/accelerator.py, its JSON copied to $OUT
+    local name=$1 seconds=$2
+    shift 2
+    run_part "$name" "$seconds" $PY benchmarks/accelerator.py --repeats 3 --out "$TMP/$name" "$@"
+    cp "$TMP/$name/accelerator.json" "$OUT/$name.json" 2>/dev/null
 }
 
 {
     nvidia-smi
     $PY -c "import jax, jaxlib, flax, optax; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__, 'optax', optax.__version__); print(jax.devices())"
-    git rev-parse HEAD 2>/dev/null || true
 } >"$OUT/device.txt" 2>&1
 cat "$OUT/device.txt" >>"$LOG"
 
-# Tests: one worker per 2 CPU cores, each with a share of the GPU's memory taken as needed.
-XLA_PYTHON_CLIENT_PREALLOCATE=false POSATTN_TEST_XLA_DEFAULT=1 part tests "${SECONDS_TESTS:-110}" \
-    $PY -m pytest -v --tb=short -o addopts="" -ra -m "slow or not slow" -n 8 --dist load \
-    --durations=10 tests/attention/test_pallas.py tests/attention/test_window_forget.py
-sed -n '/== tests (limit/,/== tests: exit/p' "$LOG" >"$OUT/pytest.txt"
-
-part attention_8k "${SECONDS_8K:-110}" $PY benchmarks/accelerator.py --lengths 8192 \
-    --families none alibi fire --variants causal --repeats 3 --skip-training --out "$TMP/8k"
-cp "$TMP/8k/accelerator.json" "$OUT/attention_8k.json" 2>/dev/null
-
-part attention_masks "${SECONDS_MASKS:-100}" $PY benchmarks/accelerator.py --lengths 1024 8192 \
-    --families alibi --variants window forget --window 512 --repeats 3 --skip-training \
-    --out "$TMP/masks"
-cp "$TMP/masks/accelerator.json" "$OUT/attention_masks.json" 2>/dev/null
-
-part training "${SECONDS_TRAIN:-120}" $PY benchmarks/accelerator.py --skip-attention \
-    --train-families rope alibi fox "rope:window=256/rope:window=256/rope" --train-batch 16 \
-    --train-steps 10 --out "$TMP/train"
-cp "$TMP/train/accelerator.json" "$OUT/training.json" 2>/dev/null
+for name in "${PARTS[@]}"; do
+    case $name in
+    tests)
+        # One worker per 2 CPU cores, each taking the GPU's memory as it needs it.
+        XLA_PYTHON_CLIENT_PREALLOCATE=false POSATTN_TEST_XLA_DEFAULT=1 run_part tests \
+            "$(limit tests 120)" $PY -m pytest -v --tb=short -o addopts="" -ra \
+            -m "slow or not slow" -n 8 --dist load --durations=10 \
+            tests/attention/test_pallas.py tests/attention/test_window_forget.py
+        sed -n '/== tests (limit/,/== tests: exit/p' "$LOG" >"$OUT/pytest.txt"
+        ;;
+    attention)
+        bench attention "$(limit attention 200)" --lengths 8192 --families none alibi fire \
+            --variants causal --skip-training
+        ;;
+    masks)
+        bench masks "$(limit masks 130)" --lengths 1024 8192 --families alibi \
+            --variants window forget --window 512 --skip-training
+        ;;
+    long)
+        bench long "$(limit long 90)" --lengths 65536 --families none alibi --variants causal \
+            --implementations pallas --skip-training
+        ;;
+    training)
+        bench training "$(limit training 240)" --skip-attention --train-families rope alibi fox \
+            "rope:window=256/rope:window=256/rope" --train-batch 16 --train-steps 10
+        ;;
+    esac
+done
 rm -rf "$TMP"

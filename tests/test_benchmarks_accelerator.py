@@ -63,3 +63,17 @@ def test_a_bad_pattern_entry_fails_before_anything_is_measured(tmp_path):
     )
     assert proc.returncode != 0 and "unknown family 'ropee'" in proc.stderr, proc.stderr
     assert not (tmp_path / "accelerator.json").exists()
+
+
+def test_the_lease_script_refuses_an_unknown_part_before_doing_anything(tmp_path):
+    """benchmarks/accelerator_check.sh names its parts when given another, and creates nothing."""
+    import subprocess
+
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "accelerator_check.sh"), "tests", "trainig"],
+        capture_output=True, text=True, timeout=60, env={"OUT": str(out), "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert proc.returncode == 2, proc
+    assert "unknown part 'trainig'; parts: tests attention masks long training" in proc.stderr
+    assert not out.exists()
