@@ -319,8 +319,9 @@ def test_cudnn_refuses_what_it_cannot_run():
 
 def test_auto_decides_per_backend(monkeypatch):
     """CPU without the native kernel: the measured chunked/blockwise rule. GPU and TPU: never
-    "chunked" (tuned on CPU); "pallas" where that kernel exists for the inputs, else "cudnn" on
-    a GPU where cuDNN takes the inputs, else "blockwise"."""
+    "chunked" (tuned on CPU); on a GPU "cudnn" where there is nothing to materialise or skip and
+    cuDNN takes the inputs; else "pallas" where that kernel exists for the inputs, else "cudnn"
+    on a GPU where cuDNN takes the inputs, else "blockwise"."""
 
     def spec(B=2, T=256, H=64, dtype=jnp.bfloat16):
         return jax.ShapeDtypeStruct((B, T, 8, H), dtype)
@@ -339,12 +340,20 @@ def test_auto_decides_per_backend(monkeypatch):
     monkeypatch.setattr(attn_lib, "AUTO_CUDNN_MAX_BIAS", 8 * 256 * 256 - 1)
     assert choose(spec(), spec(), fn_bias, backend="gpu") == "blockwise"
     assert choose(spec(), spec(), None, backend="gpu") == "cudnn"  # no bias to materialise
-    # The fused kernel first where it exists for the inputs.
+    # The fused kernel first where it exists for the inputs and there is a bias, forget gates or
+    # a window for it to handle; with none of them, cuDNN on a GPU (measured faster, H200).
     refuses = {"value": None}
     fake = types.SimpleNamespace(unsupported_reason=lambda q, k, **kw: refuses["value"])
     monkeypatch.setattr(attn_lib, "_pallas_module", lambda: fake)
     assert choose(spec(), spec(), fn_bias, backend="gpu") == "pallas"
     assert choose(spec(), spec(), fn_bias, backend="tpu") == "pallas"
+    assert choose(spec(), spec(), None, backend="gpu") == "cudnn"
+    assert choose(spec(), spec(), None, backend="gpu", window=64) == "pallas"
+    forget = jax.ShapeDtypeStruct((2, 256, 8), jnp.float32)
+    assert choose(spec(), spec(), None, backend="gpu", log_forget=forget) == "pallas"
+    assert choose(spec(), spec(), None, backend="tpu") == "pallas"
+    bad = spec(H=12)  # no bias, but a head dim cuDNN refuses: the fused kernel
+    assert choose(bad, bad, None, backend="gpu") == "pallas"
     refuses["value"] = "not for these inputs"
     assert choose(spec(), spec(), None, backend="gpu") == "cudnn"
     # The backend comes from jax.default_backend() when not given, and "auto" follows it.
