@@ -352,6 +352,9 @@ def test_auto_decides_per_backend(monkeypatch):
     forget = jax.ShapeDtypeStruct((2, 256, 8), jnp.float32)
     assert choose(spec(), spec(), None, backend="gpu", log_forget=forget) == "pallas"
     assert choose(spec(), spec(), None, backend="tpu") == "pallas"
+    # A causal offset other than 0 (a decode step, per-row positions) cuDNN would materialise.
+    assert choose(spec(), spec(), None, backend="gpu", static_offset=None) == "pallas"
+    assert choose(spec(), spec(), None, backend="gpu", static_offset=5) == "pallas"
     bad = spec(H=12)  # no bias, but a head dim cuDNN refuses: the fused kernel
     assert choose(bad, bad, None, backend="gpu") == "pallas"
     refuses["value"] = "not for these inputs"

@@ -287,10 +287,10 @@ def choose_implementation(
     linear in T, past that. "xla" is
     never faster than "chunked" in our measurements (docs/attention.md).
 
-    GPU and TPU: never a kernel tuned on CPU. On a GPU with no bias, no forget gates and no
-    window, "cudnn" where cuDNN takes the shapes and dtypes
-    (`posattn.attention.cudnn.unsupported_reason`): it has nothing to materialise and was the
-    fastest measured. Otherwise "pallas" (the fused kernel that evaluates the bias inside and
+    GPU and TPU: never a kernel tuned on CPU. On a GPU with no bias, no forget gates, no window
+    and a causal mask (if any) from query position 0, "cudnn" where cuDNN takes the shapes and
+    dtypes (`posattn.attention.cudnn.unsupported_reason`): it has nothing to materialise and was
+    the fastest measured. Otherwise "pallas" (the fused kernel that evaluates the bias inside and
     skips the tiles outside a window) where it exists for the inputs; else, on a GPU, "cudnn"
     where cuDNN takes the inputs and its materialised bias stays at most AUTO_CUDNN_MAX_BIAS
     elements; otherwise "blockwise".
@@ -344,7 +344,8 @@ def choose_implementation(
             )
             is None
         )
-        if cudnn_ok and not has_bias and window is None:
+        offset_mask = causal and static_offset != 0  # cuDNN would materialise it as a bias
+        if cudnn_ok and not (has_bias or offset_mask) and window is None:
             # Nothing to materialise: cuDNN's fused kernel (3.9x faster than "pallas" forward and
             # backward at T 8k on an H200, docs/attention.md).
             choice = "cudnn"
