@@ -44,7 +44,9 @@ and benchmarks/train_throughput.py times it), --train-steps steps after a warm-u
 local layers with a window and a global layer, cycled over the 12 layers. Per entry: tokens/s and
 MFU = model FLOP/s over the device's dense bfloat16 peak (model FLOPs per token 6 P + 6 L T D for
 P parameters, L layers, context T, width D: the causal attention products counted once at half
-size), the peak from the table below (None when the device is not in it).
+size), the peak from the table below (None when the device is not in it), and the
+implementations "auto" picked for the step's attention (read from the line `posattn.attention`
+logs for each choice).
 
 Writes --out/accelerator.json (every case, the device, the command) and --out/accelerator.md (the
 tables), both rewritten after every case (a run stopped early keeps what it measured), and prints
@@ -54,8 +56,10 @@ the tables.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
+import logging
 import pathlib
 import platform
 import subprocess
@@ -277,6 +281,31 @@ def position_overrides(entry: str) -> list[str]:
     return [f"model.position={first}", f"model.layer_pattern={layers!r}"]
 
 
+@contextlib.contextmanager
+def chosen_implementations():
+    """The set of implementations `attention(implementation="auto")` picks inside the block, read
+    from the line `posattn.attention` logs for each choice (its once-per-input-kind memory is
+    emptied first, so that every choice of the block is logged)."""
+    chosen: set[str] = set()
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            message = record.getMessage()
+            if "implementation='auto'" in message:
+                chosen.add(message.rsplit("-> ", 1)[1].strip("'"))
+
+    logger = logging.getLogger(attention_lib.__name__)
+    handler, level = Collect(), logger.level
+    attention_lib._logged_choices.clear()
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield chosen
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 def training_case(entry, *, overrides, steps_count, device):
     """tokens/s and MFU of configs/gpt2_small.py for one --train-families entry with
     attention_impl=auto."""
@@ -304,8 +333,9 @@ def training_case(entry, *, overrides, steps_count, device):
         for s in range(steps_count + 1)
     ]
     params = sum(x.size for x in jax.tree.leaves(state["params"]))
-    state, metrics = step(state, batches[0])  # compile and warm up
-    jax.block_until_ready(metrics)
+    with chosen_implementations() as chosen:  # what "auto" picks while the step is traced
+        state, metrics = step(state, batches[0])  # compile and warm up
+        jax.block_until_ready(metrics)
     start = time.perf_counter()
     for batch in batches[1:]:
         state, metrics = step(state, batch)
@@ -322,6 +352,7 @@ def training_case(entry, *, overrides, steps_count, device):
         "tokens_per_s": tokens,
         "mfu": None if peak is None else tokens * flops_per_token / peak,
         "loss": float(metrics["loss"]),
+        "attention_impl": sorted(chosen),
     }
 
 
@@ -356,18 +387,18 @@ def markdown(results) -> str:
     if results["training"]:
         lines += [
             "",
-            "| family | batch x T | step ms | tokens/s | MFU |",
-            "|---|---|---|---|---|",
+            "| family | batch x T | step ms | tokens/s | MFU | attention |",
+            "|---|---|---|---|---|---|",
         ]
         for row in results["training"]:
             r = row["result"]
             if "skipped" in r:
-                lines.append(f"| {row['family']} | skipped: {r['skipped']} ||||")
+                lines.append(f"| {row['family']} | skipped: {r['skipped']} |||||")
                 continue
             mfu = "" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
             lines.append(
                 f"| {row['family']} | {r['batch']} x {r['seq_len']} | {r['step_ms']:.1f} | "
-                f"{r['tokens_per_s']:.0f} | {mfu} |"
+                f"{r['tokens_per_s']:.0f} | {mfu} | {', '.join(r.get('attention_impl', []))} |"
             )
     return "\n".join(lines) + "\n"
 

@@ -39,8 +39,16 @@ def test_accelerator_benchmark_smoke(tmp_path):
     assert train["alibi"]["tokens_per_s"] > 0 and train["fox"]["tokens_per_s"] > 0, train
     # A layer-pattern entry reaches the model: two layers, a windowed one and a global one.
     assert train["rope:window=8/rope"]["tokens_per_s"] > 0, train
+    # What "auto" picked for each training's attention: on this CPU, the native kernel where it
+    # built, else the chunked implementation (docs/attention.md); never empty.
+    for name, r in train.items():
+        assert r["attention_impl"] and set(r["attention_impl"]) <= {"native", "chunked"}, name
     table = (tmp_path / "accelerator.md").read_text()
     assert "| 32 | alibi | window | pallas |" in table and "| alibi | 2 x 32 |" in table
+    assert any(
+        line.startswith("| fox | 2 x 32 |") and ("native" in line or "chunked" in line)
+        for line in table.splitlines()
+    )
 
 
 def test_a_bad_pattern_entry_fails_before_anything_is_measured(tmp_path):
