@@ -469,7 +469,7 @@ def main(argv=None):
         repeats = min(args.repeats, 2)
         train_overrides = SMOKE_TRAIN
         train_steps = min(args.train_steps, 2)
-        window = min(args.window, max(lengths) // 4)  # a window narrower than T at smoke sizes
+        window = max(1, min(args.window, max(lengths) // 4))  # narrower than T at smoke sizes
     else:
         lengths = tuple(args.lengths or FULL_LENGTHS)
         B, N, H = args.batch, args.heads, args.head_dim
