@@ -10,6 +10,8 @@
 #   long       pallas at T 64k, no bias and ALiBi  (90 s)
 #   training   GPT-2 small training throughput with "auto" for RoPE, ALiBi, FoX and a
 #              local/global hybrid (windowed RoPE layers with a global one)  (240 s)
+#   tiles      benchmarks/pallas_tiles.py: the kernel's tiles, warps and stages at T 8k, no bias
+#              and ALiBi, against its defaults  (300 s)
 #
 # Limits in parentheses (SECONDS_<PART> overrides one, e.g. SECONDS_TRAINING=300), set from the
 # first lease's timings (benchmarks/records/accelerator_h200_2026-12-04): a GPT-2 small training
@@ -17,22 +19,23 @@
 # part keeps what it measured when stopped (SIGINT at the limit: pytest prints its summary, the
 # benchmark has written every case it finished), and a failing part does not stop the next.
 #
-# All five take about 13 minutes, more than one 10-minute call: on a 15-minute lease run
+# All six take about 18 minutes, more than one 10-minute call or a 15-minute lease: run
 #
 #     bash benchmarks/accelerator_check.sh tests attention masks     # about 7.5 minutes
 #     bash benchmarks/accelerator_check.sh long training             # about 5.5 minutes
+#     bash benchmarks/accelerator_check.sh tiles                     # about 5 minutes
 #
-# (no argument runs all five). From the repository root, with the project importable
+# as the lease allows (no argument runs all six). From the repository root, with the project importable
 # (`pip install -e .`, or PYTHONPATH=src). Everything lands in $OUT (default
 # runs/accelerator_check): device.txt, log.txt, and per part pytest.txt or <part>.json.
 set -u
 PARTS=("$@")
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(tests attention masks long training)
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(tests attention masks long training tiles)
 for name in "${PARTS[@]}"; do
     case $name in
-    tests | attention | masks | long | training) ;;
+    tests | attention | masks | long | training | tiles) ;;
     *)
-        echo "accelerator_check.sh: unknown part '$name'; parts: tests attention masks long training" >&2
+        echo "accelerator_check.sh: unknown part '$name'; parts: tests attention masks long training tiles" >&2
         exit 2
         ;;
     esac
@@ -96,6 +99,10 @@ for name in "${PARTS[@]}"; do
     training)
         bench training "$(limit training 240)" --skip-attention --train-families rope alibi fox \
             "rope:window=256/rope:window=256/rope" --train-batch 16 --train-steps 10
+        ;;
+    tiles)
+        run_part tiles "$(limit tiles 300)" $PY benchmarks/pallas_tiles.py --out "$TMP/tiles"
+        cp "$TMP/tiles/pallas_tiles.json" "$OUT/tiles.json" 2>/dev/null
         ;;
     esac
 done

@@ -83,5 +83,41 @@ def test_the_lease_script_refuses_an_unknown_part_before_doing_anything(tmp_path
         capture_output=True, text=True, timeout=60, env={"OUT": str(out), "PATH": "/usr/bin:/bin"},
     )  # fmt: skip
     assert proc.returncode == 2, proc
-    assert "unknown part 'trainig'; parts: tests attention masks long training" in proc.stderr
+    assert "unknown part 'trainig'; parts: tests attention masks long training tiles" in proc.stderr
     assert not out.exists()
+
+
+def test_pallas_tiles_smoke(tmp_path):
+    """benchmarks/pallas_tiles.py on CPU (interpret mode: tiles only, no warps or stages): the
+    defaults first, every setting timed and compared with the defaults' output."""
+    run_python(
+        f"""
+        import runpy, sys
+        sys.argv = [{str(ROOT / "benchmarks" / "pallas_tiles.py")!r}, "--families", "none",
+                    "alibi", "--out", {str(tmp_path)!r}]
+        runpy.run_path(sys.argv[0], run_name="__main__")
+        """,
+        timeout=600,
+    )
+    results = json.loads((tmp_path / "pallas_tiles.json").read_text())
+    for family in ("none", "alibi"):
+        rows = [r for r in results["cases"] if r["family"] == family]
+        assert [r["setting"] for r in rows] == ["default", "16x16", "32x32"], rows
+        for r in rows:
+            assert r["result"]["forward_backward_ms"] > 0 and r["num_warps"] is None, r
+        # Another tiling is the same math in another order: bfloat16-sized differences.
+        assert all(r["result"]["max_diff_from_default"] < 3e-2 for r in rows[1:]), rows
+    assert "| default |" in (tmp_path / "pallas_tiles.md").read_text()
+
+
+def test_pallas_tiles_refuses_a_bad_tile_before_compiling(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "pallas_tiles.py"), "--tiles", "64x48",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "tiles are powers of two >= 16" in proc.stderr, proc.stderr
+    assert not (tmp_path / "pallas_tiles.json").exists()

@@ -267,6 +267,37 @@ def test_bad_arguments():
         pallas_attention(q, q, q, block_q=24)
     with pytest.raises(ValueError, match="backend='cuda'"):
         pallas_attention(q, q, q, backend="cuda")
+    with pytest.raises(ValueError, match="num_warps=3"):
+        pallas_attention(q, q, q, num_warps=3, backend="gpu")
+    with pytest.raises(ValueError, match="num_stages=0"):
+        pallas_attention(q, q, q, num_stages=0, backend="gpu")
+    with pytest.raises(ValueError, match="Triton's settings .* backend='interpret'"):
+        pallas_attention(q, q, q, num_warps=4)
+
+
+def test_triton_warps_and_stages_reach_every_kernel():
+    """`num_warps` and `num_stages` go to Triton's compiler parameters of all three kernels (the
+    forward, dK/dV and dQ), defaults 4 warps for heads of at most 64 (8 above) and 2 stages."""
+    import re
+
+    def lowered(head_dim, **settings):
+        def loss(q):
+            out = pallas_attention(q, q, q, causal=True, backend="gpu", **settings)
+            return jnp.sum(out.astype(jnp.float32))
+
+        spec = jax.ShapeDtypeStruct((1, 128, 2, head_dim), jnp.bfloat16)
+        checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+        text = jax.export.export(
+            jax.jit(jax.grad(loss)), platforms=["cuda"], disabled_checks=checks
+        )(spec).mlir_module()
+        calls = re.findall(r'name = "posattn_flash_\w+", num_stages = (\d+) : i32, '
+                           r"num_warps = (\d+) : i32", text)  # fmt: skip
+        assert len(calls) == 3, calls
+        return set(calls)
+
+    assert lowered(64) == {("2", "4")}
+    assert lowered(128) == {("2", "8")}
+    assert lowered(64, num_warps=8, num_stages=3) == {("3", "8")}
 
 
 def _export(platform, name, T=256, window=None, forget=False):

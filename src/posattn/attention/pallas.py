@@ -112,6 +112,8 @@ class _Plan:
     backend: str
     window: int | None = None  # sliding window: i - j < window (|i - j| < window when not causal)
     forget: bool = False  # FoX: the kernels take cumulative log forget gates of queries and keys
+    num_warps: int = 4  # Triton (backend "gpu")
+    num_stages: int = 2  # Triton (backend "gpu")
 
     @property
     def n_leaves(self) -> int:
@@ -199,6 +201,8 @@ def pallas_attention(
     log_forget: jax.Array | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     backend: str | None = None,
 ) -> jax.Array:
     """Same contract as `posattn.attention.attention` (which validates the inputs), fused.
@@ -213,6 +217,9 @@ def pallas_attention(
         position q_offset + t (clipped to [0, S - 1]). Differentiated.
       block_q: query tile size, a power of two >= 16 (clipped to T rounded up); default per backend.
       block_k: key tile size, likewise.
+      num_warps: Triton's warps per program, 1, 2, 4, 8 or 16 (backend "gpu" only); default 4
+        for heads of at most 64, else 8.
+      num_stages: Triton's software-pipelining stages, >= 1 (backend "gpu" only); default 2.
       backend: "interpret", "gpu" or "tpu"; default `default_backend()`. Naming "gpu" or "tpu"
         on another machine only makes sense under `jax.export` for that platform.
 
@@ -228,6 +235,17 @@ def pallas_attention(
                 f"pallas_attention: {name}={block}; allowed: a power of two >= 16 "
                 "(Triton's block shapes)"
             )
+    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"pallas_attention: num_warps={num_warps!r}; allowed: 1, 2, 4, 8 or 16")
+    if num_stages is not None and (
+        isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1
+    ):
+        raise ValueError(f"pallas_attention: num_stages={num_stages!r}; allowed: an int >= 1")
+    if (num_warps is not None or num_stages is not None) and backend != "gpu":
+        raise ValueError(
+            f"pallas_attention: num_warps and num_stages are Triton's settings (backend 'gpu'); "
+            f"got backend={backend!r}: leave them unset there"
+        )
     if bias is not None and not isinstance(bias, tuple):
         raise ValueError(
             "pallas_attention: bias must be None or a (BiasFn, params) pair, got an array of "
@@ -315,6 +333,8 @@ def pallas_attention(
         backend=backend,
         window=None if window is None else min(int(window), _MAX_WINDOW),
         forget=forget is not None,
+        num_warps=num_warps or (4 if Hp <= 64 else 8),
+        num_stages=num_stages or 2,
     )
     floats = [x for x, f in zip(leaves, is_float, strict=True) if f]
     ints = [x for x, f in zip(leaves, is_float, strict=True) if not f]
@@ -952,7 +972,7 @@ def _compiler_params(plan):
         case "gpu":
             from jax.experimental.pallas import triton as plgpu
 
-            return plgpu.CompilerParams(num_warps=4 if plan.Hp <= 64 else 8, num_stages=2)
+            return plgpu.CompilerParams(num_warps=plan.num_warps, num_stages=plan.num_stages)
         case "tpu":
             from jax.experimental.pallas import tpu as pltpu
 
