@@ -12,6 +12,8 @@
 #              local/global hybrid (windowed RoPE layers with a global one)  (240 s)
 #   tiles      benchmarks/pallas_tiles.py: the kernel's tiles, warps and stages at T 8k, no bias
 #              and ALiBi, against its defaults  (300 s)
+#   experiment the length-extrapolation experiment end to end on the device, shortened: RoPE,
+#              ALiBi and FoX, 300 steps, no eval-time RoPE rows or fine-tunes  (240 s)
 #
 # Limits in parentheses (SECONDS_<PART> overrides one, e.g. SECONDS_TRAINING=300), set from the
 # first lease's timings (benchmarks/records/accelerator_h200_2026-12-04): a GPT-2 small training
@@ -19,23 +21,24 @@
 # part keeps what it measured when stopped (SIGINT at the limit: pytest prints its summary, the
 # benchmark has written every case it finished), and a failing part does not stop the next.
 #
-# All six take about 18 minutes, more than one 10-minute call or a 15-minute lease: run
+# All seven take about 22 minutes, more than one 10-minute call or a 15-minute lease: run
 #
 #     bash benchmarks/accelerator_check.sh tests attention masks     # about 7.5 minutes
 #     bash benchmarks/accelerator_check.sh long training             # about 5.5 minutes
-#     bash benchmarks/accelerator_check.sh tiles                     # about 5 minutes
+#     bash benchmarks/accelerator_check.sh tiles experiment          # about 9 minutes
 #
-# as the lease allows (no argument runs all six). From the repository root, with the project importable
+# as the lease allows (no argument runs all seven). From the repository root, with the project importable
 # (`pip install -e .`, or PYTHONPATH=src). Everything lands in $OUT (default
-# runs/accelerator_check): device.txt, log.txt, and per part pytest.txt or <part>.json.
+# runs/accelerator_check): device.txt, log.txt, and per part pytest.txt, <part>.json or
+# experiment.md (at most 8 files come back from a lease's call: split the parts as above).
 set -u
 PARTS=("$@")
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(tests attention masks long training tiles)
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(tests attention masks long training tiles experiment)
 for name in "${PARTS[@]}"; do
     case $name in
-    tests | attention | masks | long | training | tiles) ;;
+    tests | attention | masks | long | training | tiles | experiment) ;;
     *)
-        echo "accelerator_check.sh: unknown part '$name'; parts: tests attention masks long training tiles" >&2
+        echo "accelerator_check.sh: unknown part '$name'; parts: tests attention masks long training tiles experiment" >&2
         exit 2
         ;;
     esac
@@ -103,6 +106,13 @@ for name in "${PARTS[@]}"; do
     tiles)
         run_part tiles "$(limit tiles 300)" $PY benchmarks/pallas_tiles.py --out "$TMP/tiles"
         cp "$TMP/tiles/pallas_tiles.json" "$OUT/tiles.json" 2>/dev/null
+        ;;
+    experiment)
+        run_part experiment "$(limit experiment 240)" $PY experiments/length_extrapolation.py \
+            --workdir "$TMP/experiment" --config.train.steps=300 --config.train.warmup_steps=30 \
+            "--config.families=('rope','alibi','fox')" "--config.rope_scalings=()" \
+            --config.finetune.enabled=False
+        cp "$TMP/experiment/results.md" "$OUT/experiment.md" 2>/dev/null
         ;;
     esac
 done

@@ -83,7 +83,8 @@ def test_the_lease_script_refuses_an_unknown_part_before_doing_anything(tmp_path
         capture_output=True, text=True, timeout=60, env={"OUT": str(out), "PATH": "/usr/bin:/bin"},
     )  # fmt: skip
     assert proc.returncode == 2, proc
-    assert "unknown part 'trainig'; parts: tests attention masks long training tiles" in proc.stderr
+    parts = "tests attention masks long training tiles experiment"
+    assert f"unknown part 'trainig'; parts: {parts}" in proc.stderr
     assert not out.exists()
 
 
