@@ -273,6 +273,7 @@ def position_overrides(entry: str) -> list[str]:
     if entry == "none":
         return ["model.position=nope"]
     if ":" not in entry and "/" not in entry:
+        families.get(entry)  # an unknown family is an error listing the known ones
         return [f"model.position={entry}"]
     layers = tuple(entry.split("/"))
     first = pattern_lib.parse_entry(layers[0], where="--train-families")[0]

@@ -71,6 +71,13 @@ def test_a_bad_pattern_entry_fails_before_anything_is_measured(tmp_path):
     )
     assert proc.returncode != 0 and "unknown family 'ropee'" in proc.stderr, proc.stderr
     assert not (tmp_path / "accelerator.json").exists()
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "accelerator.py"), "--train-families", "alibi",
+         "fx", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode != 0 and "'fx'" in proc.stderr, proc.stderr
+    assert not (tmp_path / "accelerator.json").exists()
 
 
 def test_the_lease_script_refuses_an_unknown_part_before_doing_anything(tmp_path):
