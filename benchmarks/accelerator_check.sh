@@ -17,7 +17,8 @@
 #
 # Limits in parentheses (SECONDS_<PART> overrides one, e.g. SECONDS_TRAINING=300), set from the
 # first lease's timings (benchmarks/records/accelerator_h200_2026-12-04): a GPT-2 small training
-# step compiles in about a minute, and Triton's FIRE kernels in more than thirty seconds. Each
+# step compiles in about a minute, and Triton's FIRE kernels in more than thirty seconds (the
+# tiles and experiment limits are estimates: neither part has run on a GPU yet). Each
 # part keeps what it measured when stopped (SIGINT at the limit: pytest prints its summary, the
 # benchmark has written every case it finished), and a failing part does not stop the next.
 #
@@ -27,8 +28,8 @@
 #     bash benchmarks/accelerator_check.sh long training             # about 5.5 minutes
 #     bash benchmarks/accelerator_check.sh tiles experiment          # about 9 minutes
 #
-# as the lease allows (no argument runs all seven). From the repository root, with the project importable
-# (`pip install -e .`, or PYTHONPATH=src). Everything lands in $OUT (default
+# as the lease allows (no argument runs all seven). From the repository root, with the project
+# importable (`pip install -e .`, or PYTHONPATH=src). Everything lands in $OUT (default
 # runs/accelerator_check): device.txt, log.txt, and per part pytest.txt, <part>.json or
 # experiment.md (at most 8 files come back from a lease's call: split the parts as above).
 set -u
