@@ -22,11 +22,11 @@
 # part keeps what it measured when stopped (SIGINT at the limit: pytest prints its summary, the
 # benchmark has written every case it finished), and a failing part does not stop the next.
 #
-# All seven take about 22 minutes, more than one 10-minute call or a 15-minute lease: run
+# The seven limits add up to 22 minutes, more than one 10-minute call or a 15-minute lease: run
 #
-#     bash benchmarks/accelerator_check.sh tests attention masks     # about 7.5 minutes
-#     bash benchmarks/accelerator_check.sh long training             # about 5.5 minutes
-#     bash benchmarks/accelerator_check.sh tiles experiment          # about 9 minutes
+#     bash benchmarks/accelerator_check.sh tests attention masks     # limits: 7.5 minutes
+#     bash benchmarks/accelerator_check.sh long training             # limits: 5.5 minutes
+#     bash benchmarks/accelerator_check.sh tiles experiment          # limits: 9 minutes
 #
 # as the lease allows (no argument runs all seven). From the repository root, with the project
 # importable (`pip install -e .`, or PYTHONPATH=src). Everything lands in $OUT (default

@@ -112,8 +112,8 @@ class _Plan:
     backend: str
     window: int | None = None  # sliding window: i - j < window (|i - j| < window when not causal)
     forget: bool = False  # FoX: the kernels take cumulative log forget gates of queries and keys
-    num_warps: int = 4  # Triton (backend "gpu")
-    num_stages: int = 2  # Triton (backend "gpu")
+    num_warps: int | None = None  # Triton (backend "gpu"); None: `_compiler_params`' default
+    num_stages: int | None = None  # likewise
 
     @property
     def n_leaves(self) -> int:
@@ -333,8 +333,8 @@ def pallas_attention(
         backend=backend,
         window=None if window is None else min(int(window), _MAX_WINDOW),
         forget=forget is not None,
-        num_warps=num_warps or (4 if Hp <= 64 else 8),
-        num_stages=num_stages or 2,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     floats = [x for x, f in zip(leaves, is_float, strict=True) if f]
     ints = [x for x, f in zip(leaves, is_float, strict=True) if not f]
@@ -972,7 +972,8 @@ def _compiler_params(plan):
         case "gpu":
             from jax.experimental.pallas import triton as plgpu
 
-            return plgpu.CompilerParams(num_warps=plan.num_warps, num_stages=plan.num_stages)
+            warps = plan.num_warps or (4 if plan.Hp <= 64 else 8)
+            return plgpu.CompilerParams(num_warps=warps, num_stages=plan.num_stages or 2)
         case "tpu":
             from jax.experimental.pallas import tpu as pltpu
 
