@@ -30,9 +30,9 @@ tunables that keep XLA:CPU's scratch in the heap, `posattn.hostmem`; `POSATTN_HU
 it without them, `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` with huge pages alone). The page faults
 and system (kernel) CPU time a step, the process's over the round, are printed beside its time:
 scratch served by fresh 4 KiB pages every step shows up there. A round times --steps consecutive
-steps (wall clock, ended by `block_until_ready` on the metrics) after a warm-up; the rounds of
-every (config, family) and of the baseline alternate, so each sees the same contention; min and
-median over rounds are printed.
+steps (wall clock, ended by `block_until_ready` on the metrics) after three untimed ones, as each
+of the baseline's rounds does; the rounds of every (config, family) and of the baseline
+alternate, so each sees the same contention; min and median over rounds are printed.
 
 Where the time goes, measured by timing the pieces alone, in the same process, in every round:
   attention  `attention(q, k, v, bias=the family's (BiasFn, params) of layer 0, causal,
@@ -128,6 +128,11 @@ def timed(fn, *args, repeats: int = 1) -> float:
         jax.block_until_ready(fn(*args))
         best = min(best, time.perf_counter() - start)
     return best
+
+
+# Untimed steps before each round's window, as the baseline takes before its own
+# (benchmarks/xtransformers_baseline.py): a round starts warm after the other side's round.
+WARMUP_STEPS = 3
 
 
 class Case:
@@ -248,6 +253,9 @@ class Case:
         timed(gemms, operands)
 
     def run_round(self) -> dict:
+        for batch in self.batches[:WARMUP_STEPS]:  # untimed
+            self.state, metrics = self.step(self.state, batch)
+        jax.block_until_ready(metrics)
         step_s, faults, system_s = self.run_steps()
         attention_s = timed(*self.attention_args, repeats=3) * self.cfg.num_layers
         matmul_s = timed(*self.matmul_args, repeats=3)
