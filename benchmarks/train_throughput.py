@@ -34,6 +34,14 @@ steps (wall clock, ended by `block_until_ready` on the metrics) after three unti
 of the baseline's rounds does; the rounds of every (config, family) and of the baseline
 alternate, so each sees the same contention; min and median over rounds are printed.
 
+Beside every round (after ours, before the baseline's) the round trip of a cache line between
+the first two CPUs is timed (`_machine.CoreRoundTrip`, built with the C compiler where there is
+one). A VM's host can move its two virtual CPUs far apart for seconds at a time, and a step split
+across both threads then runs the same work in more CPU time (docs/benchmarks.md, "What the slow
+rounds are"). The lines after the table name every round over 1.25x the fastest of its series,
+with the round trip beside it and our step's user CPU time a step; the JSON has both for every
+round.
+
 Where the time goes, measured by timing the pieces alone, in the same process, in every round:
   attention  `attention(q, k, v, bias=the family's (BiasFn, params) of layer 0, causal,
              implementation=the config's)` forward + backward (value_and_grad over q, k, v and the
@@ -103,7 +111,7 @@ from posattn.nn.model import TransformerLM  # noqa: E402
 from posattn.train import steps  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _machine import cpu_name  # noqa: E402
+from _machine import CoreRoundTrip, cpu_name  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = {
@@ -165,9 +173,10 @@ class Case:
         self.rounds: list[dict] = []
         self.run_steps()  # compile and warm up
 
-    def run_steps(self) -> tuple[float, float, float]:
-        """(seconds, page faults, system seconds) per step over one window of consecutive
-        steps; the last two are the process's (minor faults, kernel CPU time on every thread)."""
+    def run_steps(self) -> tuple[float, float, float, float]:
+        """(seconds, page faults, system seconds, user seconds) per step over one window of
+        consecutive steps; the last three are the process's (minor faults, kernel and user CPU
+        time on every thread)."""
         before = resource.getrusage(resource.RUSAGE_SELF)
         start = time.perf_counter()
         for batch in self.batches:
@@ -176,7 +185,7 @@ class Case:
         seconds = time.perf_counter() - start
         after, n = resource.getrusage(resource.RUSAGE_SELF), len(self.batches)
         faults, system = after.ru_minflt - before.ru_minflt, after.ru_stime - before.ru_stime
-        return seconds / n, faults / n, system / n
+        return seconds / n, faults / n, system / n, (after.ru_utime - before.ru_utime) / n
 
     def _attention_piece(self):
         cfg = self.cfg
@@ -256,13 +265,14 @@ class Case:
         for batch in self.batches[:WARMUP_STEPS]:  # untimed
             self.state, metrics = self.step(self.state, batch)
         jax.block_until_ready(metrics)
-        step_s, faults, system_s = self.run_steps()
+        step_s, faults, system_s, user_s = self.run_steps()
         attention_s = timed(*self.attention_args, repeats=3) * self.cfg.num_layers
         matmul_s = timed(*self.matmul_args, repeats=3)
         result = {
             "step_ms": step_s * 1e3,
             "page_faults": faults,
             "system_ms": system_s * 1e3,
+            "user_ms": user_s * 1e3,
             "attention_ms": attention_s * 1e3,
             "matmul_ms": matmul_s * 1e3,
         }
@@ -443,6 +453,58 @@ def cases_dtype_first(cases: list[Case], key: tuple[str, str]) -> str:
     return next(c.cfg.dtype for c in cases if (c.name, c.family) == key)
 
 
+SLOW_ROUND = 1.25  # a round this many times the fastest of its series is listed after the table
+
+
+def slow_rounds(cases: list[Case], baselines: dict, why_no_round_trip: str | None) -> list[str]:
+    """Comment lines naming every round over SLOW_ROUND times the fastest of its series (ours per
+    case, the baseline's per (config, family)), with the cache line's round trip between the two
+    CPUs timed beside it and, for ours, the step's user CPU time a step against the fastest
+    round's: a round slowed by where the host ran the VM's CPUs (docs/benchmarks.md, "What the
+    slow rounds are") has a longer round trip and the same work in more CPU time."""
+    rows = []  # (label, round, step ms, user ms or None, round trip ns or None, fastest round)
+    for case in cases:
+        label = f"{case.name} {case.family} {case.cfg.dtype} posattn"
+        fastest = min(case.rounds, key=lambda x: x["step_ms"])
+        for i, x in enumerate(case.rounds):
+            rows.append((label, i, x["step_ms"], x["user_ms"], x["round_trip_ns"], fastest))
+    for (config, family), series in baselines.items():
+        if not series:
+            continue
+        fastest = min(series, key=lambda x: x["ms_per_step"])
+        for i, x in enumerate(series):
+            label = f"{config} {family} x-transformers"
+            rows.append((label, i, x["ms_per_step"], None, x["round_trip_ns"], fastest))
+    trips = [row[4] for row in rows if row[4] is not None]
+    lines = [
+        "# a cache line's round trip between the two CPUs, beside each round: "
+        + (
+            f"{min(trips):.0f} ns at best, median {statistics.median(trips):.0f}, worst "
+            f"{max(trips):.0f}"
+            if trips
+            else f"not timed ({why_no_round_trip})"
+        )
+    ]
+    for label, i, step_ms, user_ms, trip, fastest in rows:
+        fast_ms = fastest.get("step_ms", fastest.get("ms_per_step"))
+        if step_ms <= SLOW_ROUND * fast_ms:
+            continue
+        if len(lines) == 1:
+            lines.append(f"# rounds over {SLOW_ROUND}x the fastest of their series:")
+        user = "" if user_ms is None else f", user CPU {user_ms:.1f} ms a step"
+        fast_user = "" if user_ms is None else f", {fastest['user_ms']:.1f}"
+        fast_trip = fastest["round_trip_ns"]
+        trips_then = "" if trip is None else f"; round trip {trip:.0f} ns"
+        trips_then += "" if trip is None or fast_trip is None else f", {fast_trip:.0f} beside that"
+        lines.append(
+            f"#   {label} round {i + 1}: {step_ms:.1f} ms{user} (fastest round {fast_ms:.1f} ms"
+            f"{fast_user}){trips_then}"
+        )
+    if len(lines) == 1:
+        lines.append(f"# no round over {SLOW_ROUND}x the fastest of its series")
+    return lines
+
+
 def load_average() -> str:
     try:
         return " / ".join(f"{x:.1f}" for x in os.getloadavg())
@@ -537,16 +599,18 @@ def main(argv=None):
             for c in cases
             if c.family in BASELINE_POSITIONS and c.cfg.num_kv_heads == c.cfg.num_heads
         }
+    round_trip = CoreRoundTrip()
     for r in range(args.rounds):
         for case in cases:
             case.run_round()
+            case.rounds[-1]["round_trip_ns"] = round_trip()  # after the round: caches stay warm
             key = (case.name, case.family)
             if key in baselines and case.cfg.dtype == cases_dtype_first(cases, key):
-                baselines[key].append(
-                    baseline_round(
-                        args.xtransformers, case, threads=args.threads, steps_per_round=args.steps
-                    )
+                before = round_trip()
+                result = baseline_round(
+                    args.xtransformers, case, threads=args.threads, steps_per_round=args.steps
                 )
+                baselines[key].append({**result, "round_trip_ns": before})
         print(f"# round {r + 1}/{args.rounds} done, load average {load_average()}", flush=True)
 
     print(
@@ -593,6 +657,9 @@ def main(argv=None):
             row += " - | - |"
         print(row)
         records.append(record)
+    print()
+    for line in slow_rounds(cases, baselines, round_trip.why_unavailable):
+        print(line)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(records, indent=1))
 

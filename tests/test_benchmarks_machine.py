@@ -1,0 +1,91 @@
+"""benchmarks/_machine.py's cache-line round trip, and how benchmarks/train_throughput.py names
+the rounds it timed slowly."""
+
+import importlib.util
+import os
+import shutil
+import sys
+import types
+
+import pytest
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import _machine  # noqa: E402
+
+
+def _train_throughput():
+    spec = importlib.util.spec_from_file_location(
+        "train_throughput", ROOT / "benchmarks" / "train_throughput.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) < 2 or not any(shutil.which(c) for c in ("cc", "gcc", "clang")),
+    reason="needs two CPUs and a C compiler",
+)
+def test_round_trip_between_two_cpus():
+    probe = _machine.CoreRoundTrip()
+    assert probe.why_unavailable is None, probe.why_unavailable
+    ns = probe(round_trips=2000)
+    # Two cache-line transfers: tens to hundreds of nanoseconds on any machine, never zero.
+    assert 1.0 < ns < 100_000.0, ns
+    # A CPU outside the process's set cannot be pinned: None and the reason, not a hang.
+    outside = max(os.sched_getaffinity(0)) + 1
+    if outside < 1024:
+        probe.cpus = [probe.cpus[0], outside]
+        assert probe(round_trips=2000) is None
+        assert str(outside) in probe.why_unavailable
+
+
+def test_round_trip_without_a_compiler_says_so(monkeypatch):
+    monkeypatch.setenv("CC", "")
+    monkeypatch.setattr(_machine.shutil, "which", lambda name: None)
+    probe = _machine.CoreRoundTrip()
+    assert probe() is None
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert probe.why_unavailable == "no C compiler (set CC, or install gcc)"
+
+
+def test_slow_rounds_are_named_with_their_round_trip():
+    tt = _train_throughput()
+    case = types.SimpleNamespace(
+        name="tiny",
+        family="alibi",
+        cfg=types.SimpleNamespace(dtype="float32"),
+        rounds=[
+            {"step_ms": 14.5, "user_ms": 26.0, "round_trip_ns": 150.0},
+            {"step_ms": 22.0, "user_ms": 38.0, "round_trip_ns": 390.0},
+            {"step_ms": 15.0, "user_ms": 27.0, "round_trip_ns": 160.0},
+        ],
+    )
+    baselines = {
+        ("tiny", "alibi"): [
+            {"ms_per_step": 24.0, "round_trip_ns": 155.0},
+            {"ms_per_step": 25.0, "round_trip_ns": 380.0},
+            {"ms_per_step": 36.0, "round_trip_ns": 385.0},
+        ]
+    }
+    lines = tt.slow_rounds([case], baselines, None)
+    assert lines[0].endswith("150 ns at best, median 270, worst 390")
+    assert lines[1] == "# rounds over 1.25x the fastest of their series:"
+    assert lines[2] == (
+        "#   tiny alibi float32 posattn round 2: 22.0 ms, user CPU 38.0 ms a step (fastest round "
+        "14.5 ms, 26.0); round trip 390 ns, 150 beside that"
+    )
+    assert lines[3] == (
+        "#   tiny alibi x-transformers round 3: 36.0 ms (fastest round 24.0 ms); round trip "
+        "385 ns, 155 beside that"
+    )
+    assert len(lines) == 4  # 25.0 is within 1.25x of 24.0; 15.0 within 1.25x of 14.5
+
+    case.rounds = [dict(r, round_trip_ns=None) for r in case.rounds[::2]]
+    lines = tt.slow_rounds([case], {}, "no C compiler (set CC, or install gcc)")
+    assert lines == [
+        "# a cache line's round trip between the two CPUs, beside each round: not timed "
+        "(no C compiler (set CC, or install gcc))",
+        "# no round over 1.25x the fastest of its series",
+    ]
