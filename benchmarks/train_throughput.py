@@ -34,13 +34,13 @@ steps (wall clock, ended by `block_until_ready` on the metrics) after three unti
 of the baseline's rounds does; the rounds of every (config, family) and of the baseline
 alternate, so each sees the same contention; min and median over rounds are printed.
 
-Beside every round (after ours, before the baseline's) the round trip of a cache line between
-the first two CPUs is timed (`_machine.CoreRoundTrip`, built with the C compiler where there is
-one). A VM's host can move its two virtual CPUs far apart for seconds at a time, and a step split
-across both threads then runs the same work in more CPU time (docs/benchmarks.md, "What the slow
-rounds are"). The lines after the table name every round over 1.25x the fastest of its series,
-with the round trip beside it and our step's user CPU time a step; the JSON has both for every
-round.
+Before and after every round (ours: its timed window; the baseline's: its subprocess) the round
+trip of a cache line between the first two CPUs is timed (`_machine.CoreRoundTrip`, built with the
+C compiler where there is one). A VM's host can move its two virtual CPUs far apart for seconds at
+a time, and a step split across both threads then runs the same work in more CPU time
+(docs/benchmarks.md, "What the slow rounds are"). The lines after the table name every round over
+1.25x the fastest of its series, with the round trips before and after it and our step's user CPU
+time a step; the JSON has both for every round.
 
 Where the time goes, measured by timing the pieces alone, in the same process, in every round:
   attention  `attention(q, k, v, bias=the family's (BiasFn, params) of layer 0, causal,
@@ -261,11 +261,15 @@ class Case:
         self.matmul_flops = sum(3 * 2 * M * i * o for i, o in shapes)
         timed(gemms, operands)
 
-    def run_round(self) -> dict:
+    def run_round(self, round_trip=None) -> dict:
+        """One timed window and the pieces alone; `round_trip` (a `_machine.CoreRoundTrip`) is
+        timed just before and just after the window, where the machine allows."""
         for batch in self.batches[:WARMUP_STEPS]:  # untimed
             self.state, metrics = self.step(self.state, batch)
         jax.block_until_ready(metrics)
+        before = round_trip() if round_trip else None
         step_s, faults, system_s, user_s = self.run_steps()
+        after = round_trip() if round_trip else None
         attention_s = timed(*self.attention_args, repeats=3) * self.cfg.num_layers
         matmul_s = timed(*self.matmul_args, repeats=3)
         result = {
@@ -275,6 +279,7 @@ class Case:
             "user_ms": user_s * 1e3,
             "attention_ms": attention_s * 1e3,
             "matmul_ms": matmul_s * 1e3,
+            "round_trip_ns": [before, after],
         }
         self.rounds.append(result)
         return result
@@ -459,25 +464,20 @@ SLOW_ROUND = 1.25  # a round this many times the fastest of its series is listed
 def slow_rounds(cases: list[Case], baselines: dict, why_no_round_trip: str | None) -> list[str]:
     """Comment lines naming every round over SLOW_ROUND times the fastest of its series (ours per
     case, the baseline's per (config, family)), with the cache line's round trip between the two
-    CPUs timed beside it and, for ours, the step's user CPU time a step against the fastest
-    round's: a round slowed by where the host ran the VM's CPUs (docs/benchmarks.md, "What the
-    slow rounds are") has a longer round trip and the same work in more CPU time."""
-    rows = []  # (label, round, step ms, user ms or None, round trip ns or None, fastest round)
-    for case in cases:
-        label = f"{case.name} {case.family} {case.cfg.dtype} posattn"
-        fastest = min(case.rounds, key=lambda x: x["step_ms"])
-        for i, x in enumerate(case.rounds):
-            rows.append((label, i, x["step_ms"], x["user_ms"], x["round_trip_ns"], fastest))
-    for (config, family), series in baselines.items():
-        if not series:
-            continue
-        fastest = min(series, key=lambda x: x["ms_per_step"])
-        for i, x in enumerate(series):
-            label = f"{config} {family} x-transformers"
-            rows.append((label, i, x["ms_per_step"], None, x["round_trip_ns"], fastest))
-    trips = [row[4] for row in rows if row[4] is not None]
+    CPUs timed before and after it (ours: its timed window; the baseline's: its subprocess) and,
+    for ours, the step's user CPU time a step, each against the fastest round's: a round slowed
+    by where the host ran the VM's CPUs (docs/benchmarks.md, "What the slow rounds are") has a
+    longer round trip and the same work in more CPU time."""
+    series = [
+        (f"{c.name} {c.family} {c.cfg.dtype} posattn", "step_ms", c.rounds) for c in cases
+    ] + [
+        (f"{config} {family} x-transformers", "ms_per_step", rounds)
+        for (config, family), rounds in baselines.items()
+        if rounds
+    ]
+    trips = [t for _, _, rounds in series for x in rounds for t in x["round_trip_ns"] if t]
     lines = [
-        "# a cache line's round trip between the two CPUs, beside each round: "
+        "# a cache line's round trip between the two CPUs, before and after each round: "
         + (
             f"{min(trips):.0f} ns at best, median {statistics.median(trips):.0f}, worst "
             f"{max(trips):.0f}"
@@ -485,23 +485,29 @@ def slow_rounds(cases: list[Case], baselines: dict, why_no_round_trip: str | Non
             else f"not timed ({why_no_round_trip})"
         )
     ]
-    for label, i, step_ms, user_ms, trip, fastest in rows:
-        fast_ms = fastest.get("step_ms", fastest.get("ms_per_step"))
-        if step_ms <= SLOW_ROUND * fast_ms:
-            continue
-        if len(lines) == 1:
-            lines.append(f"# rounds over {SLOW_ROUND}x the fastest of their series:")
-        user = "" if user_ms is None else f", user CPU {user_ms:.1f} ms a step"
-        fast_user = "" if user_ms is None else f", {fastest['user_ms']:.1f}"
-        fast_trip = fastest["round_trip_ns"]
-        trips_then = "" if trip is None else f"; round trip {trip:.0f} ns"
-        trips_then += "" if trip is None or fast_trip is None else f", {fast_trip:.0f} beside that"
-        lines.append(
-            f"#   {label} round {i + 1}: {step_ms:.1f} ms{user} (fastest round {fast_ms:.1f} ms"
-            f"{fast_user}){trips_then}"
-        )
+
+    def said(x: dict, key: str) -> tuple[str, str]:  # (ms, user CPU and round trips)
+        user = f"{x['user_ms']:.1f}" if "user_ms" in x else None
+        trip = " / ".join(f"{t:.0f}" for t in x["round_trip_ns"] if t)
+        return f"{x[key]:.1f}", ", ".join(filter(None, (user, trip and f"{trip} ns")))
+
+    for label, key, rounds in series:
+        fastest = min(rounds, key=lambda x: x[key])
+        for i, x in enumerate(rounds):
+            if x[key] > SLOW_ROUND * fastest[key]:
+                (ms, more), (fast_ms, fast_more) = said(x, key), said(fastest, key)
+                lines.append(
+                    f"#   {label} round {i + 1}: {ms} ms ({more}); fastest round {fast_ms} ms "
+                    f"({fast_more})".replace(" ()", "")
+                )
     if len(lines) == 1:
         lines.append(f"# no round over {SLOW_ROUND}x the fastest of its series")
+    else:
+        lines.insert(
+            1,
+            f"# rounds over {SLOW_ROUND}x the fastest of their series: ms a step (our user CPU "
+            "time a step, round trips before / after):",
+        )
     return lines
 
 
@@ -602,15 +608,14 @@ def main(argv=None):
     round_trip = CoreRoundTrip()
     for r in range(args.rounds):
         for case in cases:
-            case.run_round()
-            case.rounds[-1]["round_trip_ns"] = round_trip()  # after the round: caches stay warm
+            case.run_round(round_trip)
             key = (case.name, case.family)
             if key in baselines and case.cfg.dtype == cases_dtype_first(cases, key):
                 before = round_trip()
                 result = baseline_round(
                     args.xtransformers, case, threads=args.threads, steps_per_round=args.steps
                 )
-                baselines[key].append({**result, "round_trip_ns": before})
+                baselines[key].append({**result, "round_trip_ns": [before, round_trip()]})
         print(f"# round {r + 1}/{args.rounds} done, load average {load_average()}", flush=True)
 
     print(

@@ -50,42 +50,49 @@ def test_round_trip_without_a_compiler_says_so(monkeypatch):
         assert probe.why_unavailable == "no C compiler (set CC, or install gcc)"
 
 
-def test_slow_rounds_are_named_with_their_round_trip():
+def test_slow_rounds_are_named_with_their_round_trips():
     tt = _train_throughput()
     case = types.SimpleNamespace(
         name="tiny",
         family="alibi",
         cfg=types.SimpleNamespace(dtype="float32"),
         rounds=[
-            {"step_ms": 14.5, "user_ms": 26.0, "round_trip_ns": 150.0},
-            {"step_ms": 22.0, "user_ms": 38.0, "round_trip_ns": 390.0},
-            {"step_ms": 15.0, "user_ms": 27.0, "round_trip_ns": 160.0},
+            {"step_ms": 14.5, "user_ms": 26.0, "round_trip_ns": [150.0, 52.0]},
+            {"step_ms": 22.0, "user_ms": 38.0, "round_trip_ns": [390.0, 380.0]},
+            {"step_ms": 15.0, "user_ms": 27.0, "round_trip_ns": [160.0, 55.0]},
         ],
     )
     baselines = {
         ("tiny", "alibi"): [
-            {"ms_per_step": 24.0, "round_trip_ns": 155.0},
-            {"ms_per_step": 25.0, "round_trip_ns": 380.0},
-            {"ms_per_step": 36.0, "round_trip_ns": 385.0},
+            {"ms_per_step": 24.0, "round_trip_ns": [155.0, 54.0]},
+            {"ms_per_step": 25.0, "round_trip_ns": [380.0, 53.0]},
+            {"ms_per_step": 36.0, "round_trip_ns": [385.0, 340.0]},
         ]
     }
     lines = tt.slow_rounds([case], baselines, None)
-    assert lines[0].endswith("150 ns at best, median 270, worst 390")
-    assert lines[1] == "# rounds over 1.25x the fastest of their series:"
+    assert lines[0].endswith("before and after each round: 52 ns at best, median 158, worst 390")
+    assert lines[1].startswith("# rounds over 1.25x the fastest of their series:")
     assert lines[2] == (
-        "#   tiny alibi float32 posattn round 2: 22.0 ms, user CPU 38.0 ms a step (fastest round "
-        "14.5 ms, 26.0); round trip 390 ns, 150 beside that"
+        "#   tiny alibi float32 posattn round 2: 22.0 ms (38.0, 390 / 380 ns); fastest round "
+        "14.5 ms (26.0, 150 / 52 ns)"
     )
     assert lines[3] == (
-        "#   tiny alibi x-transformers round 3: 36.0 ms (fastest round 24.0 ms); round trip "
-        "385 ns, 155 beside that"
+        "#   tiny alibi x-transformers round 3: 36.0 ms (385 / 340 ns); fastest round 24.0 ms "
+        "(155 / 54 ns)"
     )
     assert len(lines) == 4  # 25.0 is within 1.25x of 24.0; 15.0 within 1.25x of 14.5
 
-    case.rounds = [dict(r, round_trip_ns=None) for r in case.rounds[::2]]
+    # Without the probe: the reason, and slow rounds still named by their times alone.
+    case.rounds = [dict(r, round_trip_ns=[None, None]) for r in case.rounds]
     lines = tt.slow_rounds([case], {}, "no C compiler (set CC, or install gcc)")
     assert lines == [
-        "# a cache line's round trip between the two CPUs, beside each round: not timed "
-        "(no C compiler (set CC, or install gcc))",
-        "# no round over 1.25x the fastest of its series",
+        "# a cache line's round trip between the two CPUs, before and after each round: not "
+        "timed (no C compiler (set CC, or install gcc))",
+        "# rounds over 1.25x the fastest of their series: ms a step (our user CPU time a step, "
+        "round trips before / after):",
+        "#   tiny alibi float32 posattn round 2: 22.0 ms (38.0); fastest round 14.5 ms (26.0)",
     ]
+    case.rounds = case.rounds[::2]
+    assert tt.slow_rounds([case], {}, "why")[1] == (
+        "# no round over 1.25x the fastest of its series"
+    )
