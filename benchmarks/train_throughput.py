@@ -31,8 +31,9 @@ it without them, `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` with huge pages alone).
 and system (kernel) CPU time a step, the process's over the round, are printed beside its time:
 scratch served by fresh 4 KiB pages every step shows up there. A round times --steps consecutive
 steps (wall clock, ended by `block_until_ready` on the metrics) after three untimed ones, as each
-of the baseline's rounds does; the rounds of every (config, family) and of the baseline
-alternate, so each sees the same contention; min and median over rounds are printed.
+of the baseline's rounds does (and the first round after 10 s of untimed steps of every case); the
+rounds of every (config, family) and of the baseline alternate, so each sees the same contention;
+min and median over rounds are printed.
 
 Before and after every round (ours: its timed window; the baseline's: its subprocess) the round
 trip of a cache line between the first two CPUs is timed (`_machine.CoreRoundTrip`, built with the
@@ -141,6 +142,11 @@ def timed(fn, *args, repeats: int = 1) -> float:
 # Untimed steps before each round's window, as the baseline takes before its own
 # (benchmarks/xtransformers_baseline.py): a round starts warm after the other side's round.
 WARMUP_STEPS = 3
+# Untimed steps of every case, in turn, for this long before the first round. After the minutes
+# of single-threaded compiling that build the cases, a VM's host held its two CPUs apart for the
+# first seconds of two-threaded work: the first round of every run was slow, and the
+# baseline's first round after it (docs/benchmarks.md, "What the slow rounds are").
+WARMUP_SECONDS = 10.0
 
 
 class Case:
@@ -606,6 +612,11 @@ def main(argv=None):
             if c.family in BASELINE_POSITIONS and c.cfg.num_kv_heads == c.cfg.num_heads
         }
     round_trip = CoreRoundTrip()
+    warm_until = time.perf_counter() + WARMUP_SECONDS
+    while time.perf_counter() < warm_until:
+        for case in cases:
+            case.run_steps()
+    print(f"# {WARMUP_SECONDS:g} s of untimed steps, every case in turn, before the rounds")
     for r in range(args.rounds):
         for case in cases:
             case.run_round(round_trip)
