@@ -30,10 +30,18 @@ _ROUND_TRIP_C = r"""
 #include <stdatomic.h>
 #include <time.h>
 
-static _Atomic long line __attribute__((aligned(128)));
+#define LIMIT_S 1.0 /* a timing that takes longer is given up: the threads do not run at once */
+
+static _Atomic long line __attribute__((aligned(128))); /* 2i+1: ping's turn done; -1: stop */
 static long rounds;
 
 typedef struct { int cpu, unpinned; double ns; } side;
+
+static double now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec + 1e-9 * t.tv_nsec;
+}
 
 /* Pinning can fail (a CPU outside the process's set): the side then runs where it is and
    says so, so that both sides always finish their loops. */
@@ -47,32 +55,39 @@ static void pin(side *s) {
 static void *pong(void *p) {
   pin(p);
   for (long i = 0; i < rounds; i++) {
-    while (atomic_load_explicit(&line, memory_order_acquire) != 2 * i + 1) {}
-    atomic_store_explicit(&line, 2 * i + 2, memory_order_release);
+    long v;
+    while ((v = atomic_load_explicit(&line, memory_order_acquire)) != 2 * i + 1)
+      if (v < 0) return 0;
+    long expected = 2 * i + 1; /* not over a stop written meanwhile */
+    if (!atomic_compare_exchange_strong(&line, &expected, 2 * i + 2)) return 0;
   }
   return 0;
 }
 
-static void serve(void) {
+/* Seconds for `rounds` round trips, or -1 once LIMIT_S has passed (pong is told to stop). */
+static double serve(void) {
+  double start = now();
   for (long i = 0; i < rounds; i++) {
     atomic_store_explicit(&line, 2 * i + 1, memory_order_release);
-    while (atomic_load_explicit(&line, memory_order_acquire) != 2 * i + 2) {}
+    for (long spin = 1; atomic_load_explicit(&line, memory_order_acquire) != 2 * i + 2; spin++)
+      if ((spin & 0xffff) == 0 && now() - start > LIMIT_S) {
+        atomic_store(&line, -1);
+        return -1;
+      }
   }
+  return now() - start;
 }
 
 static void *ping(void *p) {
   side *s = p;
-  struct timespec a, b;
   pin(s);
-  clock_gettime(CLOCK_MONOTONIC, &a);
-  serve();
-  clock_gettime(CLOCK_MONOTONIC, &b);
-  s->ns = ((b.tv_sec - a.tv_sec) * 1e9 + (b.tv_nsec - a.tv_nsec)) / rounds;
+  double seconds = serve();
+  s->ns = seconds < 0 ? -2 : seconds * 1e9 / rounds;
   return 0;
 }
 
-/* ns per round trip between cpu_a and cpu_b, or -1 where a side could not be pinned or
-   started. */
+/* ns per round trip between cpu_a and cpu_b; -1 where a side could not be pinned or started,
+   -2 where the timing took over LIMIT_S. */
 double round_trip_ns(int cpu_a, int cpu_b, long n) {
   pthread_t tp, tq;
   side a = {cpu_a, 0, 0}, b = {cpu_b, 0, 0};
@@ -80,7 +95,7 @@ double round_trip_ns(int cpu_a, int cpu_b, long n) {
   rounds = n;
   atomic_store(&line, 0);
   if (pthread_create(&tq, 0, pong, &b)) return -1;
-  if (pthread_create(&tp, 0, ping, &a)) {  /* walk pong to its end from this thread */
+  if (pthread_create(&tp, 0, ping, &a)) { /* walk pong to its end from this thread */
     serve();
     pthread_join(tq, 0);
     return -1;
@@ -137,8 +152,13 @@ class CoreRoundTrip:
         unavailable."""
         if self._fn is None:
             return None
-        times = [self._fn(*self.cpus, round_trips) for _ in range(repeats)]
-        if min(times) < 0:
-            self.why_unavailable, self._fn = f"cannot pin threads to CPUs {self.cpus}", None
-            return None
-        return min(times)
+        best = float("inf")
+        for _ in range(repeats):
+            ns = self._fn(*self.cpus, round_trips)
+            if ns < 0:
+                self._fn = None
+                why = "do not run at once" if ns == -2 else "cannot be pinned"
+                self.why_unavailable = f"threads on CPUs {self.cpus} {why}"
+                return None
+            best = min(best, ns)
+        return best
