@@ -111,9 +111,10 @@ class CoreRoundTrip:
     """A cache line's round trip between the process's first two CPUs, in nanoseconds.
 
     On a VM the host decides where its virtual CPUs run; when it places the two far apart (on
-    different core complexes of its chip), data one thread writes reaches the other more slowly,
-    and a step whose ops are split across both threads slows as a whole (docs/benchmarks.md,
-    "What the slow rounds are"). Timing this beside each round tells such rounds apart.
+    cores that share no cache, as two core complexes of one chip), data one thread writes reaches
+    the other more slowly, and a step whose ops are split across both threads slows as a whole
+    (docs/benchmarks.md, "What the slow rounds are"). Timing this beside each round tells such
+    rounds apart.
 
     Built with the C compiler (`$CC`, else `cc`/`gcc`/`clang`) into a temporary directory;
     `why_unavailable` says why not where it cannot be (no compiler, fewer than two CPUs).
