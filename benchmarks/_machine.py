@@ -116,8 +116,9 @@ class CoreRoundTrip:
     (docs/benchmarks.md, "What the slow rounds are"). Timing this beside each round tells such
     rounds apart.
 
-    Built with the C compiler (`$CC`, else `cc`/`gcc`/`clang`) into a temporary directory;
-    `why_unavailable` says why not where it cannot be (no compiler, fewer than two CPUs).
+    Built with the C compiler (`$CC`, else `cc`/`gcc`/`clang`) into a temporary directory. Where
+    it cannot be timed (no compiler, fewer than two CPUs, a CPU that cannot be pinned, threads
+    that do not run at once) a call returns None and `why_unavailable` says why.
     """
 
     def __init__(self):

@@ -170,12 +170,18 @@ SMALL_OVERRIDES = (
 )
 
 
-def experiment_script(name: str):
-    """experiments/<name>.py imported as a module (the scripts are not a package)."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
+def script_module(path: pathlib.Path):
+    """The script at `path` imported as a module named after its file (scripts are not a
+    package)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def experiment_script(name: str):
+    """experiments/<name>.py imported as a module."""
+    return script_module(ROOT / "experiments" / f"{name}.py")
 
 
 def small_config(**overrides):

@@ -1,26 +1,16 @@
 """benchmarks/_machine.py's cache-line round trip, and how benchmarks/train_throughput.py names
 the rounds it timed slowly."""
 
-import importlib.util
 import os
 import shutil
 import sys
 import types
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, script_module
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import _machine  # noqa: E402
-
-
-def _train_throughput():
-    spec = importlib.util.spec_from_file_location(
-        "train_throughput", ROOT / "benchmarks" / "train_throughput.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.skipif(
@@ -57,7 +47,7 @@ def test_round_trip_without_a_compiler_says_so(monkeypatch):
 
 
 def test_slow_rounds_are_named_with_their_round_trips():
-    tt = _train_throughput()
+    tt = script_module(ROOT / "benchmarks" / "train_throughput.py")
     case = types.SimpleNamespace(
         name="tiny",
         family="alibi",
