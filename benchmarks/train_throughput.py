@@ -69,7 +69,10 @@ cross-entropy on [B, T, vocab].
 With --products, instead: the small config's MLP product in its three forms (forward, both
 backward products) with float32 operands and with bfloat16 ones (bfloat16 or float32 result),
 best of --rounds x 20 calls: whether the CPU's GEMM library runs the step's products faster in
-bfloat16 (`--dtypes` times the whole step).
+bfloat16 (`--dtypes` times the whole step). Then square float32 products (n x n by n x n, n = 256,
+512, 1024) in the same library, best of --rounds x 10 calls, in GFLOP/s: the rate this process's
+threads reach on products large enough to run near the CPU's peak, against which "matmuls alone"
+of a step's products can be read.
 
 With --xtransformers PYTHON, benchmarks/xtransformers_baseline.py runs under that interpreter (one
 with torch and x-transformers; never a posattn dependency) for the families it has (rope, alibi,
@@ -385,6 +388,13 @@ def products(rounds: int) -> None:
             timed(f, *typed)  # compile
             cells.append(min(timed(f, *typed, repeats=20) for _ in range(rounds)) * 1e3)
         print(f"| {name} | " + " | ".join(f"{c:.2f}" for c in cells) + " |", flush=True)
+    print("\n| square float32 product, n x n by n x n | ms (best) | GFLOP/s |\n|---|---|---|")
+    for n in (256, 512, 1024):
+        a, b = (jax.random.normal(k, (n, n)) for k in jax.random.split(jax.random.key(1)))
+        f = jax.jit(jnp.dot)
+        timed(f, a, b)  # compile
+        best = min(timed(f, a, b, repeats=10) for _ in range(rounds))
+        print(f"| {n} | {best * 1e3:.2f} | {2 * n**3 / best / 1e9:.0f} |", flush=True)
 
 
 def pieces(rounds: int) -> None:
