@@ -158,6 +158,57 @@ def test_variants_accept_a_traced_base():
             assert row.shape == host.shape and ulps(row, host).max() <= 8
 
 
+def test_a_rope_theta_equal_to_the_base_is_taken_and_a_different_one_refused():
+    """transformers 5 keeps the base in `rope_parameters` and writes it into a `rope_scaling`
+    dict a config is built with: that dict gives the frequencies of the dict without it."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}
+    for scaling in (None, yarn, {"partial_rotary_factor": 0.5}):
+        plain = rope_frequencies(32, base=5e5, scaling=scaling)
+        given = {**(scaling or {"rope_type": "default"}), "rope_theta": 5e5}
+        with_theta = rope_frequencies(32, base=5e5, scaling=given)
+        np.testing.assert_array_equal(with_theta[0], plain[0])
+        assert with_theta[1] == plain[1]
+    with pytest.raises(ValueError, match=r"'rope_theta'\] = 10000.0 .*differs from base = 5000"):
+        rope_frequencies(32, base=5e5, scaling={**yarn, "rope_theta": 1e4})
+    with pytest.raises(ValueError, match="traced"):
+        jax.jit(lambda b: rope_frequencies(32, base=b, scaling={**yarn, "rope_theta": 5e5})[0])(
+            jnp.float32(5e5)
+        )
+    with pytest.raises(ValueError, match="model.rope_base"):  # no base to compare it with
+        validate_rope_scaling({**yarn, "rope_theta": 5e5}, 32)
+
+
+def test_a_dict_transformers_wrote_the_base_into_gives_its_frequencies():
+    """Live: the dict given to a transformers config, as transformers left it, against
+    transformers' own frequencies (skipped without transformers)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for scaling in (
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048},
+        {"rope_type": "linear", "factor": 2.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "original_max_position_embeddings": 8192,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+        },
+    ):
+        config = transformers.LlamaConfig(
+            hidden_size=128,
+            num_attention_heads=4,
+            head_dim=32,
+            rope_theta=5e5,
+            max_position_embeddings=32768,
+            rope_scaling=scaling,
+        )
+        inv_freq, factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](config, "cpu")
+        ours, our_factor = rope_frequencies(32, base=5e5, scaling=scaling)
+        np.testing.assert_allclose(ours, inv_freq.numpy(), rtol=2e-6)
+        assert our_factor == pytest.approx(factor, rel=1e-6)
+
+
 def test_normalised_dict_is_hashable_and_reusable():
     scaling = FREQ["longrope_inferred_1000"]["scaling"]
     normalised = validate_rope_scaling(scaling, 32)

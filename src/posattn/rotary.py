@@ -485,11 +485,14 @@ def rope_frequencies(
     Args:
       head_dim: H, even.
       base: b in theta_k = b^(-2k/H), > 1. May be traced (a swept base under vmap).
-      scaling: None or a Hugging Face `rope_scaling` dict, see `validate_rope_scaling`. Its
-        `partial_rotary_factor` p (default 1) makes the rotation partial: every formula then runs
-        with d = R = int(H p) in place of H and returns ceil(R / 2) frequencies; `apply_rope`
-        rotates the first 2 ceil(R / 2) dims and passes the rest through. For
-        `rope_type="proportional"` p is instead the fraction of the H // 2 pairs that turn.
+      scaling: None or a Hugging Face `rope_scaling` dict, see `validate_rope_scaling`; a
+        transformers 5 `rope_parameters` dict too, whose `rope_theta` (the base, which
+        transformers 5 also writes into a `rope_scaling` dict given to a config) must then equal
+        `base`. Its `partial_rotary_factor` p (default 1) makes the rotation partial: every
+        formula then runs with d = R = int(H p) in place of H and returns ceil(R / 2)
+        frequencies; `apply_rope` rotates the first 2 ceil(R / 2) dims and passes the rest
+        through. For `rope_type="proportional"` p is instead the fraction of the H // 2 pairs
+        that turn.
       seq_len: the current length (max position + 1), read by "dynamic" and "longrope" (long
         factors when seq_len > original_max_position_embeddings); None means the original
         length. May be traced.
@@ -499,7 +502,7 @@ def rope_frequencies(
       multiplies both cos and sin (YaRN's and LongRoPE's temperature; attention logits then scale
       by its square); 1.0 for every kind but "yarn" and "longrope".
     """
-    cfg = validate_rope_scaling(scaling, head_dim)
+    cfg = validate_rope_scaling(_without_theta(scaling, base), head_dim)
     if _static(base) and not float(base) > 1:
         raise ValueError(f"base = {base!r} is not allowed: it must be a number > 1.")
     if (
@@ -516,6 +519,31 @@ def rope_frequencies(
         inv_freq = inv_freq.astype(np.float32)
     factor = _ATTENTION_FACTOR[kind](cfg) if kind in _ATTENTION_FACTOR else 1.0
     return jnp.asarray(inv_freq, jnp.float32), factor
+
+
+def _without_theta(scaling: Mapping | None, base) -> Mapping | None:
+    """`scaling` without a `rope_theta` key that agrees with `base` (transformers 5 keeps the base
+    in `rope_parameters`, and adds it to a `rope_scaling` dict a config is built with); a
+    `rope_theta` that differs from `base`, or that cannot be compared with a traced one, is
+    refused."""
+    if scaling is None or not hasattr(scaling, "keys") or "rope_theta" not in scaling.keys():
+        return scaling
+    theta = scaling["rope_theta"]
+    if not _static(base):
+        raise _refuse(
+            "rope_theta",
+            theta,
+            "the base is traced here (a swept base), so the scaling dict cannot also name one: "
+            "leave rope_theta out of it",
+        )
+    if not (_is_number(theta) and float(theta) == float(base)):
+        raise _refuse(
+            "rope_theta",
+            theta,
+            f"it differs from base = {float(base)!r}: pass the base once, as "
+            "rope_frequencies(base=...), or the same value in both",
+        )
+    return {key: scaling[key] for key in scaling.keys() if key != "rope_theta"}
 
 
 # ----------------------------------------------------------------------------------------------
