@@ -3,6 +3,7 @@ command lines refused with the usage (exit status 2), never a traceback."""
 
 import errno
 import importlib.util
+import json
 import subprocess
 import sys
 
@@ -174,6 +175,14 @@ def test_workdir_and_file_system_errors_are_one_line(tmp_path, capsys, monkeypat
     assert "config.json is damaged" in capsys.readouterr().err
     assert generate.main(["--workdir", str(damaged), "--prompt", "x"]) == 2
     assert "config.json is damaged" in capsys.readouterr().err
+    assert generate.main(["--hf", str(tmp_path / "missing"), "--prompt", "x"]) == 2
+    assert "has no config.json (a Hugging Face checkpoint directory)" in capsys.readouterr().err
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    gpt2 = {"n_embd": 8, "n_head": 2, "n_layer": 1, "n_positions": 16, "vocab_size": 256}
+    (no_weights / "config.json").write_text(json.dumps({"model_type": "gpt2", **gpt2}))
+    assert generate.main(["--hf", str(no_weights), "--prompt", "x"]) == 2
+    assert capsys.readouterr().err.count("has neither model.safetensors") == 1
 
     def full(self, step, *args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", str(self.directory / str(step)))

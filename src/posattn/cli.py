@@ -196,7 +196,8 @@ def report_errors(
     """Runs an entry point's `body`, turning the errors a user can act on into one line on stderr.
 
     Exit status 2: a bad command line, config, workdir or corpus (`ConfigError` and
-    `user_errors`); 1: the run cannot go on (`run_errors`, a file system error such as a full
+    `user_errors`), or an input file posattn found missing (its `FileNotFoundError` with our own
+    message); 1: the run cannot go on (`run_errors`, a file system error such as a full
     disk or a read-only directory, Ctrl-C before training started). Anything else is a bug and
     keeps its traceback; `--debug` on the command line shows the traceback of every error.
     """
@@ -251,6 +252,8 @@ def _classify(e: BaseException, user_errors, run_errors) -> tuple[int | None, st
     full = _no_space(e)
     if full is not None:
         return 1, full
+    if isinstance(e, FileNotFoundError) and not e.strerror and e.args:
+        return 2, str(e)  # a missing input, in our own words (not the OS's): the user's to fix
     if isinstance(e, OSError) and e.strerror:
         where = f": {e.filename}" if e.filename else ""
         return 1, f"{e.strerror}{where} (rerun with --debug for the traceback)"

@@ -179,8 +179,8 @@ def test_a_member_the_model_refuses_fails_before_any_program_starts(tmp_path):
         continuous={"model": {"rope_base": (1e4, 0.5)}},
     )
     with pytest.raises(config_lib.ConfigError, match=r"sweep member 3 .*base = 0.5"):
-        sweep.run_sweep(config, tmp_path)
-    assert not (tmp_path / "programs").exists()
+        sweep.run_sweep(config, tmp_path / "sweep")
+    assert not (tmp_path / "sweep").exists()  # refused before the workdir was made
 
 
 def test_rope_base_with_dynamic_scaling_is_refused_and_zip_lengths_must_agree():

@@ -183,6 +183,7 @@ def test_empty_and_too_short_corpora_are_clear_errors(tmp_path):
     short.write_text("too short to cut a window from")
     with pytest.raises(DataError, match=r"fewer than one window.*data.seq_len"):
         train_and_evaluate(small_config(data__corpus=str(short)), tmp_path / "w")
+    assert not (tmp_path / "w").exists()  # refused before the workdir was made
 
 
 # ---- Readers beside a running trainer; a NaN state is never saved; resume checks. ----

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from posattn.hf import mapping
-from posattn.hf.config import ARCHITECTURES, HfConfigError, hf_config, model_config
+from posattn.hf.config import ARCHITECTURES, HfConfigError, hf_config, model_config, read_config
 from posattn.nn.config import ModelConfig
 from posattn.nn.model import TransformerLM, convert_layout
 
@@ -40,11 +40,7 @@ _FLOATS = ("F32", "F16", "BF16", "F64")
 
 def load_config(path, *, dtype: str | None = None) -> tuple[ModelConfig, str]:
     """(ModelConfig, model_type) of the checkpoint directory `path`'s config.json."""
-    path = pathlib.Path(path)
-    file = path / "config.json"
-    if not file.is_file():
-        raise FileNotFoundError(f"{path} has no config.json (a Hugging Face checkpoint directory)")
-    hf = json.loads(file.read_text())
+    hf = read_config(path)
     return model_config(hf, dtype=dtype), hf.get("model_type")
 
 

@@ -441,7 +441,8 @@ _PARSERS = {
 }
 
 
-def _read(path) -> dict:
+def read_config(path) -> dict:
+    """The checkpoint directory `path`'s config.json, as a dict."""
     import json
     import pathlib
 
@@ -458,7 +459,7 @@ def init_from_keys(keys: dict[str, Any]) -> dict[str, Any]:
     from posattn.nn.config import defaults
 
     path = keys["init_from"][3:]
-    base = model_config(_read(path)).keys()
+    base = model_config(read_config(path)).keys()
     default = defaults()
     out = dict(base)
     for name, value in keys.items():

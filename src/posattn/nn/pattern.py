@@ -243,8 +243,8 @@ def validate(cfg) -> None:
     if len(pattern) > cfg.num_layers:
         raise ValueError(
             f"{where} has {len(pattern)} entries but config.model.num_layers={cfg.num_layers}: "
-            f"entries past the {cfg.num_layers}th would never be used; shorten the pattern or "
-            "add layers"
+            f"the entries after the first {cfg.num_layers} would never be used; shorten the "
+            "pattern or add layers"
         )
     specs = cfg.layers
     if pattern:

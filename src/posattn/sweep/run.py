@@ -81,24 +81,24 @@ def run_sweep(
     loggers_lib.check(config.train)
     workdir = pathlib.Path(workdir)
     lead = jax.process_index() == 0
-    if lead:
+    corpus = data_lib.load_corpus(config.data.corpus)
+    text = _eval_text(corpus, lengths, config) if lengths else None
+    for program in programs:
+        for member in program.members:
+            corpus.check_vocab(member.cfg.vocab_size)
+            data_lib.check_length(corpus, member.config.data.seq_len)
+            check_eval_split(  # every program evaluates at its end
+                corpus,
+                seq_len=member.config.data.seq_len,
+                batch_size=member.config.train.batch_size,
+            )
+        sweep_mesh(
+            len(program.members), program.members[0].config.train
+        )  # fails early if it cannot
+        _abstract_member(program)
+    if lead:  # only once every check has passed: a refused config leaves no directory behind
         workdir_lib.make_workdir(workdir)
     with workdir_lib.lock(workdir) if lead else contextlib.nullcontext():
-        corpus = data_lib.load_corpus(config.data.corpus)
-        text = _eval_text(corpus, lengths, config) if lengths else None
-        for program in programs:
-            for member in program.members:
-                corpus.check_vocab(member.cfg.vocab_size)
-                data_lib.check_length(corpus, member.config.data.seq_len)
-                check_eval_split(  # every program evaluates at its end
-                    corpus,
-                    seq_len=member.config.data.seq_len,
-                    batch_size=member.config.train.batch_size,
-                )
-            sweep_mesh(
-                len(program.members), program.members[0].config.train
-            )  # fails early if it cannot
-            _abstract_member(program)
         if lead:
             workdir_lib.write_or_check_config(workdir, config)
         records, complete = [], True

@@ -129,8 +129,6 @@ def train_and_evaluate(
     sharding.maybe_initialize_distributed(bool(train_cfg.distributed))
     workdir = pathlib.Path(workdir)
     lead = jax.process_index() == 0
-    if lead:
-        workdir_lib.make_workdir(workdir)
     mesh = sharding.make_mesh(train_cfg.fsdp)
     B = train_cfg.batch_size
     if B % mesh.size or B % jax.process_count():
@@ -142,12 +140,14 @@ def train_and_evaluate(
     source = None
     if init_from is not None:
         source = _init_source(init_from, cfg, restart_from)
+    corpus = data_lib.load_corpus(data_cfg.corpus)
+    corpus.check_vocab(cfg.vocab_size)
+    data_lib.check_length(corpus, data_cfg.seq_len)
+    if train_cfg.eval_every:
+        check_eval_split(corpus, seq_len=data_cfg.seq_len, batch_size=B)
+    if lead:  # only once every check has passed: a refused config leaves no directory behind
+        workdir_lib.make_workdir(workdir)
     with workdir_lib.lock(workdir) if lead else contextlib.nullcontext():
-        corpus = data_lib.load_corpus(data_cfg.corpus)
-        corpus.check_vocab(cfg.vocab_size)
-        data_lib.check_length(corpus, data_cfg.seq_len)
-        if train_cfg.eval_every:
-            check_eval_split(corpus, seq_len=data_cfg.seq_len, batch_size=B)
         if lead:  # config.json is written once the checkpoints' own config agrees (in _train)
             workdir_lib.check_config(workdir, config)
         return _train(config, cfg, corpus, workdir, lead, stop_after, mesh, restart_from, source)
