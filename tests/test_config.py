@@ -293,8 +293,9 @@ families.register(families.Family("plug", settings=PlugSettings, bias=families.B
 """
 
 
-def test_a_family_registered_outside_the_package_works_in_train_and_generate(tmp_path):
-    """`plugins` names the user's module; config.json keeps it, so generate finds the family."""
+def test_a_family_registered_outside_the_package_works_in_train_generate_and_eval(tmp_path):
+    """`plugins` names the user's module; config.json keeps it, so generate and the evaluation
+    find the family."""
     (tmp_path / "user_families.py").write_text(PLUGIN)
     env = dict(
         __import__("os").environ,
@@ -341,6 +342,10 @@ def test_a_family_registered_outside_the_package_works_in_train_and_generate(tmp
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    evaluate = [sys.executable, "-m", "posattn.eval", "--workdir", str(workdir), "--lengths", "16"]
+    done = subprocess.run(evaluate, capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert list((workdir / "eval").glob("*.json"))
 
 
 def test_plugins_that_cannot_be_imported_are_refused_naming_the_module():

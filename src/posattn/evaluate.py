@@ -29,8 +29,6 @@ import os
 import pathlib
 import sys
 
-import ml_collections
-
 from posattn import cli
 from posattn import config as config_lib
 from posattn import data as data_lib
@@ -86,12 +84,10 @@ def evaluate_workdir(
     from flax import nnx
 
     from posattn.train import restore_trained  # the entry point restores; evaluators never do
+    from posattn.train import workdir as workdir_lib
 
     workdir = pathlib.Path(workdir)
-    path = workdir / "config.json"
-    if not path.exists():
-        raise config_lib.ConfigError(f"--workdir={str(workdir)!r} holds no config.json")
-    config = ml_collections.ConfigDict(json.loads(path.read_text()))
+    config = workdir_lib.read_config(workdir)  # with its plugins' families registered
     L = int(config.data.seq_len)
     lengths = sorted(set(lengths or [m * L for m in (1, 2, 4, 8, 16)]))
     if lengths[0] < 2:

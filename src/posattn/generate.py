@@ -13,22 +13,20 @@ How the cache works: docs/decoding.md.
 
 from __future__ import annotations
 
-import json
 import logging
 import pathlib
 import sys
 import time
 
 import jax
-import ml_collections
 import numpy as np
 from flax import nnx
 
 from posattn import cli
-from posattn import config as config_lib
 from posattn.nn import decode
 from posattn.nn.model import TransformerLM
 from posattn.train import restore_trained
+from posattn.train import workdir as workdir_lib
 
 __all__ = ["load_hf", "load_model", "main"]
 
@@ -46,19 +44,7 @@ def load_model(workdir: str | pathlib.Path):
     (`steps.init_train_state`), on one device.
     """
     workdir = pathlib.Path(workdir)
-    path = workdir / "config.json"
-    if not path.is_file():
-        raise GenerateError(
-            f"{workdir} has no config.json: is it a workdir written by python -m posattn.train?"
-        )
-    try:
-        saved = json.loads(path.read_text())
-        if not isinstance(saved, dict):
-            raise ValueError("not a JSON object")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise GenerateError(f"{path} is damaged ({e})") from None
-    # Keys added to the library since the run was written take their defaults.
-    config = config_lib.complete(ml_collections.ConfigDict(saved))
+    config = workdir_lib.read_config(workdir)  # keys added since the run take their defaults
     restored = restore_trained(config, workdir / "checkpoints")
     if restored is None:
         raise GenerateError(

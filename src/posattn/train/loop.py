@@ -300,9 +300,7 @@ def _init_source(init_from, cfg, restart_from) -> _Source:
             "checkpoints/); name the directory a run trained in"
         )
     try:
-        source_config = config_lib.complete(
-            ml_collections.ConfigDict(json.loads(saved.read_text()))
-        )
+        source_config = workdir_lib.read_config(source)
         source_cfg = config_lib.validate(source_config)
     except (ValueError, config_lib.ConfigError) as e:
         raise fail(f"--init_from={init_from}: its config.json does not validate ({e})") from None

@@ -354,6 +354,25 @@ def check_config(
     _refuse_differences(workdir, config_differences(before, config), "config.json")
 
 
+def read_config(workdir: pathlib.Path) -> ml_collections.ConfigDict:
+    """The config a run in `workdir` was trained with (its `config.json`), for a reader such as
+    generation or evaluation: completed with the keys added since (their defaults) and with its
+    `plugins` imported, so a family a plugin registers is known again. A missing or damaged file
+    is a ConfigError that says so."""
+    path = pathlib.Path(workdir) / "config.json"
+    if not path.is_file():
+        raise config_lib.ConfigError(
+            f"{workdir} has no config.json: is it a workdir written by python -m posattn.train?"
+        )
+    try:
+        saved = json.loads(path.read_text())
+        if not isinstance(saved, dict):
+            raise ValueError("not a JSON object")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise config_lib.ConfigError(f"{path} is damaged ({e})") from None
+    return config_lib.complete(ml_collections.ConfigDict(saved))
+
+
 def write_config(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> None:
     """Writes `config.json` (atomically)."""
     current = _normalised(config)
