@@ -151,6 +151,9 @@ def test_probe_evaluators_wrap_their_scores_and_give_none_where_unreadable(text)
     )
     assert got["acc"] == [float(x) for x in grids["acc"][0]]
     assert evaluator.run(model, text, 64, settings)["loss"] == [None, None]
+    assert probes.passkey_min_length(3) - 1 == 23  # a 22-token window cannot hold 3 digits
+    assert evaluator.run(model, text, 22, settings)["loss"] == [None, None]
+    assert evaluator.run(model, text, 23, settings)["loss"][0] is not None
     evaluator, settings = _settings("induction", samples=2, span=4, gap_multiples=[0, 1])
     got = evaluator.run(model, text, 32, settings)
     assert len(got["loss"]) == 2 and got["loss"][1] is None  # 2 * 4 + 32 > 33: does not fit

@@ -118,13 +118,15 @@ def passkey_scores(
     Returns:
       {"acc": exact-match share, "digit_acc": share of digits right, "loss": mean NLL per digit
       (nats), "se": the standard error of the loss over samples (each sample's NLL per digit;
-      NaN for one sample)}, each float64[A, Dp], NaN where the model cannot read the length.
+      NaN for one sample)}, each float64[A, Dp], NaN where the model cannot read the length or
+      the length cannot hold a passkey of `digits` digits (`probes.passkey_min_length` - 1).
     """
     cfg = lengths_lib.model_config_of(graphdef, params, constants)
     keys = ("acc", "digit_acc", "loss", "se")
     out = {k: np.full((len(lengths), len(depths)), np.nan) for k in keys}
+    fits = probes.passkey_min_length(digits) - 1  # a sample is length + 1 bytes
     for a, length in enumerate(lengths):
-        if not lengths_lib.can_read(cfg, int(length)):
+        if not lengths_lib.can_read(cfg, int(length)) or int(length) < fits:
             continue
         made = passkey_samples(
             length=int(length),
@@ -374,7 +376,8 @@ def _cells(grid: np.ndarray) -> list[float | None]:
 
 def passkey_evaluator(model, text, length: int, settings: Mapping[str, Any]) -> dict:
     """The "passkey" evaluator (`posattn.eval.registry`) at one length: {"acc", "digit_acc",
-    "loss", "se"}, each a list over `depths` (None where the model cannot read the length)."""
+    "loss", "se"}, each a list over `depths` (None where the model cannot read the length or
+    the length is too short for the passkey's digits)."""
     grids = passkey_scores(
         *model,
         lengths=[int(length)],
