@@ -2,7 +2,8 @@
 
 An evaluator is
 
-    run(model, text, length, settings) -> a JSON value (None: the model cannot read `length`)
+    run(model, text, length, settings) -> a JSON value (None, or None cells: the model cannot
+        read `length`, or a probe does not fit in it)
 
 * `model`: the split model `(graphdef, params, constants)` (a causal LM; RoPE rows carry their
   eval-time scaling in the graphdef and constants already, so an evaluator never asks which
