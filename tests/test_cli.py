@@ -10,10 +10,11 @@ import sys
 import pytest
 from conftest import ROOT, SMALL_OVERRIDES
 
-from posattn import cli, generate
+from posattn import cli, evaluate, generate
 from posattn import sweep as sweep_lib
 from posattn import train as train_lib
 from posattn.config import ConfigError
+from posattn.data import DataError
 
 TINY = str(ROOT / "configs" / "tiny.py")
 
@@ -120,6 +121,17 @@ def test_entry_points_report_usage_errors_with_status_2(tmp_path, capsys):
     assert "--prompt is required" in capsys.readouterr().err
     assert _experiment().main(["--workdir", str(tmp_path), "--nope"]) == 2
     assert "unknown flag --nope" in capsys.readouterr().err
+    missing = ["--workdir", str(tmp_path), f"--config.data.corpus={tmp_path / 'none'}"]
+    assert _experiment().main(missing) == 2
+    assert "length_extrapolation: error: data.corpus=" in capsys.readouterr().err
+    with pytest.raises(DataError, match="no such file"):  # --debug: the traceback
+        _experiment().main([*missing, "--debug"])
+    assert evaluate.main(["--workdir", str(tmp_path), "--nope"]) == 2
+    assert "unknown flag --nope" in capsys.readouterr().err
+    assert evaluate.main(["--workdir", str(tmp_path)]) == 2
+    assert "has no config.json" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="has no config.json"):  # --debug: the traceback
+        evaluate.main(["--workdir", str(tmp_path), "--debug"])
     assert not any(tmp_path.iterdir()), "nothing may be written for a bad command line"
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 
 from posattn import cli
-from posattn import config as config_lib
 from posattn import data as data_lib
 from posattn.train import NonFiniteLossError, WorkdirBusyError
 
@@ -13,6 +12,7 @@ from . import pretrained
 from .provenance import ROOT, ProducedByOtherCode
 from .run import run
 from .training import Interrupted
+from .workers import WorkerDied
 
 __all__ = ["COMMAND", "DEFAULT_CONFIG", "main"]
 
@@ -37,15 +37,24 @@ COMMAND = cli.Command(
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    try:
+
+    def body() -> int:
         args = cli.parse(COMMAND, argv)
         # A config with pretrained.path set evaluates that checkpoint's rows (pretrained.py).
         runner = pretrained.run if pretrained.enabled(args.config) else run
         runner(args.config, args.workdir, reuse=args.reuse)
-    except (config_lib.ConfigError, data_lib.DataError) as e:
-        print(f"length_extrapolation: error: {e}", file=sys.stderr)
-        return 2
-    except (Interrupted, WorkdirBusyError, NonFiniteLossError, ProducedByOtherCode) as e:
-        print(f"length_extrapolation: {e}", file=sys.stderr)
-        return 1
-    return 0
+        return 0
+
+    return cli.report_errors(
+        "length_extrapolation",
+        argv,
+        body,
+        user_errors=(data_lib.DataError,),
+        run_errors=(
+            Interrupted,
+            WorkerDied,
+            WorkdirBusyError,
+            NonFiniteLossError,
+            ProducedByOtherCode,
+        ),
+    )

@@ -174,21 +174,23 @@ def evaluate_workdir(
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    try:
-        args = cli.parse(COMMAND, argv)
-        out, found = evaluate_workdir(
-            pathlib.Path(args.workdir),
-            lengths=_ints(args.lengths) if args.lengths else None,
-            evaluators=[x for x in args.evaluators.split(",") if x] or None,
-            max_tokens=args.max_tokens,
-            batch_size=args.batch_size,
-            seed=args.seed,
-            bootstrap=args.bootstrap,
-            window=args.window,
-        )
-    except (config_lib.ConfigError, data_lib.DataError) as e:
-        print(f"posattn.eval: error: {e}", file=sys.stderr)
-        return 2
+    return cli.report_errors(
+        "posattn.eval", argv, lambda: _main(argv), user_errors=(data_lib.DataError,)
+    )
+
+
+def _main(argv: list[str]) -> int:
+    args = cli.parse(COMMAND, argv)
+    out, found = evaluate_workdir(
+        pathlib.Path(args.workdir),
+        lengths=_ints(args.lengths) if args.lengths else None,
+        evaluators=[x for x in args.evaluators.split(",") if x] or None,
+        max_tokens=args.max_tokens,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        bootstrap=args.bootstrap,
+        window=args.window,
+    )
     if "loss" in found:
         print("length  loss     95% interval        sliding")
         loss = found["loss"]
