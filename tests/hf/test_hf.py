@@ -115,6 +115,62 @@ def test_a_missing_sliding_window_is_transformers_default(tmp_path):
         assert {s.window for s in hf.from_pretrained(path).cfg.layers} - {None} == {4096}
 
 
+@pytest.mark.parametrize("case", ["qwen2", "neox_sequential"])
+def test_rope_settings_missing_from_config_json_take_transformers_defaults(tmp_path, case):
+    # Without rope settings, transformers' Qwen2Config reads rope_theta 10000 and GPTNeoXConfig
+    # partial_rotary_factor 0.25 (its rotary_pct default): the values these goldens were made with.
+    path = _copy(tmp_path, case)
+    cfg = json.loads((path / "config.json").read_text())
+    for key in ("rope_parameters", "rope_scaling", "rope_theta", "rotary_pct"):
+        cfg.pop(key, None)
+    (path / "config.json").write_text(json.dumps(cfg))
+    model = hf.from_pretrained(path)
+    assert model.cfg.settings.base == 10000.0
+    assert model.cfg.settings.partial_factor == (0.25 if case == "neox_sequential" else 1.0)
+    _check(model, np.load(GOLDENS / case / "expected.npz"))
+
+
+# The smallest config.json of each type: sizes only, everything else transformers' default.
+_SIZES = dict(
+    hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=48, vocab_size=64
+)
+MINIMAL = {
+    "llama": dict(_SIZES, num_key_value_heads=2),
+    "mistral": dict(_SIZES, num_key_value_heads=2),
+    "qwen2": dict(_SIZES, num_key_value_heads=2),
+    "gemma": dict(_SIZES, num_key_value_heads=2, head_dim=8),
+    "gemma3_text": dict(_SIZES, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8),
+    "gpt_neox": _SIZES,
+    "gpt2": dict(n_embd=32, n_head=4, n_layer=2, n_positions=64, vocab_size=64),
+    "bloom": dict(hidden_size=32, n_head=4, n_layer=2, vocab_size=64),
+    "mpt": dict(d_model=32, n_heads=4, n_layers=2, vocab_size=64),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(MINIMAL))
+def test_a_minimal_config_json_reads_as_transformers_reads_it(tmp_path, model_type):
+    """Every key config.json leaves out takes the value transformers gives it: the weights of a
+    model transformers built from the sizes alone, under a config.json of those sizes alone."""
+    pytest.importorskip("transformers")
+    import torch
+    import transformers
+
+    keys = MINIMAL[model_type]
+    config = transformers.AutoConfig.for_model(model_type, **keys)
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0.0, 0.3)
+    ref.float().eval().save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, **keys}))
+    tokens = np.random.default_rng(0).integers(0, 64, (2, 24))
+    with torch.no_grad():
+        want = ref(torch.as_tensor(tokens)).logits.numpy()
+    got = hf.from_pretrained(tmp_path)(jnp.asarray(tokens))
+    assert np.abs(_log_softmax(got) - _log_softmax(want)).max() < TOL
+
+
 def test_qwen2_windows_from_max_window_layers_when_layer_types_is_absent(tmp_path):
     path = _copy(tmp_path, "qwen2_window")
     _edit_config(path, layer_types=None)  # as configs written before transformers 5

@@ -152,7 +152,6 @@ def _llama(hf: dict) -> dict[str, Any]:
     for k in ("attn_logit_softcapping", "final_logit_softcapping"):
         if hf.get(k) is not None:
             raise _refuse(k, hf[k], "only null (no logit soft-capping)")
-    default_theta = 1000000.0 if kind == "qwen2" else 10000.0
     return dict(
         position="rope",
         vocab_size=hf["vocab_size"],
@@ -170,7 +169,7 @@ def _llama(hf: dict) -> dict[str, Any]:
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         embed_scale="one",
         layer_pattern=_sliding_windows(hf),
-        **_rope(hf, head_dim, default_theta),
+        **_rope(hf, head_dim, 10000.0),  # transformers' default base for each of these types
     )
 
 
@@ -361,6 +360,9 @@ def _neox(hf: dict) -> dict[str, Any]:
     hf = dict(hf)
     if "rotary_emb_base" in hf and "rope_theta" not in hf:  # the older name
         hf["rope_theta"] = hf["rotary_emb_base"]
+    given = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not any("rotary_pct" in x or "partial_rotary_factor" in x for x in (hf, given)):
+        hf["partial_rotary_factor"] = 0.25  # transformers' GPTNeoXConfig default (rotary_pct)
     return dict(
         position="rope",
         vocab_size=hf["vocab_size"],
