@@ -102,6 +102,21 @@ def cases() -> dict[str, tuple[str, dict, dict]]:
             dict(LLAMA, tie_word_embeddings=False, use_sliding_window=False),
             {},
         ),
+        # Qwen3: an RMSNorm over each head's query and key before RoPE; head_dim 12 != D / N.
+        "qwen3": ("Qwen3Config", dict(LLAMA, head_dim=12, tie_word_embeddings=False), {}),
+        "qwen3_window": (
+            "Qwen3Config",
+            dict(
+                LLAMA,
+                head_dim=8,
+                rope_theta=1e6,
+                tie_word_embeddings=True,
+                use_sliding_window=True,
+                sliding_window=6,
+                layer_types=["sliding_attention", "full_attention"],
+            ),
+            {},
+        ),
         "mistral": ("MistralConfig", dict(LLAMA, sliding_window=None), {}),
         # Sliding windows shorter than T: Mistral's on every layer; Qwen2's on the layers from
         # max_window_layers on, and on the layers layer_types names (here the first, before a

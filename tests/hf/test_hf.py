@@ -17,7 +17,14 @@ GOLDENS = pathlib.Path(__file__).parent / "goldens"
 LOADED = sorted(p.name for p in GOLDENS.iterdir())
 TOL = 5e-5  # log-softmax, float32
 # The cases whose layers differ (windows, Gemma 3's local and global RoPE).
-PER_LAYER = ["qwen2_layer_types", "mistral_window", "gemma3", "gemma3_legacy", "gemma3_multimodal"]
+PER_LAYER = [
+    "qwen2_layer_types",
+    "qwen3_window",
+    "mistral_window",
+    "gemma3",
+    "gemma3_legacy",
+    "gemma3_multimodal",
+]
 
 
 def _log_softmax(x):
@@ -70,6 +77,7 @@ def _edit_config(path, **changes):
         (dict(attention_bias=True), "attention_bias=True"),
         (dict(hidden_act="gelu_fast"), "hidden_act='gelu_fast'"),
         (dict(pretraining_tp=2), "pretraining_tp=2"),
+        (dict(model_type="qwen3", head_dim=8, attention_bias=True), "q, k, v and o but not"),
     ],
 )
 def test_unsupported_options_are_refused_naming_the_key(tmp_path, changes, named):
@@ -85,6 +93,7 @@ def test_unsupported_options_are_refused_naming_the_key(tmp_path, changes, named
         ("mistral_window", [8, 8]),
         ("qwen2_window", [None, 8]),
         ("qwen2_layer_types", [6, None]),
+        ("qwen3_window", [6, None]),
         ("gemma3", [8, None]),
         ("gemma3_legacy", [6, None, 6]),
     ],
@@ -138,6 +147,7 @@ MINIMAL = {
     "llama": dict(_SIZES, num_key_value_heads=2),
     "mistral": dict(_SIZES, num_key_value_heads=2),
     "qwen2": dict(_SIZES, num_key_value_heads=2),
+    "qwen3": dict(_SIZES, num_key_value_heads=2),  # head_dim: Qwen3Config's 128
     "gemma": dict(_SIZES, num_key_value_heads=2, head_dim=8),
     "gemma3_text": dict(_SIZES, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8),
     "gpt_neox": _SIZES,
@@ -351,6 +361,7 @@ def test_mpt_slope_formula_is_transformers_own():
     "case",
     [
         "qwen2",
+        "qwen3",
         *PER_LAYER,
         "gpt2",
         "bloom",
@@ -413,10 +424,12 @@ def test_a_model_without_a_hugging_face_twin_is_not_saved(tmp_path):
         cfg = llama.replace(layer_pattern=pattern).validate()
         with pytest.raises(ValueError, match=named):
             hf.save_pretrained(TransformerLM(cfg, rngs=nnx.Rngs(0)), tmp_path / "y")
-    # Gemma 3's switches on a Llama; Gemma 3 with two local RoPEs.
+    # Gemma 3's post-norms on a Llama; Qwen3's query/key norms with biases; Gemma 3 with two
+    # local RoPEs.
     gemma3 = hf.from_pretrained(GOLDENS / "gemma3_legacy").cfg
     for cfg, named in [
-        (llama.replace(qk_norm=True), "written only as Gemma 3's"),
+        (llama.replace(post_norms=True), "written only as Gemma 3's .* or Qwen3's"),
+        (llama.replace(qk_norm=True, bias="qkv"), "written only as Gemma 3's .* or Qwen3's"),
         (
             gemma3.replace(layer_pattern=("rope:window=6", "rope", "rope:window=6,rope_base=7.0")),
             "neither of Gemma 3's two kinds",
@@ -435,6 +448,7 @@ def test_a_model_without_a_hugging_face_twin_is_not_saved(tmp_path):
     "case",
     [
         "qwen2",
+        "qwen3",
         *PER_LAYER,
         "gpt2",
         "bloom",

@@ -41,7 +41,8 @@ def _greedy_by_full_forward(model, prompt, n):
 
 # qwen2_layer_types and gemma3_legacy: windows of 6, so 5 + 10 tokens wrap their ring-buffer caches.
 @pytest.mark.parametrize(
-    "case, n", [("llama_gqa", 4), ("qwen2_layer_types", 10), ("gemma3_legacy", 10)]
+    "case, n",
+    [("llama_gqa", 4), ("qwen2_layer_types", 10), ("qwen3_window", 10), ("gemma3_legacy", 10)],
 )
 def test_generate_hf_greedy_equals_the_full_forward_and_transformers(tmp_path, capsys, case, n):
     path = _with_tokenizer(tmp_path, case)
@@ -92,7 +93,7 @@ def _finetune_config(data, case="llama_gqa", **model):
 
 
 # gemma3: position interpolation reaches its global layers; its local layers keep their own RoPE.
-@pytest.mark.parametrize("case", ["llama_gqa", "gemma3"])
+@pytest.mark.parametrize("case", ["llama_gqa", "qwen3", "gemma3"])
 def test_finetuning_starts_from_the_checkpoint_with_position_interpolation(tmp_path, case):
     from posattn.train import restore_trained, train_and_evaluate
 

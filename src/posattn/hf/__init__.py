@@ -308,8 +308,8 @@ def model_type_of(cfg: ModelConfig) -> str:
     if all(w is None for w in windows):
         return kind
     sizes = {w for w in windows if w is not None}
-    if len(sizes) == 1 and kind == "qwen2":
-        return kind  # Qwen2: one window size, on any layers (its layer_types)
+    if len(sizes) == 1 and kind in ("qwen2", "qwen3"):
+        return kind  # Qwen2 and Qwen3: one window size, on any layers (their layer_types)
     if len(sizes) == 1 and None not in windows and kind == "llama" and cfg.bias == "none":
         return "mistral"  # Mistral: one window on every layer, no biases
     raise ValueError(
@@ -357,18 +357,23 @@ def _architecture(cfg: ModelConfig) -> str:
     whole = float(cfg.query_pre_attn_scalar).is_integer()  # transformers takes an int
     if gemma and cfg.post_norms and cfg.qk_norm and whole:
         return "gemma3_text"
-    if cfg.post_norms or cfg.qk_norm or cfg.query_pre_attn_scalar not in (0, cfg.head_dim):
+    llama = rope and arch == ("rms", False, "gated", "one", False)
+    llama = llama and not cfg.norm_unit_offset and not cfg.embed_norm
+    plain_scale = cfg.query_pre_attn_scalar in (0, cfg.head_dim)
+    if llama and cfg.qk_norm and not cfg.post_norms and plain_scale and cfg.bias == "none":
+        return "qwen3"
+    if cfg.post_norms or cfg.qk_norm or not plain_scale:
         raise ValueError(
             "model.post_norms, model.qk_norm and model.query_pre_attn_scalar are written only "
             "as Gemma 3's (gemma3_text: both norms, Gemma's 1 + w RMSNorm, tanh-GELU gated MLP, "
-            "RoPE 'half', no biases, a whole query_pre_attn_scalar); this model has "
+            "RoPE 'half', no biases, a whole query_pre_attn_scalar) or Qwen3's (qk_norm alone "
+            "on Llama's block without biases); this model has "
             f"post_norms={cfg.post_norms}, qk_norm={cfg.qk_norm}, query_pre_attn_scalar="
             f"{cfg.query_pre_attn_scalar}"
         )
     if gemma:
         return "gemma"
-    llama = rope and arch == ("rms", False, "gated", "one", False)
-    if llama and not cfg.norm_unit_offset and not cfg.embed_norm:
+    if llama:
         return {"none": "llama", "all": "llama", "qkv": "qwen2"}[cfg.bias]
     neox = ("layer", True, "plain", "one")
     if cfg.position == "rope" and arch[:4] == neox and cfg.settings.layout == "half":
@@ -387,8 +392,8 @@ def _architecture(cfg: ModelConfig) -> str:
             return "mpt"
     raise ValueError(
         "this model has no Hugging Face architecture that computes the same function; "
-        "save_pretrained writes Llama/Mistral/Qwen2/Gemma/Gemma 3 (rope, half layout, RMSNorm, "
-        "gated MLP), "
+        "save_pretrained writes Llama/Mistral/Qwen2/Qwen3/Gemma/Gemma 3 (rope, half layout, "
+        "RMSNorm, gated MLP), "
         "GPT-NeoX (rope, LayerNorm, biases), GPT-2 (learned positions), BLOOM "
         "(ALiBi, biases) and MPT (ALiBi, no biases) models"
     )

@@ -39,6 +39,7 @@ ARCHITECTURES = (
     "llama",
     "mistral",
     "qwen2",
+    "qwen3",
     "gemma",
     "gemma3_text",
     "gpt2",
@@ -136,7 +137,7 @@ def _rope(
 def _llama(hf: dict) -> dict[str, Any]:
     kind = hf["model_type"]
     d, n = hf["hidden_size"], hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or d // n
+    head_dim = hf.get("head_dim", 128) if kind == "qwen3" else hf.get("head_dim") or d // n
     if hf.get("pretraining_tp", 1) != 1:
         raise _refuse("pretraining_tp", hf["pretraining_tp"], "only 1")
     attention_bias, mlp_bias = hf.get("attention_bias", False), hf.get("mlp_bias", False)
@@ -201,7 +202,7 @@ def _sliding_windows(hf: dict) -> tuple[str, ...]:
                 f"{window!r} to every layer; only a list that agrees (every layer {want!r})",
             )
         return () if window is None else (f"rope:window={window}",)
-    if kind == "qwen2":
+    if kind in ("qwen2", "qwen3"):
         window = _window_size(hf) if hf.get("use_sliding_window") else None
         if types is None:
             first = hf.get("max_window_layers", 28)
@@ -219,6 +220,20 @@ def _sliding_windows(hf: dict) -> tuple[str, ...]:
             return ()
         return tuple(f"rope:window={window}" if t == _SLIDING else "rope" for t in types)
     return ()
+
+
+def _qwen3(hf: dict) -> dict[str, Any]:
+    """Qwen3: Llama's block with an RMSNorm over each head's query and key before RoPE, a free
+    head_dim (128 when config.json is silent), Qwen2's sliding windows."""
+    if hf.get("attention_bias"):
+        raise _refuse(
+            "attention_bias",
+            True,
+            "only false (biases on q, k, v and o but not the MLP have no posattn model)",
+        )
+    keys = _llama(hf)
+    keys.update(qk_norm=True)
+    return keys
 
 
 def _gemma(hf: dict) -> dict[str, Any]:
@@ -433,6 +448,7 @@ _PARSERS = {
     "llama": _llama,
     "mistral": _llama,
     "qwen2": _llama,
+    "qwen3": _qwen3,
     "gpt2": _gpt2,
     "bloom": _bloom,
     "gpt_neox": _neox,
@@ -512,13 +528,14 @@ def hf_config(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
     """A transformers config.json dict for `cfg` as a `model_type` model (the inverse)."""
     common = dict(model_type=model_type, vocab_size=cfg.vocab_size, dtype="float32")
     common["tie_word_embeddings"] = cfg.tie_embeddings
-    if model_type in ("llama", "mistral", "qwen2", "gemma", "gemma3_text"):
+    if model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text"):
         params, max_positions = _hf_rope(cfg.settings)
         arch = {
             "llama": "LlamaForCausalLM",
             "mistral": "MistralForCausalLM",
             "gemma": "GemmaForCausalLM",
             "gemma3_text": "Gemma3ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM",
         }
         out = dict(
             common,
@@ -556,7 +573,9 @@ def hf_config(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
         size = next((w for w in windows if w is not None), None)
         if model_type == "mistral":
             out.update(sliding_window=size)
-        if model_type == "qwen2":
+        if model_type == "qwen3":
+            out.update(attention_bias=False)
+        if model_type in ("qwen2", "qwen3"):
             out.update(use_sliding_window=size is not None)
             if size is not None:
                 types = [_FULL if w is None else _SLIDING for w in windows]

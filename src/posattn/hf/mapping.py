@@ -165,7 +165,7 @@ def rules(cfg: ModelConfig, model_type: str) -> list[Rule]:
     def bias(hf, ours):
         out.append(_copy(f"{hf}.bias", ours))
 
-    if model_type in ("llama", "mistral", "qwen2", "gemma", "gemma3_text", "gemma3"):
+    if model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "gemma3"):
         out.append(_copy(f"{p}embed_tokens.weight", ("embed",)))
         norm(f"{p}norm", ("final_norm",))
         for i in range(cfg.num_layers):
@@ -178,10 +178,11 @@ def rules(cfg: ModelConfig, model_type: str) -> list[Rule]:
                 norm(f"{L}post_attention_layernorm", (*b, "attn_post_norm"))
                 norm(f"{L}pre_feedforward_layernorm", (*b, "mlp_norm"))
                 norm(f"{L}post_feedforward_layernorm", (*b, "mlp_post_norm"))
-                norm(f"{a}q_norm", (*b, "attn", "q_norm"))
-                norm(f"{a}k_norm", (*b, "attn", "k_norm"))
             else:
                 norm(f"{L}post_attention_layernorm", (*b, "mlp_norm"))
+            if cfg.qk_norm:  # Gemma 3's and Qwen3's, over each head's H features
+                norm(f"{a}q_norm", (*b, "attn", "q_norm"))
+                norm(f"{a}k_norm", (*b, "attn", "k_norm"))
             out.append(_linear(f"{a}q_proj.weight", (*b, "attn", "wq"), N, H))
             out.append(_linear(f"{a}k_proj.weight", (*b, "attn", "wk"), K, H))
             out.append(_linear(f"{a}v_proj.weight", (*b, "attn", "wv"), K, H))

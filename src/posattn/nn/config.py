@@ -87,7 +87,9 @@ class ModelConfig:
     post_norms: bool = _key(
         False, "a norm on each branch's output before its residual add (Gemma 2 and 3)"
     )
-    qk_norm: bool = _key(False, "a norm over each head's query and key, before RoPE (Gemma 3)")
+    qk_norm: bool = _key(
+        False, "a norm over each head's query and key, before RoPE (Gemma 3, Qwen3)"
+    )
     query_pre_attn_scalar: float = _key(
         0.0, "logits scaled by this ** -0.5 instead of head_dim ** -0.5 (Gemma); 0: head_dim"
     )

@@ -151,7 +151,7 @@ class Arch:
     post_norms: a norm on each branch's output before it is added (Gemma 2 and 3's
       post_attention_layernorm and post_feedforward_layernorm).
     qk_norm: a norm over each head's query and key (H wide) after the projection, before RoPE
-      (Gemma 3's q_norm, k_norm).
+      (Gemma 3's and Qwen3's q_norm, k_norm).
     query_pre_attn_scalar: logits scaled by its -1/2 power instead of H's (Gemma); 0: H.
     """
 
@@ -362,7 +362,7 @@ class Attention(nnx.Module):
                 self.bv = nnx.Param(jnp.zeros((K * H,), pdt))
         if arch.bias == "all":
             self.bo = nnx.Param(jnp.zeros((D,), pdt))
-        if arch.qk_norm:  # over each head's H features (Gemma 3)
+        if arch.qk_norm:  # over each head's H features (Gemma 3, Qwen3)
             self.q_norm = make_norm(H, arch, dtype=dtype, param_dtype=pdt)
             if owns_kv:
                 self.k_norm = make_norm(H, arch, dtype=dtype, param_dtype=pdt)
