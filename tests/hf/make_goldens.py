@@ -24,6 +24,7 @@ T = 24  # tokens per row; the scaled-RoPE cases train at 16, so T exceeds it
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=2)
 LLAMA = dict(SMALL, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 SCALED = dict(LLAMA, max_position_embeddings=16)
+PHI3 = dict(LLAMA, bos_token_id=None, eos_token_id=None, pad_token_id=None)  # ids past V=64
 
 
 def cases() -> dict[str, tuple[str, dict, dict]]:
@@ -114,6 +115,40 @@ def cases() -> dict[str, tuple[str, dict, dict]]:
                 use_sliding_window=True,
                 sliding_window=6,
                 layer_types=["sliding_attention", "full_attention"],
+            ),
+            {},
+        ),
+        # Phi-3: q | k | v and gate | up rows fused. Phi-3-mini-128k's LongRoPE in the Hub's form
+        # (top-level original_max_position_embeddings, type "longrope"), T past it; Phi-4-mini's
+        # partial rotary (half the head here) under LongRoPE, with a window on every layer.
+        "phi3_longrope": (
+            "Phi3Config",
+            dict(
+                PHI3,
+                original_max_position_embeddings=16,
+                rope_scaling={
+                    "type": "longrope",
+                    "short_factor": [1.0, 1.2, 1.5, 2.0],
+                    "long_factor": [1.5, 2.5, 4.0, 7.0],
+                },
+                tie_word_embeddings=False,
+            ),
+            {},
+        ),
+        "phi3_partial": (
+            "Phi3Config",
+            dict(
+                PHI3,
+                original_max_position_embeddings=16,
+                rope_parameters={
+                    "rope_type": "longrope",
+                    "rope_theta": 2e4,
+                    "partial_rotary_factor": 0.5,
+                    "short_factor": [1.0, 1.5],
+                    "long_factor": [2.0, 5.0],
+                },
+                sliding_window=6,
+                tie_word_embeddings=True,
             ),
             {},
         ),

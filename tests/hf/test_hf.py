@@ -20,6 +20,7 @@ TOL = 5e-5  # log-softmax, float32
 PER_LAYER = [
     "qwen2_layer_types",
     "qwen3_window",
+    "phi3_partial",
     "mistral_window",
     "gemma3",
     "gemma3_legacy",
@@ -78,6 +79,10 @@ def _edit_config(path, **changes):
         (dict(hidden_act="gelu_fast"), "hidden_act='gelu_fast'"),
         (dict(pretraining_tp=2), "pretraining_tp=2"),
         (dict(model_type="qwen3", head_dim=8, attention_bias=True), "q, k, v and o but not"),
+        (
+            dict(model_type="phi3", rope_parameters={"rope_type": "linear", "factor": 2.0}),
+            "default or longrope",
+        ),
     ],
 )
 def test_unsupported_options_are_refused_naming_the_key(tmp_path, changes, named):
@@ -94,6 +99,7 @@ def test_unsupported_options_are_refused_naming_the_key(tmp_path, changes, named
         ("qwen2_window", [None, 8]),
         ("qwen2_layer_types", [6, None]),
         ("qwen3_window", [6, None]),
+        ("phi3_partial", [6, 6]),
         ("gemma3", [8, None]),
         ("gemma3_legacy", [6, None, 6]),
     ],
@@ -103,7 +109,7 @@ def test_sliding_windows_load_per_layer_and_the_goldens_pin_them(tmp_path, case,
     assert [spec.window for spec in model.cfg.layers] == windows
     # The same weights without the windows give other logits: the goldens test the windows.
     path = _copy(tmp_path, case)
-    if case == "mistral_window":
+    if case in ("mistral_window", "phi3_partial"):
         _edit_config(path, sliding_window=None)
     elif case.startswith("gemma3"):
         _edit_config(path, sliding_window=10**6)
@@ -148,6 +154,8 @@ MINIMAL = {
     "mistral": dict(_SIZES, num_key_value_heads=2),
     "qwen2": dict(_SIZES, num_key_value_heads=2),
     "qwen3": dict(_SIZES, num_key_value_heads=2),  # head_dim: Qwen3Config's 128
+    # Phi3Config's token ids (32000) lie past this vocabulary.
+    "phi3": dict(_SIZES, num_key_value_heads=2, pad_token_id=None, eos_token_id=None),
     "gemma": dict(_SIZES, num_key_value_heads=2, head_dim=8),
     "gemma3_text": dict(_SIZES, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8),
     "gpt_neox": _SIZES,
@@ -178,6 +186,50 @@ def test_a_minimal_config_json_reads_as_transformers_reads_it(tmp_path, model_ty
     with torch.no_grad():
         want = ref(torch.as_tensor(tokens)).logits.numpy()
     got = hf.from_pretrained(tmp_path)(jnp.asarray(tokens))
+    assert np.abs(_log_softmax(got) - _log_softmax(want)).max() < TOL
+
+
+@pytest.mark.parametrize("kind", ["longrope", "su", "yarn"])
+def test_phi3_rope_scaling_in_the_hubs_older_forms(tmp_path, kind):
+    # The Hub's Phi-3 files: rope_theta and rope_scaling at the top level, "type" (once "su");
+    # transformers reads "su" and "yarn" as LongRoPE for Phi-3.
+    path = _copy(tmp_path, "phi3_longrope")
+    cfg = json.loads((path / "config.json").read_text())
+    params = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = params["rope_theta"]
+    cfg["rope_scaling"] = {"type": kind, **{k: params[k] for k in ("short_factor", "long_factor")}}
+    (path / "config.json").write_text(json.dumps(cfg))
+    model = hf.from_pretrained(path)
+    assert model.cfg.settings.scaling_dict["rope_type"] == "longrope"
+    _check(model, np.load(GOLDENS / "phi3_longrope" / "expected.npz"))
+
+
+@pytest.mark.parametrize("top, inner", [(False, True), (False, False), (True, False)])
+def test_phi3_longrope_reads_its_training_length_as_transformers_does(tmp_path, top, inner):
+    """transformers' Phi-3 takes LongRoPE's original length from the top-level key (4096 when it
+    is absent), not from the scaling dict: with only the dict's 16 it switches to the long
+    factors past 4096, not past 16."""
+    path = _copy(tmp_path, "phi3_longrope")
+    cfg = json.loads((path / "config.json").read_text())
+    if not top:
+        del cfg["original_max_position_embeddings"]
+    if not inner:
+        del cfg["rope_parameters"]["original_max_position_embeddings"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    model = hf.from_pretrained(path)
+    assert model.cfg.settings.scaling_dict["original_max_position_embeddings"] == (
+        16 if top else 4096
+    )
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    tokens = np.load(GOLDENS / "phi3_longrope" / "expected.npz")["tokens"]
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    )
+    with torch.no_grad():
+        want = ref(torch.as_tensor(tokens)).logits.numpy()
+    got = model(jnp.asarray(tokens))
     assert np.abs(_log_softmax(got) - _log_softmax(want)).max() < TOL
 
 
@@ -362,6 +414,7 @@ def test_mpt_slope_formula_is_transformers_own():
     [
         "qwen2",
         "qwen3",
+        "phi3_longrope",
         *PER_LAYER,
         "gpt2",
         "bloom",
@@ -449,6 +502,7 @@ def test_a_model_without_a_hugging_face_twin_is_not_saved(tmp_path):
     [
         "qwen2",
         "qwen3",
+        "phi3_longrope",
         *PER_LAYER,
         "gpt2",
         "bloom",

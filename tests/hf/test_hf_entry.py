@@ -42,7 +42,13 @@ def _greedy_by_full_forward(model, prompt, n):
 # qwen2_layer_types and gemma3_legacy: windows of 6, so 5 + 10 tokens wrap their ring-buffer caches.
 @pytest.mark.parametrize(
     "case, n",
-    [("llama_gqa", 4), ("qwen2_layer_types", 10), ("qwen3_window", 10), ("gemma3_legacy", 10)],
+    [
+        ("llama_gqa", 4),
+        ("qwen2_layer_types", 10),
+        ("qwen3_window", 10),
+        ("phi3_partial", 10),
+        ("gemma3_legacy", 10),
+    ],
 )
 def test_generate_hf_greedy_equals_the_full_forward_and_transformers(tmp_path, capsys, case, n):
     path = _with_tokenizer(tmp_path, case)

@@ -312,10 +312,13 @@ def model_type_of(cfg: ModelConfig) -> str:
         return kind  # Qwen2 and Qwen3: one window size, on any layers (their layer_types)
     if len(sizes) == 1 and None not in windows and kind == "llama" and cfg.bias == "none":
         return "mistral"  # Mistral: one window on every layer, no biases
+    if len(sizes) == 1 and None not in windows and kind == "phi3":
+        return kind  # Phi-3: one window on every layer
     raise ValueError(
         f"sliding windows {list(windows)} (by layer) have no Hugging Face twin for this {kind} "
         "model: save_pretrained writes them as Mistral (Llama's shape without biases, one window "
-        "on every layer) or Qwen2 (q/k/v biases, one window size on any layers)"
+        "on every layer), Qwen2 (q/k/v biases) or Qwen3 (query/key norms), one window size on "
+        "any layers, or Phi-3 (partial rotary, one window on every layer)"
     )
 
 
@@ -375,6 +378,11 @@ def _architecture(cfg: ModelConfig) -> str:
         return "gemma"
     if llama:
         return {"none": "llama", "all": "llama", "qkv": "qwen2"}[cfg.bias]
+    phi3 = cfg.position == "rope" and cfg.settings.layout == "half"
+    phi3 = phi3 and cfg.settings.proportion == 1 and cfg.settings.partial_factor < 1
+    phi3 = phi3 and arch == ("rms", False, "gated", "one", False) and cfg.bias == "none"
+    if phi3 and not cfg.norm_unit_offset and not cfg.embed_norm:
+        return "phi3"  # Llama's block with partial rotary
     neox = ("layer", True, "plain", "one")
     if cfg.position == "rope" and arch[:4] == neox and cfg.settings.layout == "half":
         if cfg.bias == "all" and not cfg.embed_norm and not cfg.norm_unit_offset:
@@ -392,8 +400,8 @@ def _architecture(cfg: ModelConfig) -> str:
             return "mpt"
     raise ValueError(
         "this model has no Hugging Face architecture that computes the same function; "
-        "save_pretrained writes Llama/Mistral/Qwen2/Qwen3/Gemma/Gemma 3 (rope, half layout, "
-        "RMSNorm, gated MLP), "
+        "save_pretrained writes Llama/Mistral/Qwen2/Qwen3/Phi-3/Gemma/Gemma 3 (rope, half "
+        "layout, RMSNorm, gated MLP), "
         "GPT-NeoX (rope, LayerNorm, biases), GPT-2 (learned positions), BLOOM "
         "(ALiBi, biases) and MPT (ALiBi, no biases) models"
     )

@@ -40,6 +40,7 @@ ARCHITECTURES = (
     "mistral",
     "qwen2",
     "qwen3",
+    "phi3",
     "gemma",
     "gemma3_text",
     "gpt2",
@@ -122,6 +123,8 @@ def _rope(
         params.pop("original_max_position_embeddings", None)  # unused by linear scaling
     scaling = None if kind == "default" and not params else {"rope_type": kind, **params}
     if scaling is not None:
+        if partial != 1:  # the scaling's factors count the rotated pairs only (LongRoPE's lists)
+            scaling[rotary.PARTIAL_KEY] = partial
         try:
             scaling = rotary.validate_rope_scaling(scaling, head_dim)
         except ValueError as e:
@@ -134,7 +137,7 @@ def _rope(
     }
 
 
-def _llama(hf: dict) -> dict[str, Any]:
+def _llama(hf: dict, *, allow_partial: bool = False) -> dict[str, Any]:
     kind = hf["model_type"]
     d, n = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim", 128) if kind == "qwen3" else hf.get("head_dim") or d // n
@@ -170,7 +173,8 @@ def _llama(hf: dict) -> dict[str, Any]:
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         embed_scale="one",
         layer_pattern=_sliding_windows(hf),
-        **_rope(hf, head_dim, 10000.0),  # transformers' default base for each of these types
+        # transformers' default base for each of these types
+        **_rope(hf, head_dim, 10000.0, allow_partial=allow_partial),
     )
 
 
@@ -233,6 +237,35 @@ def _qwen3(hf: dict) -> dict[str, Any]:
         )
     keys = _llama(hf)
     keys.update(qk_norm=True)
+    return keys
+
+
+def _phi3(hf: dict) -> dict[str, Any]:
+    """Phi-3 (and Phi-4-mini): Llama's block with the q | k | v rows and the gate | up rows each in
+    one tensor, partial rotary (`partial_rotary_factor`), LongRoPE (a `rope_scaling` of type
+    "su" or "yarn" is read as "longrope", as transformers reads it), and `sliding_window` on every
+    layer when it is set."""
+    hf = dict(hf)
+    for key in ("rope_parameters", "rope_scaling"):
+        params = dict(hf.get(key) or {})
+        kind = params.get("rope_type", params.get("type"))
+        if kind in ("su", "yarn"):
+            params.pop("type", None)
+            hf[key] = {**params, "rope_type": "longrope"}
+        elif kind not in (None, "default", "longrope"):
+            raise _refuse(f"{key}.rope_type", kind, "default or longrope (transformers' Phi-3)")
+    # transformers' Phi-3 takes LongRoPE's training length from this key (4096 when config.json
+    # is silent), whatever the scaling dict says.
+    hf["original_max_position_embeddings"] = hf.get("original_max_position_embeddings", 4096)
+    for key in ("rope_parameters", "rope_scaling"):
+        if hf.get(key):
+            hf[key] = {k: v for k, v in hf[key].items() if k != "original_max_position_embeddings"}
+    for k in ("attention_bias", "mlp_bias"):  # not keys of Phi-3: its projections have none
+        if hf.get(k):
+            raise _refuse(k, hf[k], "only false (Phi-3's projections have no biases)")
+    keys = _llama({**hf, "rms_norm_eps": hf.get("rms_norm_eps", 1e-5)}, allow_partial=True)
+    window = hf.get("sliding_window")
+    keys["layer_pattern"] = () if window is None else (f"rope:window={_window_size(hf)}",)
     return keys
 
 
@@ -449,6 +482,7 @@ _PARSERS = {
     "mistral": _llama,
     "qwen2": _llama,
     "qwen3": _qwen3,
+    "phi3": _phi3,
     "gpt2": _gpt2,
     "bloom": _bloom,
     "gpt_neox": _neox,
@@ -599,6 +633,31 @@ def hf_config(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
             n_positions=cfg.settings.max_len,
             layer_norm_epsilon=cfg.norm_eps,
             activation_function={"gelu_tanh": "gelu_new"}.get(cfg.activation, cfg.activation),
+        )
+    if model_type == "phi3":
+        params, max_positions = _hf_rope(cfg.settings)
+        params["partial_rotary_factor"] = cfg.settings.partial_factor
+        windows = {spec.window for spec in cfg.layers}
+        return dict(
+            common,
+            architectures=["Phi3ForCausalLM"],
+            hidden_size=cfg.d_model,
+            num_hidden_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_heads,
+            num_key_value_heads=cfg.num_kv_heads,
+            intermediate_size=cfg.ff_dim,
+            rms_norm_eps=cfg.norm_eps,
+            hidden_act={"gelu_tanh": "gelu_pytorch_tanh"}.get(cfg.activation, cfg.activation),
+            max_position_embeddings=max_positions,
+            # Phi3Config's own default (4096) would stand in for a training length left out.
+            original_max_position_embeddings=params.get(
+                "original_max_position_embeddings", max_positions
+            ),
+            rope_parameters=params,
+            sliding_window=windows.pop(),
+            # Phi3Config's default pad_token_id (32000) is the embedding's padding_idx: past a
+            # smaller vocabulary, transformers could not build the model.
+            **({"pad_token_id": None} if cfg.vocab_size <= 32000 else {}),
         )
     if model_type == "gpt_neox":
         params, max_positions = _hf_rope(cfg.settings)

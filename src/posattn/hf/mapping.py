@@ -2,8 +2,8 @@
 
 A `Rule` ties one or more file tensors to one or more parameters: `load` turns the file's arrays
 into the parameters' (transposes, GPT-2's Conv1D [in, out] weights, the fused qkv of BLOOM and
-GPT-NeoX with their head-interleaved [N, 3, H] rows, MPT's stacked q | k | v rows), `save` is its
-inverse. posattn layouts:
+GPT-NeoX with their head-interleaved [N, 3, H] rows, MPT's and Phi-3's stacked q | k | v rows,
+Phi-3's gate | up rows), `save` is its inverse. posattn layouts:
 embed/head [V, D], wq [D, N, H], wk/wv [D, K, H], wo [N, H, D], biases flat, w1/w3 [D, F],
 w2 [F, D], norms scale/bias [D]. torch `nn.Linear` weights are [out, in].
 """
@@ -96,15 +96,22 @@ def _conv_qkv_out(q, k, v):
     return [np.concatenate(flat, axis=-1)]
 
 
-def _stacked_qkv_in(N, H):  # MPT Wqkv: torch [3 N H, D], rows q | k | v (each head-major)
+def _stacked_in(*shapes):
+    """torch [sum of the parts' sizes, D], rows stacked part after part (MPT's and Phi-3's q | k |
+    v, each head-major; Phi-3's gate | up) -> ours [D, *shape] for each part's shape."""
+
     def load(w):
-        return [part.T.reshape(w.shape[1], N, H) for part in np.split(w, 3, axis=0)]
+        sizes = np.cumsum([int(np.prod(shape)) for shape in shapes])[:-1]
+        parts = np.split(w, sizes, axis=0)
+        return [
+            part.T.reshape(w.shape[1], *shape) for part, shape in zip(parts, shapes, strict=True)
+        ]
 
     return load
 
 
-def _stacked_qkv_out(q, k, v):
-    return [np.concatenate([x.reshape(x.shape[0], -1).T for x in (q, k, v)], axis=0)]
+def _stacked_out(*xs):
+    return [np.concatenate([x.reshape(x.shape[0], -1).T for x in xs], axis=0)]
 
 
 def base_prefix(model_type: str) -> str:
@@ -202,6 +209,24 @@ def rules(cfg: ModelConfig, model_type: str) -> list[Rule]:
         if not cfg.tie_embeddings:
             out.append(_copy("lm_head.weight", ("head",)))
         return out
+    if model_type == "phi3":
+        out.append(_copy(f"{p}embed_tokens.weight", ("embed",)))
+        norm(f"{p}norm", ("final_norm",))
+        for i in range(cfg.num_layers):
+            L, b = f"{p}layers.{i}.", ("blocks", i)
+            norm(f"{L}input_layernorm", (*b, "attn_norm"))
+            norm(f"{L}post_attention_layernorm", (*b, "mlp_norm"))
+            qkv = tuple((*b, "attn", w) for w in ("wq", "wk", "wv"))
+            load = _stacked_in((N, H), (K, H), (K, H))
+            out.append(Rule((f"{L}self_attn.qkv_proj.weight",), qkv, load, _stacked_out))
+            out.append(_out_proj(f"{L}self_attn.o_proj.weight", (*b, "attn", "wo"), N, H))
+            gate_up = ((*b, "mlp", "w1"), (*b, "mlp", "w3"))
+            load = _stacked_in((cfg.ff_dim,), (cfg.ff_dim,))
+            out.append(Rule((f"{L}mlp.gate_up_proj.weight",), gate_up, load, _stacked_out))
+            out.append(_linear(f"{L}mlp.down_proj.weight", (*b, "mlp", "w2")))
+        if not cfg.tie_embeddings:
+            out.append(_copy("lm_head.weight", ("head",)))
+        return out
     if model_type == "gpt2":
         out.append(_copy(f"{p}wte.weight", ("embed",)))
         out.append(_copy(f"{p}wpe.weight", ("pos_embed",)))
@@ -292,7 +317,7 @@ def rules(cfg: ModelConfig, model_type: str) -> list[Rule]:
             norm(f"{L}norm_2", (*b, "mlp_norm"))
             qkv = tuple((*b, "attn", w) for w in ("wq", "wk", "wv"))
             wqkv = (f"{L}attn.Wqkv.weight",)
-            out.append(Rule(wqkv, qkv, _stacked_qkv_in(N, H), _stacked_qkv_out))
+            out.append(Rule(wqkv, qkv, _stacked_in((N, H), (N, H), (N, H)), _stacked_out))
             out.append(_out_proj(f"{L}attn.out_proj.weight", (*b, "attn", "wo"), N, H))
             out.append(_linear(f"{L}ffn.up_proj.weight", (*b, "mlp", "w1")))
             out.append(_linear(f"{L}ffn.down_proj.weight", (*b, "mlp", "w2")))
