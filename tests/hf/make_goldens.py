@@ -24,7 +24,7 @@ T = 24  # tokens per row; the scaled-RoPE cases train at 16, so T exceeds it
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=2)
 LLAMA = dict(SMALL, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 SCALED = dict(LLAMA, max_position_embeddings=16)
-PHI3 = dict(LLAMA, bos_token_id=None, eos_token_id=None, pad_token_id=None)  # ids past V=64
+NO_IDS = dict(LLAMA, bos_token_id=None, eos_token_id=None, pad_token_id=None)  # ids past V
 
 
 def cases() -> dict[str, tuple[str, dict, dict]]:
@@ -124,7 +124,7 @@ def cases() -> dict[str, tuple[str, dict, dict]]:
         "phi3_longrope": (
             "Phi3Config",
             dict(
-                PHI3,
+                NO_IDS,
                 original_max_position_embeddings=16,
                 rope_scaling={
                     "type": "longrope",
@@ -138,7 +138,7 @@ def cases() -> dict[str, tuple[str, dict, dict]]:
         "phi3_partial": (
             "Phi3Config",
             dict(
-                PHI3,
+                NO_IDS,
                 original_max_position_embeddings=16,
                 rope_parameters={
                     "rope_type": "longrope",
@@ -149,6 +149,23 @@ def cases() -> dict[str, tuple[str, dict, dict]]:
                 },
                 sliding_window=6,
                 tie_word_embeddings=True,
+            ),
+            {},
+        ),
+        # SmolLM3: NoPE layers between RoPE ones; by its interval (every 2nd layer here), and
+        # listed in no_rope_layers with a window on the NoPE layer and biases everywhere.
+        "smollm3": ("SmolLM3Config", dict(NO_IDS, no_rope_layer_interval=2), {}),
+        "smollm3_window": (
+            "SmolLM3Config",
+            dict(
+                NO_IDS,
+                num_hidden_layers=3,
+                no_rope_layers=[1, 0, 1],
+                use_sliding_window=True,
+                sliding_window=6,
+                attention_bias=True,
+                mlp_bias=True,
+                tie_word_embeddings=False,
             ),
             {},
         ),

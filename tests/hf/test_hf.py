@@ -16,11 +16,13 @@ from posattn.hf.config import HfConfigError
 GOLDENS = pathlib.Path(__file__).parent / "goldens"
 LOADED = sorted(p.name for p in GOLDENS.iterdir())
 TOL = 5e-5  # log-softmax, float32
-# The cases whose layers differ (windows, Gemma 3's local and global RoPE).
+# The cases whose layers differ (windows, NoPE layers, Gemma 3's local and global RoPE).
 PER_LAYER = [
     "qwen2_layer_types",
     "qwen3_window",
     "phi3_partial",
+    "smollm3",
+    "smollm3_window",
     "mistral_window",
     "gemma3",
     "gemma3_legacy",
@@ -154,8 +156,12 @@ MINIMAL = {
     "mistral": dict(_SIZES, num_key_value_heads=2),
     "qwen2": dict(_SIZES, num_key_value_heads=2),
     "qwen3": dict(_SIZES, num_key_value_heads=2),  # head_dim: Qwen3Config's 128
-    # Phi3Config's token ids (32000) lie past this vocabulary.
+    # Phi3Config's and SmolLM3Config's token ids lie past this vocabulary; SmolLM3's fourth
+    # layer is its first NoPE one.
     "phi3": dict(_SIZES, num_key_value_heads=2, pad_token_id=None, eos_token_id=None),
+    "smollm3": dict(
+        _SIZES, num_hidden_layers=4, pad_token_id=None, bos_token_id=None, eos_token_id=None
+    ),
     "gemma": dict(_SIZES, num_key_value_heads=2, head_dim=8),
     "gemma3_text": dict(_SIZES, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8),
     "gpt_neox": _SIZES,
@@ -163,6 +169,48 @@ MINIMAL = {
     "bloom": dict(hidden_size=32, n_head=4, n_layer=2, vocab_size=64),
     "mpt": dict(d_model=32, n_heads=4, n_layers=2, vocab_size=64),
 }
+
+
+# What transformers 5.25's config classes give a config.json of sizes only (hidden 512, 64
+# heads): key/value heads, head_dim, RoPE base (the live test below asks transformers itself).
+SILENT_DEFAULTS = {
+    "llama": (64, 8, 1e4),
+    "mistral": (8, 8, 1e4),
+    "qwen2": (32, 8, 1e4),
+    "qwen3": (32, 128, 1e4),
+    "phi3": (64, 8, 1e4),
+    "smollm3": (4, 8, 2e6),
+    "gemma": (16, 256, 1e4),
+    "gemma3_text": (4, 256, 1e6),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(SILENT_DEFAULTS))
+def test_a_silent_config_json_takes_each_types_defaults(model_type):
+    from posattn.hf.config import model_config
+
+    keys = dict(hidden_size=512, num_attention_heads=64, num_hidden_layers=2, vocab_size=64)
+    cfg = model_config({"model_type": model_type, "intermediate_size": 48, **keys})
+    assert (cfg.num_kv_heads, cfg.head_dim, cfg.settings.base) == SILENT_DEFAULTS[model_type]
+
+
+@pytest.mark.parametrize("model_type", sorted(SILENT_DEFAULTS))
+def test_the_defaults_of_a_silent_config_json_are_transformers_own(model_type):
+    """Head counts, head size, RoPE base, norm epsilon and tying read from a config.json that
+    gives only the sizes: each type's config class has its own defaults (Mistral's 8 key/value
+    heads, Qwen's 32, Gemma's head_dim 256, SmolLM3's base 2e6)."""
+    transformers = pytest.importorskip("transformers")
+    from posattn.hf.config import model_config
+
+    keys = dict(hidden_size=512, num_attention_heads=64, num_hidden_layers=2, vocab_size=64)
+    keys.update(intermediate_size=48)
+    ref = transformers.AutoConfig.for_model(model_type, **keys)
+    cfg = model_config({"model_type": model_type, **keys})
+    rope = ref.rope_parameters.get("full_attention", ref.rope_parameters)
+    assert cfg.num_kv_heads == ref.num_key_value_heads
+    assert cfg.head_dim == (getattr(ref, "head_dim", None) or 512 // 64)
+    assert cfg.settings.base == rope["rope_theta"]
+    assert cfg.norm_eps == ref.rms_norm_eps and cfg.tie_embeddings == ref.tie_word_embeddings
 
 
 @pytest.mark.parametrize("model_type", sorted(MINIMAL))
@@ -231,6 +279,26 @@ def test_phi3_longrope_reads_its_training_length_as_transformers_does(tmp_path, 
         want = ref(torch.as_tensor(tokens)).logits.numpy()
     got = model(jnp.asarray(tokens))
     assert np.abs(_log_softmax(got) - _log_softmax(want)).max() < TOL
+
+
+def test_smollm3_nope_layers_load_per_layer_and_the_goldens_pin_them(tmp_path):
+    layers = hf.from_pretrained(GOLDENS / "smollm3_window").cfg.layers
+    assert [(spec.position, spec.window) for spec in layers] == [
+        ("rope", None),
+        ("nope", 6),
+        ("rope", None),
+    ]
+    model = hf.from_pretrained(GOLDENS / "smollm3")  # no_rope_layer_interval 2: layer 1 NoPE
+    assert [spec.position for spec in model.cfg.layers] == ["rope", "nope"]
+    # The same weights with RoPE on every layer give other logits: the golden tests the NoPE.
+    path = _copy(tmp_path, "smollm3")
+    _edit_config(path, no_rope_layers=[1, 1])
+    expected = np.load(GOLDENS / "smollm3" / "expected.npz")
+    got = _log_softmax(hf.from_pretrained(path)(jnp.asarray(expected["tokens"])))
+    assert np.abs(got - _log_softmax(expected["logits"])).max() > 100 * TOL
+    _edit_config(path, no_rope_layers=[1, 2])
+    with pytest.raises(HfConfigError, match="no_rope_layers"):
+        hf.from_pretrained(path)
 
 
 def test_qwen2_windows_from_max_window_layers_when_layer_types_is_absent(tmp_path):

@@ -47,6 +47,7 @@ def _greedy_by_full_forward(model, prompt, n):
         ("qwen2_layer_types", 10),
         ("qwen3_window", 10),
         ("phi3_partial", 10),
+        ("smollm3_window", 10),
         ("gemma3_legacy", 10),
     ],
 )

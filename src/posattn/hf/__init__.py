@@ -304,6 +304,13 @@ def model_type_of(cfg: ModelConfig) -> str:
     if kind == "gemma3_text":
         _gemma3_layers(cfg)
         return kind
+    if kind == "llama" and _rope_and_nope_layers(cfg):
+        if len({spec.window for spec in cfg.layers if spec.window is not None}) <= 1:
+            return "smollm3"  # SmolLM3: RoPE and NoPE layers, one window size on any layers
+        raise ValueError(
+            f"sliding windows {[spec.window for spec in cfg.layers]} (by layer): a model with "
+            "NoPE layers is written as SmolLM3, which has one window size"
+        )
     windows = _layer_windows(cfg)
     if all(w is None for w in windows):
         return kind
@@ -320,6 +327,15 @@ def model_type_of(cfg: ModelConfig) -> str:
         "on every layer), Qwen2 (q/k/v biases) or Qwen3 (query/key norms), one window size on "
         "any layers, or Phi-3 (partial rotary, one window on every layer)"
     )
+
+
+def _rope_and_nope_layers(cfg: ModelConfig) -> bool:
+    """Whether some layers are NoPE and the others take `model.position`'s RoPE as it is (each
+    with or without a window, none with a length temperature): SmolLM3's layers."""
+    own = [(spec.position, spec.settings, spec.temperature) for spec in cfg.layers]
+    rope = (cfg.position, cfg.settings, False)
+    nope = any(p == "nope" and not t for p, _, t in own)
+    return nope and all(x == rope or (x[0] == "nope" and not x[2]) for x in own)
 
 
 def _layer_windows(cfg: ModelConfig) -> tuple[int | None, ...]:
@@ -400,8 +416,8 @@ def _architecture(cfg: ModelConfig) -> str:
             return "mpt"
     raise ValueError(
         "this model has no Hugging Face architecture that computes the same function; "
-        "save_pretrained writes Llama/Mistral/Qwen2/Qwen3/Phi-3/Gemma/Gemma 3 (rope, half "
-        "layout, RMSNorm, gated MLP), "
+        "save_pretrained writes Llama/Mistral/Qwen2/Qwen3/Phi-3/SmolLM3/Gemma/Gemma 3 (rope, "
+        "half layout, RMSNorm, gated MLP), "
         "GPT-NeoX (rope, LayerNorm, biases), GPT-2 (learned positions), BLOOM "
         "(ALiBi, biases) and MPT (ALiBi, no biases) models"
     )

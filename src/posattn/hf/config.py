@@ -41,6 +41,7 @@ ARCHITECTURES = (
     "qwen2",
     "qwen3",
     "phi3",
+    "smollm3",
     "gemma",
     "gemma3_text",
     "gpt2",
@@ -137,10 +138,23 @@ def _rope(
     }
 
 
+# transformers' defaults for keys a config.json may leave out, where they are not Llama's
+# (num_key_value_heads = num_attention_heads, head_dim = hidden_size / num_attention_heads, RoPE
+# base 10000).
+_LLAMA_FAMILY_DEFAULTS = {
+    "mistral": dict(num_key_value_heads=8),
+    "qwen2": dict(num_key_value_heads=32),
+    "qwen3": dict(num_key_value_heads=32, head_dim=128),
+    "smollm3": dict(num_key_value_heads=4, rope_theta=2_000_000.0),
+    "gemma": dict(num_key_value_heads=16, head_dim=256),
+}
+
+
 def _llama(hf: dict, *, allow_partial: bool = False) -> dict[str, Any]:
     kind = hf["model_type"]
+    hf = {**_LLAMA_FAMILY_DEFAULTS.get(kind, {}), **hf}
     d, n = hf["hidden_size"], hf["num_attention_heads"]
-    head_dim = hf.get("head_dim", 128) if kind == "qwen3" else hf.get("head_dim") or d // n
+    head_dim = hf.get("head_dim") or d // n
     if hf.get("pretraining_tp", 1) != 1:
         raise _refuse("pretraining_tp", hf["pretraining_tp"], "only 1")
     attention_bias, mlp_bias = hf.get("attention_bias", False), hf.get("mlp_bias", False)
@@ -269,6 +283,39 @@ def _phi3(hf: dict) -> dict[str, Any]:
     return keys
 
 
+def _smollm3(hf: dict) -> dict[str, Any]:
+    """SmolLM3: Llama's block with RoPE left out on the layers `no_rope_layers` marks 0 (by
+    default every `no_rope_layer_interval`-th, 4), NoPE layers between RoPE ones; with
+    `use_sliding_window`, `sliding_window` on the layers `layer_types` names "sliding_attention"
+    (by default the NoPE layers), as transformers reads them. Tied embeddings by default."""
+    n = hf["num_hidden_layers"]
+    every = hf.get("no_rope_layer_interval", 4)
+    rope = hf.get("no_rope_layers")
+    if rope is None:
+        rope = [int((i + 1) % every != 0) for i in range(n)]
+    if len(rope) != n or any(r not in (0, 1) for r in rope):
+        raise _refuse("no_rope_layers", rope, f"{n} entries, each 1 (RoPE) or 0 (no RoPE)")
+    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    types = hf.get("layer_types")
+    if types is None:
+        types = [_SLIDING if window is not None and not r else _FULL for r in rope]
+    if len(types) != n or any(t not in (_SLIDING, _FULL) for t in types):
+        raise _refuse("layer_types", types, f"{n} entries, each {_SLIDING!r} or {_FULL!r}")
+    if _SLIDING in types and window is None:
+        raise _refuse(
+            "layer_types",
+            types,
+            f"{_SLIDING!r} layers need use_sliding_window true and a sliding_window",
+        )
+    keys = _llama({**hf, "tie_word_embeddings": hf.get("tie_word_embeddings", True)})
+    entries = [
+        ("rope" if r else "nope") + (f":window={_window_size(hf)}" if t == _SLIDING else "")
+        for r, t in zip(rope, types, strict=True)
+    ]
+    keys["layer_pattern"] = () if set(entries) == {"rope"} else tuple(entries)
+    return keys
+
+
 def _gemma(hf: dict) -> dict[str, Any]:
     if hf.get("use_bidirectional_attention"):
         raise _refuse("use_bidirectional_attention", True, "only causal attention")
@@ -277,7 +324,7 @@ def _gemma(hf: dict) -> dict[str, Any]:
     # transformers reads Gemma's legacy hidden_act="gelu" as the tanh approximation.
     hf["hidden_act"] = "gelu_pytorch_tanh" if act == "gelu" else act
     hf.setdefault("tie_word_embeddings", True)
-    keys = _llama({**hf, "model_type": "llama"})
+    keys = _llama({**_LLAMA_FAMILY_DEFAULTS["gemma"], **hf, "model_type": "llama"})
     keys.update(norm_unit_offset=True, embed_scale="sqrt_d")  # weight 1 + w, embeddings sqrt(D)
     return keys
 
@@ -483,6 +530,7 @@ _PARSERS = {
     "qwen2": _llama,
     "qwen3": _qwen3,
     "phi3": _phi3,
+    "smollm3": _smollm3,
     "gpt2": _gpt2,
     "bloom": _bloom,
     "gpt_neox": _neox,
@@ -558,11 +606,18 @@ def _hf_rope(settings) -> tuple[dict[str, Any], int]:
     return params, int(length)
 
 
+# Config classes whose default pad_token_id is an embedding row (nn.Embedding's padding_idx):
+# past a smaller vocabulary, transformers could not build the model.
+_DEFAULT_PAD = {"phi3": 32000, "smollm3": 128004}
+
+
 def hf_config(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
     """A transformers config.json dict for `cfg` as a `model_type` model (the inverse)."""
     common = dict(model_type=model_type, vocab_size=cfg.vocab_size, dtype="float32")
     common["tie_word_embeddings"] = cfg.tie_embeddings
-    if model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text"):
+    if cfg.vocab_size <= _DEFAULT_PAD.get(model_type, -1):
+        common["pad_token_id"] = None  # the config class's default would not fit the vocabulary
+    if model_type in ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma", "gemma3_text"):
         params, max_positions = _hf_rope(cfg.settings)
         arch = {
             "llama": "LlamaForCausalLM",
@@ -570,6 +625,7 @@ def hf_config(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
             "gemma": "GemmaForCausalLM",
             "gemma3_text": "Gemma3ForCausalLM",
             "qwen3": "Qwen3ForCausalLM",
+            "smollm3": "SmolLM3ForCausalLM",
         }
         out = dict(
             common,
@@ -587,7 +643,7 @@ def hf_config(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
             max_position_embeddings=max_positions,
             rope_parameters=params,
         )
-        if model_type == "llama":
+        if model_type in ("llama", "smollm3"):
             out.update(attention_bias=cfg.bias == "all", mlp_bias=cfg.bias == "all")
         if model_type == "gemma3_text":
             local = [s for s in cfg.layers if s.window is not None]
@@ -609,6 +665,13 @@ def hf_config(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
             out.update(sliding_window=size)
         if model_type == "qwen3":
             out.update(attention_bias=False)
+        if model_type == "smollm3":
+            out.update(
+                no_rope_layers=[int(spec.position != "nope") for spec in cfg.layers],
+                use_sliding_window=size is not None,
+                sliding_window=size,
+                layer_types=[_FULL if w is None else _SLIDING for w in windows],
+            )
         if model_type in ("qwen2", "qwen3"):
             out.update(use_sliding_window=size is not None)
             if size is not None:
@@ -655,9 +718,6 @@ def hf_config(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
             ),
             rope_parameters=params,
             sliding_window=windows.pop(),
-            # Phi3Config's default pad_token_id (32000) is the embedding's padding_idx: past a
-            # smaller vocabulary, transformers could not build the model.
-            **({"pad_token_id": None} if cfg.vocab_size <= 32000 else {}),
         )
     if model_type == "gpt_neox":
         params, max_positions = _hf_rope(cfg.settings)
