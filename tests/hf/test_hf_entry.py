@@ -99,8 +99,9 @@ def _finetune_config(data, case="llama_gqa", **model):
     return config
 
 
-# gemma3: position interpolation reaches its global layers; its local layers keep their own RoPE.
-@pytest.mark.parametrize("case", ["llama_gqa", "qwen3", "gemma3"])
+# gemma3: position interpolation reaches its global layers; its local layers keep their own RoPE
+# (smollm3_window: its RoPE layers; the NoPE layer has none to scale).
+@pytest.mark.parametrize("case", ["llama_gqa", "qwen3", "smollm3_window", "gemma3"])
 def test_finetuning_starts_from_the_checkpoint_with_position_interpolation(tmp_path, case):
     from posattn.train import restore_trained, train_and_evaluate
 
@@ -109,9 +110,10 @@ def test_finetuning_starts_from_the_checkpoint_with_position_interpolation(tmp_p
     config = _finetune_config(data, case, rope_scaling=pi)
     cfg = config_lib.validate(config)
     assert cfg.d_model == 32 and cfg.mlp == "gated" and cfg.settings.scaling_dict["factor"] == 2.0
-    global_layers = [s for s in cfg.layers if s.window is None]
+    rope = [s for s in cfg.layers if s.position == "rope"]  # smollm3's NoPE layer has none
+    global_layers = [s for s in rope if s.window is None]
     assert all(s.settings.scaling_dict == cfg.settings.scaling_dict for s in global_layers)
-    assert all(s.settings.scaling is None for s in cfg.layers if s.window is not None)
+    assert all(s.settings.scaling is None for s in rope if s.window is not None)
     from posattn import data as data_lib
 
     corpus = data_lib.load_corpus(str(data))
