@@ -174,6 +174,18 @@ def cases() -> dict[str, tuple[str, dict, dict]]:
         # max_window_layers on, and on the layers layer_types names (here the first, before a
         # full one: a pattern max_window_layers cannot write).
         "mistral_window": ("MistralConfig", dict(LLAMA, sliding_window=8), {}),
+        # Ministral: Mistral's block with the window on the layers layer_types names (Ministral
+        # 8B interleaves them); here a full layer before a windowed one.
+        "ministral": (
+            "MinistralConfig",
+            dict(
+                LLAMA,
+                head_dim=8,  # MinistralConfig leaves it None, which its attention cannot take
+                sliding_window=6,
+                layer_types=["full_attention", "sliding_attention"],
+            ),
+            {},
+        ),
         "qwen2_window": (
             "Qwen2Config",
             dict(LLAMA, use_sliding_window=True, sliding_window=8, max_window_layers=1),

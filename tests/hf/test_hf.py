@@ -24,6 +24,7 @@ PER_LAYER = [
     "smollm3",
     "smollm3_window",
     "mistral_window",
+    "ministral",
     "gemma3",
     "gemma3_legacy",
     "gemma3_multimodal",
@@ -102,6 +103,7 @@ def test_unsupported_options_are_refused_naming_the_key(tmp_path, changes, named
         ("qwen2_layer_types", [6, None]),
         ("qwen3_window", [6, None]),
         ("phi3_partial", [6, 6]),
+        ("ministral", [None, 6]),
         ("gemma3", [8, None]),
         ("gemma3_legacy", [6, None, 6]),
     ],
@@ -113,6 +115,8 @@ def test_sliding_windows_load_per_layer_and_the_goldens_pin_them(tmp_path, case,
     path = _copy(tmp_path, case)
     if case in ("mistral_window", "phi3_partial"):
         _edit_config(path, sliding_window=None)
+    elif case == "ministral":
+        _edit_config(path, layer_types=["full_attention"] * 2)
     elif case.startswith("gemma3"):
         _edit_config(path, sliding_window=10**6)
     else:
@@ -154,6 +158,7 @@ _SIZES = dict(
 MINIMAL = {
     "llama": dict(_SIZES, num_key_value_heads=2),
     "mistral": dict(_SIZES, num_key_value_heads=2),
+    "ministral": dict(_SIZES, num_key_value_heads=2, head_dim=8),
     "qwen2": dict(_SIZES, num_key_value_heads=2),
     "qwen3": dict(_SIZES, num_key_value_heads=2),  # head_dim: Qwen3Config's 128
     # Phi3Config's and SmolLM3Config's token ids lie past this vocabulary; SmolLM3's fourth
@@ -176,6 +181,7 @@ MINIMAL = {
 SILENT_DEFAULTS = {
     "llama": (64, 8, 1e4),
     "mistral": (8, 8, 1e4),
+    "ministral": (8, 8, 1e4),
     "qwen2": (32, 8, 1e4),
     "qwen3": (32, 128, 1e4),
     "phi3": (64, 8, 1e4),
@@ -540,7 +546,7 @@ def test_a_model_without_a_hugging_face_twin_is_not_saved(tmp_path):
     for pattern, named in [
         (("rope", "rope:rope_base=500.0"), "layer 1 has positions of its own"),
         (("rope:attn_scale=0.1",), "layer 0 has positions of its own.*temperature"),
-        (("rope:window=8", "rope"), r"sliding windows \[8, None\].*Mistral"),
+        (("rope:window=8", "rope:window=4"), r"sliding windows \[8, 4\].*one window size"),
     ]:
         cfg = llama.replace(layer_pattern=pattern).validate()
         with pytest.raises(ValueError, match=named):

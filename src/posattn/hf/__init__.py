@@ -319,13 +319,15 @@ def model_type_of(cfg: ModelConfig) -> str:
         return kind  # Qwen2 and Qwen3: one window size, on any layers (their layer_types)
     if len(sizes) == 1 and None not in windows and kind == "llama" and cfg.bias == "none":
         return "mistral"  # Mistral: one window on every layer, no biases
+    if len(sizes) == 1 and kind == "llama" and cfg.bias == "none":
+        return "ministral"  # Ministral: one window size on the layers its layer_types lists
     if len(sizes) == 1 and None not in windows and kind == "phi3":
         return kind  # Phi-3: one window on every layer
     raise ValueError(
         f"sliding windows {list(windows)} (by layer) have no Hugging Face twin for this {kind} "
-        "model: save_pretrained writes them as Mistral (Llama's shape without biases, one window "
-        "on every layer), Qwen2 (q/k/v biases) or Qwen3 (query/key norms), one window size on "
-        "any layers, or Phi-3 (partial rotary, one window on every layer)"
+        "model: save_pretrained writes them as Mistral or Ministral (Llama's shape without "
+        "biases), Qwen2 (q/k/v biases) or Qwen3 (query/key norms), one window size on any "
+        "layers, or Phi-3 (partial rotary, one window on every layer)"
     )
 
 
@@ -416,8 +418,8 @@ def _architecture(cfg: ModelConfig) -> str:
             return "mpt"
     raise ValueError(
         "this model has no Hugging Face architecture that computes the same function; "
-        "save_pretrained writes Llama/Mistral/Qwen2/Qwen3/Phi-3/SmolLM3/Gemma/Gemma 3 (rope, "
-        "half layout, RMSNorm, gated MLP), "
+        "save_pretrained writes Llama/Mistral/Ministral/Qwen2/Qwen3/Phi-3/SmolLM3/Gemma/Gemma 3 "
+        "(rope, half layout, RMSNorm, gated MLP), "
         "GPT-NeoX (rope, LayerNorm, biases), GPT-2 (learned positions), BLOOM "
         "(ALiBi, biases) and MPT (ALiBi, no biases) models"
     )

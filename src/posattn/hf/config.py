@@ -38,6 +38,7 @@ TRAINING_KEYS = (
 ARCHITECTURES = (
     "llama",
     "mistral",
+    "ministral",
     "qwen2",
     "qwen3",
     "phi3",
@@ -143,6 +144,7 @@ def _rope(
 # base 10000).
 _LLAMA_FAMILY_DEFAULTS = {
     "mistral": dict(num_key_value_heads=8),
+    "ministral": dict(num_key_value_heads=8),
     "qwen2": dict(num_key_value_heads=32),
     "qwen3": dict(num_key_value_heads=32, head_dim=128),
     "smollm3": dict(num_key_value_heads=4, rope_theta=2_000_000.0),
@@ -220,6 +222,17 @@ def _sliding_windows(hf: dict) -> tuple[str, ...]:
                 f"{window!r} to every layer; only a list that agrees (every layer {want!r})",
             )
         return () if window is None else (f"rope:window={window}",)
+    if kind == "ministral":  # sliding_window on the layers layer_types names (by default all)
+        window = None if hf.get("sliding_window", 4096) is None else _window_size(hf)
+        if types is None:
+            types = [_SLIDING if window else _FULL] * n
+        if len(types) != n or any(t not in (_SLIDING, _FULL) for t in types):
+            raise _refuse("layer_types", types, f"{n} entries, each {_SLIDING!r} or {_FULL!r}")
+        if _SLIDING in types and window is None:
+            raise _refuse("layer_types", types, f"{_SLIDING!r} layers need a sliding_window")
+        if _SLIDING not in types:
+            return ()
+        return tuple(f"rope:window={window}" if t == _SLIDING else "rope" for t in types)
     if kind in ("qwen2", "qwen3"):
         window = _window_size(hf) if hf.get("use_sliding_window") else None
         if types is None:
@@ -527,6 +540,7 @@ def _mpt(hf: dict) -> dict[str, Any]:
 _PARSERS = {
     "llama": _llama,
     "mistral": _llama,
+    "ministral": _llama,
     "qwen2": _llama,
     "qwen3": _qwen3,
     "phi3": _phi3,
@@ -617,11 +631,13 @@ def hf_config(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
     common["tie_word_embeddings"] = cfg.tie_embeddings
     if cfg.vocab_size <= _DEFAULT_PAD.get(model_type, -1):
         common["pad_token_id"] = None  # the config class's default would not fit the vocabulary
-    if model_type in ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma", "gemma3_text"):
+    llama_like = ("llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3", "gemma")
+    if model_type in (*llama_like, "gemma3_text"):
         params, max_positions = _hf_rope(cfg.settings)
         arch = {
             "llama": "LlamaForCausalLM",
             "mistral": "MistralForCausalLM",
+            "ministral": "MinistralForCausalLM",
             "gemma": "GemmaForCausalLM",
             "gemma3_text": "Gemma3ForCausalLM",
             "qwen3": "Qwen3ForCausalLM",
@@ -663,6 +679,10 @@ def hf_config(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
         size = next((w for w in windows if w is not None), None)
         if model_type == "mistral":
             out.update(sliding_window=size)
+        if model_type == "ministral":
+            out.update(
+                sliding_window=size, layer_types=[_FULL if w is None else _SLIDING for w in windows]
+            )
         if model_type == "qwen3":
             out.update(attention_bias=False)
         if model_type == "smollm3":

@@ -172,7 +172,8 @@ def rules(cfg: ModelConfig, model_type: str) -> list[Rule]:
     def bias(hf, ours):
         out.append(_copy(f"{hf}.bias", ours))
 
-    llama_like = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma", "gemma3_text", "gemma3")
+    llama_like = ("llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3", "gemma")
+    llama_like = (*llama_like, "gemma3_text", "gemma3")
     if model_type in llama_like:
         out.append(_copy(f"{p}embed_tokens.weight", ("embed",)))
         norm(f"{p}norm", ("final_norm",))
