@@ -298,6 +298,24 @@ def cases() -> dict[str, tuple[str, dict, dict]]:
             ),
             {},
         ),
+        # StarCoder2: LayerNorm, plain tanh-GELU MLP, grouped-query heads; biases everywhere and
+        # a window on every layer, or no biases and no window (untied).
+        "starcoder2": (
+            "Starcoder2Config",
+            dict(LLAMA, bos_token_id=None, eos_token_id=None, sliding_window=6),
+            {},
+        ),
+        "starcoder2_nobias": (
+            "Starcoder2Config",
+            dict(
+                NO_IDS,
+                use_bias=False,
+                tie_word_embeddings=False,
+                norm_epsilon=1e-6,
+                rope_theta=1e5,
+            ),
+            {},
+        ),
         # MPT: ALiBi (4 heads, and 6: a head count that is no power of two), no biases,
         # LayerNorm without bias, tied embeddings; T = 24 <= max_seq_len (transformers' MPT
         # builds its ALiBi bias for max_seq_len positions and cannot read more).

@@ -25,6 +25,7 @@ PER_LAYER = [
     "smollm3_window",
     "mistral_window",
     "ministral",
+    "starcoder2",
     "gemma3",
     "gemma3_legacy",
     "gemma3_multimodal",
@@ -104,6 +105,7 @@ def test_unsupported_options_are_refused_naming_the_key(tmp_path, changes, named
         ("qwen3_window", [6, None]),
         ("phi3_partial", [6, 6]),
         ("ministral", [None, 6]),
+        ("starcoder2", [6, 6]),
         ("gemma3", [8, None]),
         ("gemma3_legacy", [6, None, 6]),
     ],
@@ -113,7 +115,7 @@ def test_sliding_windows_load_per_layer_and_the_goldens_pin_them(tmp_path, case,
     assert [spec.window for spec in model.cfg.layers] == windows
     # The same weights without the windows give other logits: the goldens test the windows.
     path = _copy(tmp_path, case)
-    if case in ("mistral_window", "phi3_partial"):
+    if case in ("mistral_window", "phi3_partial", "starcoder2"):
         _edit_config(path, sliding_window=None)
     elif case == "ministral":
         _edit_config(path, layer_types=["full_attention"] * 2)
@@ -170,6 +172,7 @@ MINIMAL = {
     "gemma": dict(_SIZES, num_key_value_heads=2, head_dim=8),
     "gemma3_text": dict(_SIZES, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8),
     "gpt_neox": _SIZES,
+    "starcoder2": dict(_SIZES, bos_token_id=None, eos_token_id=None),  # 2 key/value heads
     "gpt2": dict(n_embd=32, n_head=4, n_layer=2, n_positions=64, vocab_size=64),
     "bloom": dict(hidden_size=32, n_head=4, n_layer=2, vocab_size=64),
     "mpt": dict(d_model=32, n_heads=4, n_layers=2, vocab_size=64),
@@ -494,6 +497,7 @@ def test_mpt_slope_formula_is_transformers_own():
         "bloom",
         "llama_mqa_tied",
         "neox_sequential",
+        "starcoder2_nobias",
         "mpt_six_heads",
         "rope_longrope",
     ],
@@ -540,6 +544,11 @@ def test_a_model_without_a_hugging_face_twin_is_not_saved(tmp_path):
     cfg = ModelConfig.from_keys(dict(d_model=16, num_layers=1, num_heads=2, num_kv_heads=2))
     with pytest.raises(ValueError, match="no Hugging Face architecture"):
         hf.save_pretrained(TransformerLM(cfg.validate(), rngs=nnx.Rngs(0)), tmp_path / "x")
+    # GPT-NeoX's block with grouped-query heads: neither GPT-NeoX (its fused qkv holds N heads
+    # of each) nor StarCoder2 (sequential residuals) computes it.
+    neox = hf.from_pretrained(GOLDENS / "neox_parallel").cfg.replace(num_kv_heads=2).validate()
+    with pytest.raises(ValueError, match="no Hugging Face architecture"):
+        hf.save_pretrained(TransformerLM(neox, rngs=nnx.Rngs(0)), tmp_path / "x")
     # Per-layer positions that no architecture writes are refused, not dropped: another RoPE
     # base on one layer, a length temperature, windows a Llama cannot hold.
     llama = hf.from_pretrained(GOLDENS / "llama_gqa").cfg

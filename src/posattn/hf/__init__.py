@@ -323,11 +323,15 @@ def model_type_of(cfg: ModelConfig) -> str:
         return "ministral"  # Ministral: one window size on the layers its layer_types lists
     if len(sizes) == 1 and None not in windows and kind == "phi3":
         return kind  # Phi-3: one window on every layer
+    if len(sizes) == 1 and None not in windows and kind in ("gpt_neox", "starcoder2"):
+        if not cfg.parallel_residual and cfg.settings.partial_factor == 1:
+            return "starcoder2"  # StarCoder2: one window on every layer
     raise ValueError(
         f"sliding windows {list(windows)} (by layer) have no Hugging Face twin for this {kind} "
         "model: save_pretrained writes them as Mistral or Ministral (Llama's shape without "
         "biases), Qwen2 (q/k/v biases) or Qwen3 (query/key norms), one window size on any "
-        "layers, or Phi-3 (partial rotary, one window on every layer)"
+        "layers, or Phi-3 (partial rotary) or StarCoder2 (LayerNorm, sequential residuals, "
+        "whole-head rotary), one window on every layer"
     )
 
 
@@ -401,11 +405,14 @@ def _architecture(cfg: ModelConfig) -> str:
     phi3 = phi3 and arch == ("rms", False, "gated", "one", False) and cfg.bias == "none"
     if phi3 and not cfg.norm_unit_offset and not cfg.embed_norm:
         return "phi3"  # Llama's block with partial rotary
-    neox = ("layer", True, "plain", "one")
-    if cfg.position == "rope" and arch[:4] == neox and cfg.settings.layout == "half":
-        if cfg.bias == "all" and not cfg.embed_norm and not cfg.norm_unit_offset:
-            if cfg.settings.proportion == 1:
-                return "gpt_neox"
+    neox = cfg.position == "rope" and arch[:4] == ("layer", True, "plain", "one")
+    neox = neox and cfg.settings.layout == "half" and cfg.settings.proportion == 1
+    if neox and not cfg.embed_norm and not cfg.norm_unit_offset:
+        whole_heads = cfg.head_dim * cfg.num_heads == cfg.d_model
+        if cfg.bias == "all" and cfg.num_kv_heads == cfg.num_heads and whole_heads:
+            return "gpt_neox"  # its fused qkv holds N heads of each
+        if not cfg.parallel_residual and cfg.settings.partial_factor == 1:
+            return "starcoder2"  # grouped-query heads, biases on every projection or none
     if cfg.position == "learned" and arch == ("layer", True, "plain", "one", False):
         if cfg.bias == "all" and not cfg.embed_norm and cfg.tie_embeddings:
             return "gpt2"
@@ -420,7 +427,7 @@ def _architecture(cfg: ModelConfig) -> str:
         "this model has no Hugging Face architecture that computes the same function; "
         "save_pretrained writes Llama/Mistral/Ministral/Qwen2/Qwen3/Phi-3/SmolLM3/Gemma/Gemma 3 "
         "(rope, half layout, RMSNorm, gated MLP), "
-        "GPT-NeoX (rope, LayerNorm, biases), GPT-2 (learned positions), BLOOM "
+        "GPT-NeoX and StarCoder2 (rope, LayerNorm), GPT-2 (learned positions), BLOOM "
         "(ALiBi, biases) and MPT (ALiBi, no biases) models"
     )
 

@@ -48,6 +48,7 @@ ARCHITECTURES = (
     "gpt2",
     "bloom",
     "gpt_neox",
+    "starcoder2",
     "mpt",
 )
 
@@ -491,6 +492,37 @@ def _neox(hf: dict) -> dict[str, Any]:
     )
 
 
+def _starcoder2(hf: dict) -> dict[str, Any]:
+    """StarCoder2: RoPE, LayerNorm with bias, a plain tanh-GELU MLP (c_fc, c_proj), biases on
+    every projection or none (`use_bias`), grouped-query attention, sequential residuals, tied
+    embeddings by default, and `sliding_window` on every layer when it is set."""
+    d, n = hf["hidden_size"], hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or d // n
+    k = hf.get("num_key_value_heads", 2)  # Starcoder2Config's default
+    window = hf.get("sliding_window")
+    return dict(
+        position="rope",
+        vocab_size=hf["vocab_size"],
+        d_model=d,
+        num_layers=hf["num_hidden_layers"],
+        num_heads=n,
+        num_kv_heads=k or n,
+        head_dim=head_dim if head_dim * n != d else 0,
+        d_ff=hf["intermediate_size"],
+        norm="layer",
+        norm_bias=True,
+        norm_eps=float(hf.get("norm_epsilon", 1e-5)),
+        mlp="plain",
+        activation=_activation("hidden_act", hf.get("hidden_act", "gelu_pytorch_tanh")),
+        bias="all" if hf.get("use_bias", True) else "none",
+        parallel_residual=False,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        embed_scale="one",
+        layer_pattern=() if window is None else (f"rope:window={_window_size(hf)}",),
+        **_rope(hf, head_dim, 10000.0),
+    )
+
+
 # MPT `attn_config` keys and the values posattn computes exactly as transformers' MptForCausalLM.
 _MPT_ATTN = {
     "attn_type": (("multihead_attention",), "multi-head attention (Wqkv holds q, k, v of N heads)"),
@@ -548,6 +580,7 @@ _PARSERS = {
     "gpt2": _gpt2,
     "bloom": _bloom,
     "gpt_neox": _neox,
+    "starcoder2": _starcoder2,
     "gemma": _gemma,
     "gemma3_text": _gemma3,
     "gemma3": _gemma3_multimodal,
@@ -736,6 +769,25 @@ def hf_config(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
             original_max_position_embeddings=params.get(
                 "original_max_position_embeddings", max_positions
             ),
+            rope_parameters=params,
+            sliding_window=windows.pop(),
+        )
+    if model_type == "starcoder2":
+        params, max_positions = _hf_rope(cfg.settings)
+        windows = {spec.window for spec in cfg.layers}
+        return dict(
+            common,
+            architectures=["Starcoder2ForCausalLM"],
+            hidden_size=cfg.d_model,
+            num_hidden_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_heads,
+            num_key_value_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            intermediate_size=cfg.ff_dim,
+            norm_epsilon=cfg.norm_eps,
+            hidden_act={"gelu_tanh": "gelu_pytorch_tanh"}.get(cfg.activation, cfg.activation),
+            use_bias=cfg.bias == "all",
+            max_position_embeddings=max_positions,
             rope_parameters=params,
             sliding_window=windows.pop(),
         )

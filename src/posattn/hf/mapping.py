@@ -229,6 +229,27 @@ def rules(cfg: ModelConfig, model_type: str) -> list[Rule]:
         if not cfg.tie_embeddings:
             out.append(_copy("lm_head.weight", ("head",)))
         return out
+    if model_type == "starcoder2":
+        out.append(_copy(f"{p}embed_tokens.weight", ("embed",)))
+        norm(f"{p}norm", ("final_norm",))
+        for i in range(cfg.num_layers):
+            L, b = f"{p}layers.{i}.", ("blocks", i)
+            norm(f"{L}input_layernorm", (*b, "attn_norm"))
+            norm(f"{L}post_attention_layernorm", (*b, "mlp_norm"))
+            a = f"{L}self_attn."
+            for x, heads in (("q", N), ("k", K), ("v", K)):
+                out.append(_linear(f"{a}{x}_proj.weight", (*b, "attn", f"w{x}"), heads, H))
+            out.append(_out_proj(f"{a}o_proj.weight", (*b, "attn", "wo"), N, H))
+            out.append(_linear(f"{L}mlp.c_fc.weight", (*b, "mlp", "w1")))
+            out.append(_linear(f"{L}mlp.c_proj.weight", (*b, "mlp", "w2")))
+            if cfg.bias == "all":
+                for x in "qkvo":
+                    bias(f"{a}{x}_proj", (*b, "attn", f"b{x}"))
+                bias(f"{L}mlp.c_fc", (*b, "mlp", "b1"))
+                bias(f"{L}mlp.c_proj", (*b, "mlp", "b2"))
+        if not cfg.tie_embeddings:
+            out.append(_copy("lm_head.weight", ("head",)))
+        return out
     if model_type == "gpt2":
         out.append(_copy(f"{p}wte.weight", ("embed",)))
         out.append(_copy(f"{p}wpe.weight", ("pos_embed",)))
