@@ -664,6 +664,16 @@ def hf_config(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
     common["tie_word_embeddings"] = cfg.tie_embeddings
     if cfg.vocab_size <= _DEFAULT_PAD.get(model_type, -1):
         common["pad_token_id"] = None  # the config class's default would not fit the vocabulary
+    # The sizes of the types with separate key/value heads and a free head_dim.
+    sizes = dict(
+        hidden_size=cfg.d_model,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        intermediate_size=cfg.ff_dim,
+    )
+    act = {"gelu_tanh": "gelu_pytorch_tanh"}.get(cfg.activation, cfg.activation)
     llama_like = ("llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3", "gemma")
     if model_type in (*llama_like, "gemma3_text"):
         params, max_positions = _hf_rope(cfg.settings)
@@ -679,16 +689,9 @@ def hf_config(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
         out = dict(
             common,
             architectures=[arch.get(model_type, "Qwen2ForCausalLM")],
-            hidden_size=cfg.d_model,
-            num_hidden_layers=cfg.num_layers,
-            num_attention_heads=cfg.num_heads,
-            num_key_value_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            intermediate_size=cfg.ff_dim,
+            **sizes,
             rms_norm_eps=cfg.norm_eps,
-            hidden_act={"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}.get(
-                cfg.activation, cfg.activation
-            ),
+            hidden_act=act,
             max_position_embeddings=max_positions,
             rope_parameters=params,
         )
@@ -757,13 +760,9 @@ def hf_config(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
         return dict(
             common,
             architectures=["Phi3ForCausalLM"],
-            hidden_size=cfg.d_model,
-            num_hidden_layers=cfg.num_layers,
-            num_attention_heads=cfg.num_heads,
-            num_key_value_heads=cfg.num_kv_heads,
-            intermediate_size=cfg.ff_dim,
+            **sizes,
             rms_norm_eps=cfg.norm_eps,
-            hidden_act={"gelu_tanh": "gelu_pytorch_tanh"}.get(cfg.activation, cfg.activation),
+            hidden_act=act,
             max_position_embeddings=max_positions,
             # Phi3Config's own default (4096) would stand in for a training length left out.
             original_max_position_embeddings=params.get(
@@ -778,14 +777,9 @@ def hf_config(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
         return dict(
             common,
             architectures=["Starcoder2ForCausalLM"],
-            hidden_size=cfg.d_model,
-            num_hidden_layers=cfg.num_layers,
-            num_attention_heads=cfg.num_heads,
-            num_key_value_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            intermediate_size=cfg.ff_dim,
+            **sizes,
             norm_epsilon=cfg.norm_eps,
-            hidden_act={"gelu_tanh": "gelu_pytorch_tanh"}.get(cfg.activation, cfg.activation),
+            hidden_act=act,
             use_bias=cfg.bias == "all",
             max_position_embeddings=max_positions,
             rope_parameters=params,
