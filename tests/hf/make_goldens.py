@@ -179,7 +179,7 @@ def cases() -> dict[str, tuple[str, dict, dict]]:
         "ministral": (
             "MinistralConfig",
             dict(
-                LLAMA,
+                NO_IDS,  # no eos: greedy decoding is compared token for token with generate
                 head_dim=8,  # MinistralConfig leaves it None, which its attention cannot take
                 sliding_window=6,
                 layer_types=["full_attention", "sliding_attention"],

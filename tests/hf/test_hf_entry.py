@@ -39,7 +39,7 @@ def _greedy_by_full_forward(model, prompt, n):
     return ids[len(prompt) :]
 
 
-# qwen2_layer_types and gemma3_legacy: windows of 6, so 5 + 10 tokens wrap their ring-buffer caches.
+# The windowed cases (windows of 6 to 8), so 5 + 10 tokens wrap their ring-buffer caches.
 @pytest.mark.parametrize(
     "case, n",
     [
@@ -48,6 +48,8 @@ def _greedy_by_full_forward(model, prompt, n):
         ("qwen3_window", 10),
         ("phi3_partial", 10),
         ("smollm3_window", 10),
+        ("ministral", 10),
+        ("starcoder2", 10),
         ("gemma3_legacy", 10),
     ],
 )
