@@ -39,7 +39,7 @@ def _greedy_by_full_forward(model, prompt, n):
     return ids[len(prompt) :]
 
 
-# The windowed cases (windows of 6 to 8), so 5 + 10 tokens wrap their ring-buffer caches.
+# The windowed cases have windows of 6, so 5 + 10 tokens wrap their ring-buffer caches.
 @pytest.mark.parametrize(
     "case, n",
     [
