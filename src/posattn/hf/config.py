@@ -205,11 +205,25 @@ def _window_size(hf: dict) -> int:
     return w
 
 
+def _layer_types(hf: dict, default: list[str], window: int | None, need: str) -> list[str]:
+    """config.json's `layer_types`, or `default` where it has none, checked: one entry per layer,
+    each "sliding_attention" or "full_attention", and sliding layers only with a `window` (`need`
+    names what gives one)."""
+    n = hf["num_hidden_layers"]
+    types = default if hf.get("layer_types") is None else hf["layer_types"]
+    if len(types) != n or any(t not in (_SLIDING, _FULL) for t in types):
+        raise _refuse("layer_types", types, f"{n} entries, each {_SLIDING!r} or {_FULL!r}")
+    if _SLIDING in types and window is None:
+        raise _refuse("layer_types", types, f"{_SLIDING!r} layers need {need}")
+    return types
+
+
 def _sliding_windows(hf: dict) -> tuple[str, ...]:
     """model.layer_pattern of a Llama-family config's sliding windows, as transformers reads them:
     Mistral puts `sliding_window` on every layer (or none when it is null); Qwen2 puts it on the
     layers `layer_types` names "sliding_attention" (by default those from `max_window_layers` on)
-    when `use_sliding_window` is true. () when every layer attends to every earlier key."""
+    when `use_sliding_window` is true (Qwen3 alike); Ministral on the layers `layer_types` names
+    (by default every layer). () when every layer attends to every earlier key."""
     kind, n = hf["model_type"], hf["num_hidden_layers"]
     types = hf.get("layer_types")
     if kind == "mistral":
@@ -223,31 +237,20 @@ def _sliding_windows(hf: dict) -> tuple[str, ...]:
                 f"{window!r} to every layer; only a list that agrees (every layer {want!r})",
             )
         return () if window is None else (f"rope:window={window}",)
-    if kind == "ministral":  # sliding_window on the layers layer_types names (by default all)
-        window = None if hf.get("sliding_window", 4096) is None else _window_size(hf)
-        if types is None:
-            types = [_SLIDING if window else _FULL] * n
-        if len(types) != n or any(t not in (_SLIDING, _FULL) for t in types):
-            raise _refuse("layer_types", types, f"{n} entries, each {_SLIDING!r} or {_FULL!r}")
-        if _SLIDING in types and window is None:
-            raise _refuse("layer_types", types, f"{_SLIDING!r} layers need a sliding_window")
-        if _SLIDING not in types:
-            return ()
-        return tuple(f"rope:window={window}" if t == _SLIDING else "rope" for t in types)
-    if kind in ("qwen2", "qwen3"):
-        window = _window_size(hf) if hf.get("use_sliding_window") else None
-        if types is None:
+    if kind in ("ministral", "qwen2", "qwen3"):
+        if kind == "ministral":  # by default every layer
+            window = None if hf.get("sliding_window", 4096) is None else _window_size(hf)
+            default = [_SLIDING if window else _FULL] * n
+            need = "a sliding_window"
+        else:  # by default the layers from max_window_layers on
+            window = _window_size(hf) if hf.get("use_sliding_window") else None
             first = hf.get("max_window_layers", 28)
-            types = [_SLIDING if window and i >= first else _FULL for i in range(n)]
-        if len(types) != n or any(t not in (_SLIDING, _FULL) for t in types):
-            raise _refuse("layer_types", types, f"{n} entries, each {_SLIDING!r} or {_FULL!r}")
-        if _SLIDING in types and window is None:
-            raise _refuse(
-                "layer_types",
-                types,
-                f"{_SLIDING!r} layers need use_sliding_window true and a sliding_window "
-                "(transformers cannot run them without)",
+            default = [_SLIDING if window and i >= first else _FULL for i in range(n)]
+            need = (
+                "use_sliding_window true and a sliding_window (transformers cannot run them "
+                "without)"
             )
+        types = _layer_types(hf, default, window, need)
         if _SLIDING not in types:
             return ()
         return tuple(f"rope:window={window}" if t == _SLIDING else "rope" for t in types)
@@ -310,17 +313,8 @@ def _smollm3(hf: dict) -> dict[str, Any]:
     if len(rope) != n or any(r not in (0, 1) for r in rope):
         raise _refuse("no_rope_layers", rope, f"{n} entries, each 1 (RoPE) or 0 (no RoPE)")
     window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
-    types = hf.get("layer_types")
-    if types is None:
-        types = [_SLIDING if window is not None and not r else _FULL for r in rope]
-    if len(types) != n or any(t not in (_SLIDING, _FULL) for t in types):
-        raise _refuse("layer_types", types, f"{n} entries, each {_SLIDING!r} or {_FULL!r}")
-    if _SLIDING in types and window is None:
-        raise _refuse(
-            "layer_types",
-            types,
-            f"{_SLIDING!r} layers need use_sliding_window true and a sliding_window",
-        )
+    default = [_SLIDING if window is not None and not r else _FULL for r in rope]  # NoPE layers
+    types = _layer_types(hf, default, window, "use_sliding_window true and a sliding_window")
     keys = _llama({**hf, "tie_word_embeddings": hf.get("tie_word_embeddings", True)})
     entries = [
         ("rope" if r else "nope") + (f":window={_window_size(hf)}" if t == _SLIDING else "")
