@@ -341,16 +341,11 @@ def check_config(
     path = workdir / "config.json"
     if not path.exists():
         return
-    try:
-        before = json.loads(path.read_text())
-        if not isinstance(before, dict):
-            raise ValueError("not a JSON object")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise config_lib.ConfigError(
-            f"{path} is damaged ({e}); the checkpoints keep the config they were trained with "
-            f"and a resume is checked against it: move the file away (mv {path} {path}.bad) and "
-            "rerun the same command"
-        ) from None
+    before = _json_object(
+        path,
+        "the checkpoints keep the config they were trained with and a resume is checked against "
+        f"it: move the file away (mv {path} {path}.bad) and rerun the same command",
+    )
     _refuse_differences(workdir, config_differences(before, config), "config.json")
 
 
@@ -364,13 +359,20 @@ def read_config(workdir: pathlib.Path) -> ml_collections.ConfigDict:
         raise config_lib.ConfigError(
             f"{workdir} has no config.json: is it a workdir written by python -m posattn.train?"
         )
+    return config_lib.complete(ml_collections.ConfigDict(_json_object(path)))
+
+
+def _json_object(path: pathlib.Path, advice: str = "") -> dict:
+    """The JSON object in `path`, or a ConfigError saying the file is damaged (and `advice`)."""
     try:
-        saved = json.loads(path.read_text())
-        if not isinstance(saved, dict):
+        value = json.loads(path.read_text())
+        if not isinstance(value, dict):
             raise ValueError("not a JSON object")
     except (ValueError, UnicodeDecodeError) as e:
-        raise config_lib.ConfigError(f"{path} is damaged ({e})") from None
-    return config_lib.complete(ml_collections.ConfigDict(saved))
+        raise config_lib.ConfigError(
+            f"{path} is damaged ({e})" + (f"; {advice}" if advice else "")
+        ) from None
+    return value
 
 
 def write_config(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> None:
