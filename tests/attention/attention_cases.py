@@ -240,9 +240,11 @@ def oracle_attention(
     scale=None,
     window=None,
     log_forget=None,
+    softcap=None,
 ):
     """The definitions written out densely in float32 (differentiable), with no code shared with
-    `posattn.attention`: logits scale q.k + bias, plus the forget term
+    `posattn.attention`: logits scale q.k (or softcap * tanh(scale q.k / softcap), Gemma 2's
+    `attn_logit_softcapping`) + bias, plus the forget term
     sum_{l=j+1..i} log_forget[b, l, h] as an explicit masked sum (not a cumulative sum); key j is
     visible to query i iff (j <= i if causal), (i - j < window, and j - i < window if not causal),
     j < kv_lengths[b]; softmax over the visible keys, a row with none gives zeros."""
@@ -255,6 +257,8 @@ def oracle_attention(
     vr = jnp.repeat(v.astype(f32), G, axis=2)
     hi = jax.lax.Precision.HIGHEST
     logits = scale * jnp.einsum("btnh,bsnh->bnts", q.astype(f32), kr, precision=hi)
+    if softcap is not None:
+        logits = softcap * jnp.tanh(logits / softcap)
     i = jnp.broadcast_to(jnp.asarray(q_offset), (Bq,))[:, None] + jnp.arange(Tq)  # (B, T)
     j = jnp.arange(Sk)
     if bias is not None:

@@ -8,7 +8,8 @@ one per batch row, e.g. a KV-cache decode step), key positions `arange(S)`; logi
 `scale * q.k + bias(i, j)`; `causal` hides keys j > i and `kv_lengths` hides keys j >= length;
 a sliding `window` w hides keys with i - j >= w (and j - i >= w when not causal: Hugging Face's
 `sliding_window`). Forgetting attention (`log_forget`, FoX) adds `c[i] - c[j]` to the logits, c
-the float32 cumulative sum of log_forget over the key positions (docs/attention.md).
+the float32 cumulative sum of log_forget over the key positions (docs/attention.md). A
+`softcap` c replaces scale * q.k by c * tanh(scale * q.k / c) before the bias (Gemma 2).
 Softmax runs in float32 whatever the input dtype; the output keeps q's dtype; a query row that
 sees no key returns zeros, never NaN.
 
@@ -110,6 +111,7 @@ def attention(
     scale: float | None = None,
     window: int | None = None,
     log_forget: jax.Array | None = None,
+    softcap: float | None = None,
     implementation: str = "auto",
 ) -> jax.Array:
     """Multi-head (grouped-query) dot-product attention with an optional additive bias.
@@ -134,6 +136,10 @@ def attention(
         sum_{l=j+1..i} log_forget[b, l, h] = c[b, i, h] - c[b, j, h] with c its float32 cumulative
         sum over positions; query i reads c at its own position, so query positions must lie in
         [0, S) (self-attention, a KV cache). Needs causal=True.
+      softcap: None, or a static number c > 0: the content logits scale * q.k become
+        c * tanh(scale * q.k / c) before the bias, forget term and mask are added (Gemma 2's
+        `attn_logit_softcapping`). "reference", "chunked" and "blockwise" compute it; "auto"
+        picks among those.
       implementation: one of IMPLEMENTATIONS.
 
     Returns:
@@ -148,6 +154,7 @@ def attention(
             f"attention: unknown implementation {implementation!r}; "
             f"allowed: {', '.join(IMPLEMENTATIONS)}"
         )
+    softcap = _check_softcap(softcap, implementation)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     # A Python-int offset (training, a prefill) is static: "chunked" then skips the keys above the
@@ -162,6 +169,7 @@ def attention(
         causal=causal,
         static_offset=static_offset,
         window=window,
+        softcap=softcap,
     )
     return partition.over_batch(
         run,
@@ -190,6 +198,7 @@ def _dispatch(
     causal,
     static_offset,
     window,
+    softcap=None,
 ):
     """One implementation on (the local rows of) q, k, v."""
     if implementation == "auto":
@@ -203,6 +212,7 @@ def _dispatch(
             static_offset=static_offset,
             window=window,
             log_forget=log_forget,
+            softcap=softcap,
         )
     kwargs = dict(
         bias=bias,
@@ -213,6 +223,8 @@ def _dispatch(
         window=window,
         log_forget=log_forget,
     )
+    if softcap is not None:  # _check_softcap let only these through
+        kwargs["softcap"] = softcap
     match implementation:
         case "reference":
             return reference_attention(q, k, v, **kwargs)
@@ -273,6 +285,7 @@ def choose_implementation(
     backend: str | None = None,
     window: int | None = None,
     log_forget: Any = None,
+    softcap: float | None = None,
 ) -> str:
     """The rule behind implementation="auto", per backend; logs its choice once per input kind.
 
@@ -305,6 +318,9 @@ def choose_implementation(
     `cudnn.unsupported_reason`; cuDNN refuses a window except with its own causal mask at offset
     0, so such calls fall to "blockwise".
 
+    Soft-capped logits (`softcap`): only "chunked" and "blockwise" compute them fast, so the
+    choice is between those two by the CPU rule above on every backend.
+
     q, k: arrays or shape/dtype structs (the rows one device sees); log_forget an array, a
     shape/dtype struct or None. Pass `implementation=` to `attention` to override.
     """
@@ -314,7 +330,12 @@ def choose_implementation(
     # A materialised bias has one slice per batch row with per-row positions or lengths, or with
     # forget gates.
     per_row_bias = per_row or log_forget is not None
-    if backend == "cpu":
+    if softcap is not None:
+        small = T * S < AUTO_CHUNKED_MAX_HEAD_LOGITS and (
+            not per_row_bias or B * N * T * S < AUTO_BLOCKWISE_MIN_LOGITS
+        )
+        choice = "chunked" if small else "blockwise"
+    elif backend == "cpu":
         small = T * S < AUTO_CHUNKED_MAX_HEAD_LOGITS and (
             not per_row_bias or B * N * T * S < AUTO_BLOCKWISE_MIN_LOGITS
         )
@@ -366,11 +387,11 @@ def choose_implementation(
             choice = "cudnn" if cudnn_ok and bias_size <= AUTO_CUDNN_MAX_BIAS else "blockwise"
     forget = log_forget is not None
     key = (backend, q.shape, k.shape, str(q.dtype), _bias_kind(bias), per_row, causal)
-    key += (window, forget)
+    key += (window, forget, softcap)
     if key not in _logged_choices:
         _logged_choices.add(key)
         _log.info(
-            "attention(implementation='auto') on %s: q %s, k %s, %s, bias %s%s%s%s -> %r",
+            "attention(implementation='auto') on %s: q %s, k %s, %s, bias %s%s%s%s%s -> %r",
             backend,
             q.shape,
             k.shape,
@@ -379,6 +400,7 @@ def choose_implementation(
             ", per-row positions/lengths" if per_row else "",
             "" if window is None else f", window {window}",
             ", forget gates" if forget else "",
+            "" if softcap is None else f", soft cap {softcap}",
             choice,
         )
     return choice
@@ -404,6 +426,29 @@ def _bias_kind(bias: Bias) -> str:
     if bias is None:
         return "none"
     return "fn" if isinstance(bias, tuple) else "array"
+
+
+# The implementations that compute soft-capped logits.
+SOFTCAP_IMPLEMENTATIONS = ("auto", "reference", "chunked", "blockwise")
+
+
+def _check_softcap(softcap, implementation: str) -> float | None:
+    """`softcap` as a float (None stays None), or ValueError naming the problem."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.number)):
+        raise ValueError(
+            f"attention: softcap={softcap!r} must be None or a Python number c > 0 (static, "
+            "not a traced value)"
+        )
+    if not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"attention: softcap={softcap!r} must be a finite number > 0, or None")
+    if implementation not in SOFTCAP_IMPLEMENTATIONS:
+        raise ValueError(
+            f"attention: implementation={implementation!r} does not compute soft-capped logits; "
+            f"use one of {', '.join(map(repr, SOFTCAP_IMPLEMENTATIONS))}"
+        )
+    return float(softcap)
 
 
 def _check_window_and_forget(q, k, window, log_forget, causal, q_offset) -> None:

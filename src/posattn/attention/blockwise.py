@@ -74,6 +74,7 @@ class _Plan:
     kv_mask: bool  # keys past kv_len exist (explicit lengths or S padded to Sp)
     window: int | None = None  # sliding window: query i sees key j only if i - j < window
     forget: bool = False  # the forget term c_q - c_k is added to the logits
+    softcap: float | None = None  # the content logits capped as c tanh(s / c) (Gemma 2)
 
 
 def blockwise_attention(
@@ -88,13 +89,14 @@ def blockwise_attention(
     scale: float | None = None,
     window: int | None = None,
     log_forget: jax.Array | None = None,
+    softcap: float | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
 ) -> jax.Array:
     """Same contract as `posattn.attention.attention` (which validates the inputs), tiled.
 
     Args:
-      q, k, v, bias, causal, q_offset, kv_lengths, scale, window, log_forget: as in
+      q, k, v, bias, causal, q_offset, kv_lengths, scale, window, log_forget, softcap: as in
         `posattn.attention.attention`.
       block_q: query tile size (clipped to T).
       block_k: key tile size (clipped to S).
@@ -145,6 +147,7 @@ def blockwise_attention(
         kv_mask=kv_len is not None,
         window=None if window is None else int(window),
         forget=log_forget is not None,
+        softcap=None if softcap is None else float(softcap),
     )
 
     qt = tiles.group_heads(jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, 0))), K)
@@ -219,12 +222,13 @@ def _tile_mask(plan, offsets, kv_len, i, j):
 
 
 def _scores(plan, q_i, k_j, bias_t, mask, *, keys_transposed=False):
-    """float32[B, K, G, tq, tk] logits of one tile, hidden keys at -inf.
+    """(float32[B, K, G, tq, tk] logits of one tile, hidden keys at -inf; the soft cap's slope
+    or None: `tiles.capped_logits`).
 
     k_j is (B, K, tk, H), or (B, K, H, tk) with keys_transposed (the layout the CPU matmul wants,
     so the forward transposes K once instead of once per tile).
     """
-    return tiles.logits(
+    return tiles.capped_logits(
         "query_major",
         q_i,
         k_j,
@@ -232,6 +236,7 @@ def _scores(plan, q_i, k_j, bias_t, mask, *, keys_transposed=False):
         bias=bias_t,
         mask=mask,
         keys_transposed=keys_transposed,
+        softcap=plan.softcap,
     )
 
 
@@ -324,7 +329,7 @@ def _forward(plan, qt, kt, vt, params, offsets, kv_len, cq, ck):
 
         def step(carry, mask, j):
             bias_t = _tile_logit_bias(plan, _tile_bias(plan, params, offsets, i, j), cq, ck, i, j)
-            s = _scores(plan, q_i, kt_t[j], bias_t, mask, keys_transposed=True)  # (B,K,G,tq,tk)
+            s, _ = _scores(plan, q_i, kt_t[j], bias_t, mask, keys_transposed=True)  # (B,K,G,tq,tk)
             return tiles.online_softmax_step(carry, s, vt[j])
 
         def key_tile(j, carry):
@@ -377,7 +382,7 @@ def _flash_bwd(plan, res, d_out):
                     )
                 case _:
                     bias_t = _tile_bias(plan, params, offsets, i, j)
-            s = _scores(plan, q_i, k_j, _tile_logit_bias(plan, bias_t, cq, ck, i, j), mask)
+            s, slope = _scores(plan, q_i, k_j, _tile_logit_bias(plan, bias_t, cq, ck, i, j), mask)
             p = tiles.probabilities_from_lse("query_major", s, lse[i])  # hidden, empty rows: 0
             dq, dk, dv, ds = tiles.tile_grads(
                 "query_major",
@@ -388,6 +393,7 @@ def _flash_bwd(plan, res, d_out):
                 d_out=do_i,
                 delta=delta[i],
                 scale=plan.scale,
+                cap_slope=slope,
             )  # ds: (B, K, G, tq, tk)
             d_forget = tiles.forget_grads(ds) if plan.forget else ((), ())
             d_bias = ()

@@ -65,6 +65,7 @@ class _Plan:
     bias_grad: bool  # compute the bias gradient (False: the bias is a constant mask)
     # (first query, end query, first key, end key) of each query tile
     tiles: tuple[tuple[int, int, int, int], ...]
+    softcap: float | None = None  # the content logits capped as c tanh(s / c) (Gemma 2)
 
 
 def attention_from_bias(
@@ -80,6 +81,7 @@ def attention_from_bias(
     static_offset=None,
     window=None,
     log_forget=None,
+    softcap=None,
 ) -> jax.Array:
     """`chunked_attention` on the bias materialised [B or 1, N, T, S] with -inf at hidden keys:
     the contract of `posattn.attention.attention`.
@@ -108,6 +110,7 @@ def attention_from_bias(
         bias_grad=bias_grad,
         causal_offset=static_offset if causal else None,
         window=window if causal else None,
+        softcap=softcap,
     )
 
 
@@ -123,8 +126,10 @@ def chunked_attention(
     chunk_logits: int | None = None,
     tile_q: int | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
-    """softmax(scale q k^T + logit_bias) v, chunked over the batch.
+    """softmax(scale q k^T + logit_bias) v, chunked over the batch (with `softcap` c:
+    softmax(c tanh(scale q k^T / c) + logit_bias) v).
 
     Args:
       q: float[B, T, N, H] queries.
@@ -144,6 +149,7 @@ def chunked_attention(
       tile_q: query tile of the causal skipping, default TILE_Q.
       window: with `causal_offset`, a causal sliding window w that `logit_bias` already applies
         (keys j <= i - w hidden): query tiles then also skip the keys below their window.
+      softcap: None, or a static c > 0 capping the content logits (Gemma 2's soft-capping).
 
     Returns:
       float[B, T, N, H] in q's dtype.
@@ -167,6 +173,7 @@ def chunked_attention(
         per_row_bias=bias is not None and bias.shape[0] != 1,
         bias_grad=bool(bias_grad) and bias is not None,
         tiles=_query_tiles(T, S, causal_offset, TILE_Q if tile_q is None else tile_q, window),
+        softcap=None if softcap is None else float(softcap),
     )
     out = _attend(plan, tiles.group_heads(q, K), k, v, bias)  # (B, T, K, G, H)
     return tiles.ungroup_heads(out)
@@ -217,7 +224,9 @@ def _forward(plan, q, k, v, bias):
     """
 
     def tile(q_c, k_c, v_c, b):
-        s = tiles.logits("query_major", q_c, k_c, scale=plan.scale, bias=b)  # (R, K, G, t, s)
+        s = tiles.logits(
+            "query_major", q_c, k_c, scale=plan.scale, bias=b, softcap=plan.softcap
+        )  # (R, K, G, t, s)
         state = tiles.softmax_init(s.shape[:-1], v_c.shape[-1])
         state = tiles.online_softmax_step(state, s, v_c)  # the whole row is one key tile
         return tiles.softmax_finish(state, q_c.dtype)  # out, guarded m, 1 / l
@@ -261,10 +270,20 @@ def _attend_bwd(plan, res, d_out):
 
     def tile(q_c, k_c, v_c, do_c, m_c, inv_l_c, b):
         """One query tile's dq (R, K, H, G, t), dk, dv (R, K, s, H) and dS^T (R, K, s, G, t)."""
-        s_t = tiles.logits("key_major", q_c, k_c, scale=plan.scale, bias=b)  # (R, K, s, G, t)
+        s_t, slope = tiles.capped_logits(
+            "key_major", q_c, k_c, scale=plan.scale, bias=b, softcap=plan.softcap
+        )  # (R, K, s, G, t)
         p_t = tiles.probabilities("key_major", s_t, m_c, inv_l_c)  # hidden keys: 0
         return tiles.tile_grads(
-            "key_major", p=p_t, q=q_c, k=k_c, v=v_c, d_out=do_c, delta=None, scale=plan.scale
+            "key_major",
+            p=p_t,
+            q=q_c,
+            k=k_c,
+            v=v_c,
+            d_out=do_c,
+            delta=None,
+            scale=plan.scale,
+            cap_slope=slope,
         )
 
     def chunk(d_bias, xs):

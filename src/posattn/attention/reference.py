@@ -17,7 +17,18 @@ from posattn.attention.masks import (
 
 
 def reference_attention(
-    q, k, v, *, bias, causal, q_offset, kv_lengths, scale, window=None, log_forget=None
+    q,
+    k,
+    v,
+    *,
+    bias,
+    causal,
+    q_offset,
+    kv_lengths,
+    scale,
+    window=None,
+    log_forget=None,
+    softcap=None,
 ):
     """The oracle: every step written out in float32 on the full [B, N, T, S] logits."""
     B, T, N, H = q.shape
@@ -31,6 +42,8 @@ def reference_attention(
         jnp.einsum("btnh,bsnh->bnts", q.astype(f32), k_rep, precision=jax.lax.Precision.HIGHEST)
         * scale
     )  # (B, N, T, S)
+    if softcap is not None:  # Gemma 2: the content logits capped, before any bias
+        logits = softcap * jnp.tanh(logits / softcap)
     q_pos = query_positions(q_offset, T)  # (B or 1, T)
     c = None if log_forget is None else forget_cumsum(log_forget)  # (B, S, N)
     extra = materialize_logit_bias(bias, c, q_pos, S)  # (B or 1, N, T, S) or None

@@ -10,9 +10,12 @@ head, H head dim, t/s a tile's query/key length. A tile's logits live in one of 
 Each equation is written once here, for both layouts:
 
   forward    s = scale q k^T + bias (hidden keys at -inf); the online softmax keeps the running
-             row max m, row sum l and unnormalised output acc; out = acc / l.
+             row max m, row sum l and unnormalised output acc; out = acc / l. With a soft cap c
+             (Gemma 2) the content term scale q k^T becomes c tanh(scale q k^T / c) before the
+             bias is added.
   backward   P = exp(s - m) / l (or exp(s - lse)); dV = P^T dO; dP = dO V^T;
-             D = rowsum(dO * O); dS = P * (dP - D); dQ = scale dS K; dK = scale dS^T Q.
+             D = rowsum(dO * O); dS = P * (dP - D); dQ = scale dS K; dK = scale dS^T Q
+             (with a soft cap, dS times the cap's slope 1 - tanh^2 in dQ and dK, not the bias's).
              D has a second form, rowsum(P * dP), equal in exact arithmetic: a kernel that holds
              a whole row of P in one tile (`chunked`) uses it, so that each row of dS sums to zero
              to rounding and the gradients of bias parameters that shift a whole row (FIRE's MLP
@@ -157,15 +160,44 @@ def sum_to(x: jax.Array, shape) -> jax.Array:
 # Forward.
 
 
-def logits(layout, q, k, *, scale, bias=None, mask=None, keys_transposed=False):
-    """float32 logits of one tile in `layout`, hidden keys at -inf."""
+def logits(layout, q, k, *, scale, bias=None, mask=None, keys_transposed=False, softcap=None):
+    """float32 logits of one tile in `layout`, hidden keys at -inf.
+
+    With `softcap` c the content logits are capped before the bias is added (`cap`); use
+    `capped_logits` where the backward needs the cap's slope."""
+    return capped_logits(
+        layout,
+        q,
+        k,
+        scale=scale,
+        bias=bias,
+        mask=mask,
+        keys_transposed=keys_transposed,
+        softcap=softcap,
+    )[0]
+
+
+def capped_logits(
+    layout, q, k, *, scale, bias=None, mask=None, keys_transposed=False, softcap=None
+):
+    """(logits, slope): `logits`, and the derivative of the cap at the content logits,
+    1 - tanh^2(scale q.k / c), or None without a cap."""
     name = "logits_kt" if keys_transposed else "logits"
     s = _einsum(layout, name, q=q, k=k) * scale
+    slope = None
+    if softcap is not None:
+        s, slope = cap(s, softcap)
     if bias is not None:
         s = s + bias
     if mask is not None:
         s = jnp.where(mask, s, -jnp.inf)
-    return s
+    return s, slope
+
+
+def cap(s: jax.Array, softcap: float) -> tuple[jax.Array, jax.Array]:
+    """Logit soft-capping (Gemma 2): (c tanh(s / c), its derivative 1 - tanh^2(s / c))."""
+    t = jnp.tanh(s / softcap)
+    return softcap * t, 1.0 - t * t
 
 
 def guard_row_max(m: jax.Array) -> jax.Array:
@@ -241,9 +273,11 @@ def forget_grads(ds: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.sum(ds, axis=-1), -jnp.sum(ds, axis=-2)
 
 
-def tile_grads(layout, *, p, q, k, v, d_out, delta, scale):
+def tile_grads(layout, *, p, q, k, v, d_out, delta, scale, cap_slope=None):
     """One tile's (dq, dk, dv, dS) from its probabilities P, all float32. `delta`: D per query
-    row, or None when the tile holds whole rows (D is then rowsum(P * dP)).
+    row, or None when the tile holds whole rows (D is then rowsum(P * dP)). `cap_slope`: the
+    soft-cap's derivative at the content logits (`capped_logits`), which dq and dk pass through
+    and the bias does not.
 
     dq is [B, K, G, t, H] in "query_major" and [B, K, H, G, t] in "key_major"; dk, dv
     [B, K, s, H]; dS in the layout of the logits (the bias gradient before any sum).
@@ -253,7 +287,7 @@ def tile_grads(layout, *, p, q, k, v, d_out, delta, scale):
     if delta is None:
         delta = softmax_delta_from_probs(layout, p, dp)
     ds = logit_grad(layout, p, dp, delta)
-    ds_c = ds.astype(q.dtype)
+    ds_c = (ds if cap_slope is None else ds * cap_slope).astype(q.dtype)
     dq = scale * _einsum(layout, "dq", ds=ds_c, k=k)
     dk = scale * _einsum(layout, "dk", ds=ds_c, q=q)
     return dq, dk, dv, ds
