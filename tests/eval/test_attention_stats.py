@@ -70,8 +70,12 @@ def test_stats_match_closed_forms(position):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
-def test_probabilities_reproduce_each_layers_attention():
-    cfg, graphdef, params, constants = _model("rope", model__num_kv_heads=2)
+@pytest.mark.parametrize(
+    "position, keys",
+    [("rope", {}), ("alibi", dict(model__attn_logit_softcap=0.05))],  # a cap before the bias
+)
+def test_probabilities_reproduce_each_layers_attention(position, keys):
+    cfg, graphdef, params, constants = _model(position, model__num_kv_heads=2, **keys)
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, size=(2, 24)), jnp.int32)
     probs = attention_stats.attention_probabilities(graphdef, params, constants, tokens)
     model = nnx.merge(graphdef, params, constants)

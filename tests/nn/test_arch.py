@@ -49,6 +49,22 @@ VARIANTS = {
         layer_pattern=("rope:rope_base=100.0,window=4", "rope"),
     ),
     "gemma3_qk_norm_scanned": dict(mlp="gated", qk_norm=True, post_norms=True, rope_layout="half"),
+    # Gemma 2's block: soft-capped attention and output logits, post-branch norms, a window on
+    # the first layer of two; and the caps under an ALiBi bias (the cap before the bias).
+    "gemma2": dict(
+        head_dim=12,
+        mlp="gated",
+        norm_unit_offset=True,
+        post_norms=True,
+        query_pre_attn_scalar=10.0,
+        attn_logit_softcap=2.0,
+        final_logit_softcap=3.0,
+        rope_layout="half",
+        layer_pattern=("rope:window=4", "rope"),
+    ),
+    "softcap_alibi_scanned": dict(
+        position="alibi", attn_logit_softcap=1.5, final_logit_softcap=4.0
+    ),
     "gated_alibi": dict(
         position="alibi",
         mlp="gated",
@@ -206,6 +222,9 @@ def test_an_untied_head_is_its_own_parameter_and_head_dim_is_free():
         (dict(parallel_residual=1), "model.parallel_residual=1"),
         (dict(qk_norm="yes"), "model.qk_norm='yes'"),
         (dict(query_pre_attn_scalar=-1.0), "model.query_pre_attn_scalar=-1.0"),
+        (dict(attn_logit_softcap=-1.0), "model.attn_logit_softcap=-1.0"),
+        (dict(final_logit_softcap=float("inf")), "model.final_logit_softcap=inf"),
+        (dict(final_logit_softcap="30"), "model.final_logit_softcap='30'"),
         (dict(head_dim=-2), "model.head_dim=-2"),
         (dict(d_model=30), "model.d_model=30"),
         (dict(init_from="/x"), "model.init_from='/x'"),

@@ -68,6 +68,8 @@ def _probabilities(
         jnp.einsum("btnh,bsnh->bnts", q.astype(f32), k_rep, precision=jax.lax.Precision.HIGHEST)
         * attn.scale
     )  # (B, N, T, S)
+    if attn.softcap is not None:  # Gemma 2's cap on the content logits, before the bias
+        logits = attn.softcap * jnp.tanh(logits / attn.softcap)
     q_pos = jnp.arange(start, start + T, dtype=jnp.int32)[None]  # (1, T)
     if attn.bias is not None:
         logits = logits + attention_lib.materialize_bias(attn.bias(), q_pos, S)

@@ -93,6 +93,10 @@ class ModelConfig:
     query_pre_attn_scalar: float = _key(
         0.0, "logits scaled by this ** -0.5 instead of head_dim ** -0.5 (Gemma); 0: head_dim"
     )
+    attn_logit_softcap: float = _key(
+        0.0, "attention logits capped as c*tanh(s/c) before the position bias (Gemma 2); 0: none"
+    )
+    final_logit_softcap: float = _key(0.0, "output logits capped as c*tanh(z/c) (Gemma 2); 0: none")
     tie_embeddings: bool = _key(True, "logits from the input embedding (False: a separate head)")
     embed_scale: str = _key("sqrt_d", "input embeddings times 'sqrt_d' (sqrt(d_model)) or 'one'")
     embed_norm: bool = _key(False, "a norm right after the input embedding (BLOOM)")
@@ -335,6 +339,10 @@ class ModelConfig:
         ):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "must be True or False")
+        for name in ("attn_logit_softcap", "final_logit_softcap"):
+            cap = getattr(self, name)
+            if not (_number(cap) and math.isfinite(cap) and cap >= 0):
+                _fail(name, cap, "must be 0 (no soft-capping) or a positive finite number")
         scalar = self.query_pre_attn_scalar
         if not (_number(scalar) and math.isfinite(scalar) and scalar >= 0):
             _fail(

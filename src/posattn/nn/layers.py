@@ -153,6 +153,8 @@ class Arch:
     qk_norm: a norm over each head's query and key (H wide) after the projection, before RoPE
       (Gemma 3's and Qwen3's q_norm, k_norm).
     query_pre_attn_scalar: logits scaled by its -1/2 power instead of H's (Gemma); 0: H.
+    attn_logit_softcap: c > 0 caps each content logit as c tanh(s / c) before the position bias
+      and mask (Gemma 2's attn_logit_softcapping); 0: no cap.
     """
 
     norm: str = "rms"
@@ -166,6 +168,7 @@ class Arch:
     post_norms: bool = False
     qk_norm: bool = False
     query_pre_attn_scalar: float = 0.0
+    attn_logit_softcap: float = 0.0
 
 
 class Norm(nnx.Module):
@@ -371,6 +374,7 @@ class Attention(nnx.Module):
         self.bias = bias_module
         self.causal = causal
         self.scale = 1.0 if scale_free else 1.0 / math.sqrt(arch.query_pre_attn_scalar or H)
+        self.softcap = float(arch.attn_logit_softcap) or None
         self.implementation = implementation
         self.dtype = dtype
         # Per-layer position settings (posattn.nn.pattern): a sliding window, a query temperature
@@ -457,6 +461,8 @@ class Attention(nnx.Module):
         bias_module = self._bias(shared)
         bias = bias_module() if bias_module is not None else None
         extra = {} if self.window is None else {"window": self.window}
+        if self.softcap is not None:
+            extra["softcap"] = self.softcap
         if log_forget is not None:
             extra["log_forget"] = log_forget
         out = attention_lib.attention(

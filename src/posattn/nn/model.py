@@ -312,9 +312,16 @@ class TransformerLM(nnx.Module):
         )
 
     def logits(self, h: jax.Array) -> jax.Array:
-        """Output projection (tied or `head`): h[B, T, D] -> logits[B, T, V] in float32."""
-        table = self.output_table()
-        return layers.dense(h.astype(jnp.float32), table.T)  # (B, T, V)
+        """Output projection (tied or `head`): h[B, T, D] -> logits[B, T, V] in float32, soft-capped
+        when `model.final_logit_softcap` is set."""
+        return self._project(h, self.output_table())
+
+    def _project(self, h: jax.Array, table: jax.Array) -> jax.Array:
+        """h[..., D] times table[V, D]^T in float32, then c tanh(z / c) with
+        `final_logit_softcap` c (Gemma 2)."""
+        z = layers.dense(h.astype(jnp.float32), table.T)
+        cap = self.cfg.final_logit_softcap
+        return cap * jnp.tanh(z / cap) if cap else z
 
     def __call__(self, tokens: jax.Array, *, kv_lengths=None) -> jax.Array:
         """Logits float32[B, T, V] for tokens int[B, T] at positions 0..T-1."""
@@ -353,7 +360,7 @@ class TransformerLM(nnx.Module):
         table = self.output_table()  # (V, D)
 
         def sums(h_c, t_c, w_c, table):  # [B, c, D], [B, c], [B, c]
-            logits = layers.dense(h_c.astype(jnp.float32), table.T)  # (B, c, V)
+            logits = self._project(h_c, table)  # (B, c, V)
             nll = (
                 jax.nn.logsumexp(logits, axis=-1)
                 - jnp.take_along_axis(logits, t_c[..., None], axis=-1)[..., 0]
