@@ -206,6 +206,30 @@ def cases() -> dict[str, tuple[str, dict, dict]]:
             dict(LLAMA, head_dim=8, hidden_act="gelu_pytorch_tanh"),
             {},
         ),
+        # Gemma 2: a local layer (window 8 < T) before a global one, one RoPE for both, head_dim
+        # 12 != D / N, logits scaled by 10 ** -0.5, and caps small enough (attention 4, output
+        # 2) to bend most logits; and the Hub's older config form (rope_theta, no layer_types:
+        # every other layer local from the first) over three layers with Gemma2Config's caps
+        # (50 and 30).
+        "gemma2": (
+            "Gemma2Config",
+            dict(
+                LLAMA,
+                head_dim=12,
+                query_pre_attn_scalar=10,
+                sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"],
+                attn_logit_softcapping=4.0,
+                final_logit_softcapping=2.0,
+                rope_parameters={"rope_type": "default", "rope_theta": 5e3},
+            ),
+            {},
+        ),
+        "gemma2_legacy": (
+            "Gemma2Config",
+            dict(LLAMA, num_hidden_layers=3, head_dim=8, query_pre_attn_scalar=8, sliding_window=6),
+            {"gemma2_legacy": True},
+        ),
         # Gemma 3: a local layer (window 8 < T, RoPE base 1e4) before a global one (base 1e6,
         # linear scaling), head_dim 12 != D / N, logits scaled by 10 ** -0.5; and the older
         # config form of the Hub's Gemma 3 files (rope_theta, rope_local_base_freq,
@@ -359,7 +383,7 @@ def randomise(model, seed: int) -> None:
             is_norm = "norm" in name or ".ln" in name or name.startswith("ln")
             if is_norm and name.endswith("weight"):
                 # Gemma's norms scale by 1 + weight: its weights sit around 0, the others' around 1.
-                gemma = model.config.model_type in ("gemma", "gemma3_text", "gemma3")
+                gemma = model.config.model_type in ("gemma", "gemma2", "gemma3_text", "gemma3")
                 p.copy_((0.0 if gemma else 1.0) + 0.1 * noise)
             else:
                 p.copy_(0.3 * noise)
@@ -404,6 +428,12 @@ def write(name: str, out: pathlib.Path | None = None) -> None:
         params = cfg.pop("rope_parameters")
         cfg["rope_theta"] = params.pop("rope_theta")
         cfg["rope_scaling"] = {"type": params.pop("rope_type"), **params}
+        path.write_text(json.dumps(cfg, indent=2))
+    if opts.get("gemma2_legacy"):  # Gemma 2's form before transformers 5, as on the Hub
+        path = out / "config.json"
+        cfg = json.loads(path.read_text())
+        cfg["rope_theta"] = cfg.pop("rope_parameters")["rope_theta"]
+        del cfg["layer_types"]
         path.write_text(json.dumps(cfg, indent=2))
     if opts.get("gemma3_legacy"):  # Gemma 3's form before transformers 5, as on the Hub
         path = out / "config.json"

@@ -26,6 +26,8 @@ PER_LAYER = [
     "mistral_window",
     "ministral",
     "starcoder2",
+    "gemma2",
+    "gemma2_legacy",
     "gemma3",
     "gemma3_legacy",
     "gemma3_multimodal",
@@ -75,7 +77,7 @@ def _edit_config(path, **changes):
 @pytest.mark.parametrize(
     "changes, named",
     [
-        (dict(model_type="gemma2"), "model_type='gemma2'"),
+        (dict(model_type="mixtral"), "model_type='mixtral'"),
         (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0"),
         (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), "longrope"),
         (dict(rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 0.5}), "partial"),
@@ -106,6 +108,8 @@ def test_unsupported_options_are_refused_naming_the_key(tmp_path, changes, named
         ("phi3_partial", [6, 6]),
         ("ministral", [None, 6]),
         ("starcoder2", [6, 6]),
+        ("gemma2", [8, None]),
+        ("gemma2_legacy", [6, None, 6]),
         ("gemma3", [8, None]),
         ("gemma3_legacy", [6, None, 6]),
     ],
@@ -119,7 +123,7 @@ def test_sliding_windows_load_per_layer_and_the_goldens_pin_them(tmp_path, case,
         _edit_config(path, sliding_window=None)
     elif case == "ministral":
         _edit_config(path, layer_types=["full_attention"] * 2)
-    elif case.startswith("gemma3"):
+    elif case.startswith(("gemma2", "gemma3")):
         _edit_config(path, sliding_window=10**6)
     else:
         _edit_config(path, use_sliding_window=False, layer_types=None)
@@ -170,6 +174,7 @@ MINIMAL = {
         _SIZES, num_hidden_layers=4, pad_token_id=None, bos_token_id=None, eos_token_id=None
     ),
     "gemma": dict(_SIZES, num_key_value_heads=2, head_dim=8),
+    "gemma2": dict(_SIZES, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8),
     "gemma3_text": dict(_SIZES, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8),
     "gpt_neox": _SIZES,
     "starcoder2": dict(_SIZES, bos_token_id=None, eos_token_id=None),  # 2 key/value heads
@@ -190,6 +195,7 @@ SILENT_DEFAULTS = {
     "phi3": (64, 8, 1e4),
     "smollm3": (4, 8, 2e6),
     "gemma": (16, 256, 1e4),
+    "gemma2": (4, 256, 1e4),
     "gemma3_text": (4, 256, 1e6),
 }
 
@@ -380,18 +386,46 @@ def test_gemma3_layers_take_their_own_rope_and_the_goldens_pin_it(tmp_path):
     assert np.abs(got - _log_softmax(expected["logits"])).max() > 100 * TOL
 
 
+def test_gemma2_soft_caps_are_read_and_the_goldens_pin_each(tmp_path):
+    """Gemma 2's caps: the attention's (before the mask) and the output's; Gemma2Config's 50
+    and 30 where config.json is silent (the legacy golden names them as the Hub's files do)."""
+    expected = np.load(GOLDENS / "gemma2" / "expected.npz")
+    for case, caps, scalar in [("gemma2", (4.0, 2.0), 10), ("gemma2_legacy", (50.0, 30.0), 8)]:
+        cfg = hf.from_pretrained(GOLDENS / case).cfg
+        assert (cfg.attn_logit_softcap, cfg.final_logit_softcap) == caps
+        assert (cfg.post_norms, cfg.qk_norm, cfg.query_pre_attn_scalar) == (True, False, scalar)
+        assert {spec.settings.base for spec in cfg.layers} == {5e3 if case == "gemma2" else 1e4}
+    path = _copy(tmp_path, "gemma2")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        _edit_config(path, **{key: None})
+        got = _log_softmax(hf.from_pretrained(path)(jnp.asarray(expected["tokens"])))
+        assert np.abs(got - _log_softmax(expected["logits"])).max() > 100 * TOL, key
+    base = json.loads((GOLDENS / "gemma2" / "config.json").read_text())
+    silent = {k: v for k, v in base.items() if not k.endswith("softcapping")}
+    (path / "config.json").write_text(json.dumps(silent))
+    assert hf.from_pretrained(path).cfg.attn_logit_softcap == 50.0
+    assert hf.from_pretrained(path).cfg.final_logit_softcap == 30.0
+
+
 @pytest.mark.parametrize(
-    "changes, named",
+    "case, changes, named",
     [
-        (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0"),
-        (dict(final_logit_softcapping=30.0), "final_logit_softcapping=30.0"),
-        (dict(attention_bias=True), "attention_bias=True"),
-        (dict(layer_types=["sliding_attention"]), "2 entries"),
-        (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+        ("gemma3", dict(attention_bias=True), "attention_bias=True"),
+        ("gemma3", dict(layer_types=["sliding_attention"]), "2 entries"),
+        ("gemma3", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+        ("gemma3", dict(final_logit_softcapping=0.0), "final_logit_softcapping=0.0"),
+        ("gemma3", dict(attn_logit_softcapping=50.0), "does not cap its attention logits"),
+        ("gemma2", dict(final_logit_softcapping=-1.0), "final_logit_softcapping=-1.0"),
+        ("gemma2", dict(attn_logit_softcapping="50"), "attn_logit_softcapping='50'"),
+        ("gemma2", dict(attention_bias=True), "attention_bias=True"),
+        ("gemma2", dict(layer_types=["full_attention"] * 3), "2 entries"),
+        ("gemma2", dict(layer_types=["local", "full_attention"]), "each 'sliding_attention'"),
+        ("gemma2", dict(sliding_window=None), "need a sliding_window"),
+        ("gemma2", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
     ],
 )
-def test_unsupported_gemma3_options_are_refused(tmp_path, changes, named):
-    path = _copy(tmp_path, "gemma3")
+def test_unsupported_gemma_options_are_refused(tmp_path, case, changes, named):
+    path = _copy(tmp_path, case)
     _edit_config(path, **changes)
     with pytest.raises(HfConfigError, match=named):
         hf.from_pretrained(path)
@@ -560,12 +594,20 @@ def test_a_model_without_a_hugging_face_twin_is_not_saved(tmp_path):
         cfg = llama.replace(layer_pattern=pattern).validate()
         with pytest.raises(ValueError, match=named):
             hf.save_pretrained(TransformerLM(cfg, rngs=nnx.Rngs(0)), tmp_path / "y")
-    # Gemma 3's post-norms on a Llama; Qwen3's query/key norms with biases; Gemma 3 with two
-    # local RoPEs.
+    # Gemma 3's post-norms on a Llama; Qwen3's query/key norms with biases; soft caps on a
+    # Llama; Gemma 3 with two local RoPEs; Gemma 2 with a RoPE of its own on one layer.
     gemma3 = hf.from_pretrained(GOLDENS / "gemma3_legacy").cfg
+    gemma2 = hf.from_pretrained(GOLDENS / "gemma2_legacy").cfg
     for cfg, named in [
         (llama.replace(post_norms=True), "written only as Gemma 3's .* or Qwen3's"),
         (llama.replace(qk_norm=True, bias="qkv"), "written only as Gemma 3's .* or Qwen3's"),
+        (llama.replace(attn_logit_softcap=50.0), "softcap are written only as Gemma 2's"),
+        (llama.replace(final_logit_softcap=30.0), "softcap are written only as Gemma 2's"),
+        (gemma3.replace(attn_logit_softcap=50.0), "Gemma 3 does not cap attention logits"),
+        (
+            gemma2.replace(layer_pattern=("rope:window=6", "rope", "rope:window=6,rope_base=7.0")),
+            "layer 2 has positions of its own",
+        ),
         (
             gemma3.replace(layer_pattern=("rope:window=6", "rope", "rope:window=6,rope_base=7.0")),
             "neither of Gemma 3's two kinds",
@@ -578,6 +620,36 @@ def test_a_model_without_a_hugging_face_twin_is_not_saved(tmp_path):
 
 
 # ---- Live tests: transformers in this process (skipped where it is absent, as on CI). ----
+
+
+def test_gemma3_with_a_final_soft_cap_computes_what_transformers_computes(tmp_path):
+    """Gemma3TextConfig's final_logit_softcapping (null in the published files) is applied as
+    Gemma 2's; its attn_logit_softcapping is refused, since transformers' Gemma 3 keeps it
+    without capping anything."""
+    pytest.importorskip("transformers")
+    import torch
+    import transformers
+
+    path = _copy(tmp_path, "gemma3")
+    _edit_config(path, final_logit_softcapping=2.5)
+    model = hf.from_pretrained(path)
+    assert (model.cfg.attn_logit_softcap, model.cfg.final_logit_softcap) == (0.0, 2.5)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    )
+    expected = np.load(GOLDENS / "gemma3" / "expected.npz")
+    with torch.no_grad():
+        want = ref(torch.as_tensor(expected["tokens"])).logits.numpy()
+    assert np.abs(_log_softmax(want) - _log_softmax(expected["logits"])).max() > 100 * TOL
+    _check(model, {"tokens": expected["tokens"], "logits": want})
+    # What transformers does with the attention's cap: nothing (the same logits).
+    _edit_config(path, attn_logit_softcapping=3.0)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    )
+    with torch.no_grad():
+        same = ref(torch.as_tensor(expected["tokens"])).logits.numpy()
+    np.testing.assert_array_equal(same, want)
 
 
 @pytest.mark.parametrize(

@@ -50,6 +50,7 @@ def _greedy_by_full_forward(model, prompt, n):
         ("smollm3_window", 10),
         ("ministral", 10),
         ("starcoder2", 10),
+        ("gemma2_legacy", 10),
         ("gemma3_legacy", 10),
     ],
 )
@@ -102,8 +103,9 @@ def _finetune_config(data, case="llama_gqa", **model):
 
 
 # gemma3: position interpolation reaches its global layers; its local layers keep their own RoPE
-# (smollm3_window: its RoPE layers; the NoPE layer has none to scale).
-@pytest.mark.parametrize("case", ["llama_gqa", "qwen3", "smollm3_window", "gemma3"])
+# (smollm3_window: its RoPE layers; the NoPE layer has none to scale). gemma2: one RoPE on every
+# layer, local or global, so every layer's (and the soft caps train through).
+@pytest.mark.parametrize("case", ["llama_gqa", "qwen3", "smollm3_window", "gemma2", "gemma3"])
 def test_finetuning_starts_from_the_checkpoint_with_position_interpolation(tmp_path, case):
     from posattn.train import restore_trained, train_and_evaluate
 
@@ -115,7 +117,8 @@ def test_finetuning_starts_from_the_checkpoint_with_position_interpolation(tmp_p
     rope = [s for s in cfg.layers if s.position == "rope"]  # smollm3's NoPE layer has none
     global_layers = [s for s in rope if s.window is None]
     assert all(s.settings.scaling_dict == cfg.settings.scaling_dict for s in global_layers)
-    assert all(s.settings.scaling is None for s in rope if s.window is not None)
+    local = [s.settings.scaling_dict for s in rope if s.window is not None]
+    assert local == ([cfg.settings.scaling_dict] if case == "gemma2" else [None] * len(local))
     from posattn import data as data_lib
 
     corpus = data_lib.load_corpus(str(data))

@@ -315,8 +315,8 @@ def model_type_of(cfg: ModelConfig) -> str:
     if all(w is None for w in windows):
         return kind
     sizes = {w for w in windows if w is not None}
-    if len(sizes) == 1 and kind in ("qwen2", "qwen3"):
-        return kind  # Qwen2 and Qwen3: one window size, on any layers (their layer_types)
+    if len(sizes) == 1 and kind in ("qwen2", "qwen3", "gemma2"):
+        return kind  # Qwen2, Qwen3 and Gemma 2: one window size, on any layers (layer_types)
     if len(sizes) == 1 and None not in windows and kind == "llama" and cfg.bias == "none":
         return "mistral"  # Mistral: one window on every layer, no biases
     if len(sizes) == 1 and kind == "llama" and cfg.bias == "none":
@@ -381,7 +381,23 @@ def _architecture(cfg: ModelConfig) -> str:
     gemma = gemma and cfg.bias == "none" and not cfg.embed_norm and cfg.activation == "gelu_tanh"
     whole = float(cfg.query_pre_attn_scalar).is_integer()  # transformers takes an int
     if gemma and cfg.post_norms and cfg.qk_norm and whole:
+        if cfg.attn_logit_softcap:
+            raise ValueError(
+                f"model.attn_logit_softcap={cfg.attn_logit_softcap} on Gemma 3's block "
+                "(qk_norm): transformers' Gemma 3 does not cap attention logits, so no Hugging "
+                "Face architecture computes this model; Gemma 2 (gemma2) caps them without qk_norm"
+            )
         return "gemma3_text"
+    if gemma and cfg.post_norms and whole:
+        return "gemma2"
+    if cfg.attn_logit_softcap or cfg.final_logit_softcap:
+        raise ValueError(
+            "model.attn_logit_softcap and model.final_logit_softcap are written only as Gemma "
+            "2's or Gemma 3's (gemma2, gemma3_text: post_norms, Gemma's 1 + w RMSNorm, tanh-GELU "
+            "gated MLP, RoPE 'half', no biases, a whole query_pre_attn_scalar); this model has "
+            f"attn_logit_softcap={cfg.attn_logit_softcap}, final_logit_softcap="
+            f"{cfg.final_logit_softcap}"
+        )
     llama = rope and arch == ("rms", False, "gated", "one", False)
     llama = llama and not cfg.norm_unit_offset and not cfg.embed_norm
     plain_scale = cfg.query_pre_attn_scalar in (0, cfg.head_dim)
@@ -391,8 +407,9 @@ def _architecture(cfg: ModelConfig) -> str:
         raise ValueError(
             "model.post_norms, model.qk_norm and model.query_pre_attn_scalar are written only "
             "as Gemma 3's (gemma3_text: both norms, Gemma's 1 + w RMSNorm, tanh-GELU gated MLP, "
-            "RoPE 'half', no biases, a whole query_pre_attn_scalar) or Qwen3's (qk_norm alone "
-            "on Llama's block without biases); this model has "
+            "RoPE 'half', no biases, a whole query_pre_attn_scalar), Gemma 2's (gemma2: as Gemma "
+            "3's without qk_norm) or Qwen3's (qk_norm alone on Llama's block without biases); "
+            "this model has "
             f"post_norms={cfg.post_norms}, qk_norm={cfg.qk_norm}, query_pre_attn_scalar="
             f"{cfg.query_pre_attn_scalar}"
         )

@@ -7,6 +7,7 @@ before any compute, naming the key and what is supported; none is ignored. Recom
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from posattn import rotary
@@ -44,6 +45,7 @@ ARCHITECTURES = (
     "phi3",
     "smollm3",
     "gemma",
+    "gemma2",
     "gemma3_text",
     "gpt2",
     "bloom",
@@ -337,6 +339,58 @@ def _gemma(hf: dict) -> dict[str, Any]:
     return keys
 
 
+_SOFTCAPS = (
+    ("attn_logit_softcapping", "attn_logit_softcap"),
+    ("final_logit_softcapping", "final_logit_softcap"),
+)
+
+
+def _softcaps(hf: dict) -> tuple[dict, dict[str, float]]:
+    """(hf without its soft-capping keys, model.attn_logit_softcap and final_logit_softcap):
+    Gemma 2's and 3's caps c, computed as c * tanh(x / c); null is no cap (0 here)."""
+    caps = {}
+    for key, ours in _SOFTCAPS:
+        c = hf.get(key)
+        number = isinstance(c, (int, float)) and not isinstance(c, bool)
+        if c is not None and not (number and math.isfinite(c) and c > 0):
+            raise _refuse(key, c, "null (no cap) or a positive number c (c * tanh(x / c))")
+        caps[ours] = float(c or 0.0)
+    return {k: v for k, v in hf.items() if k not in dict(_SOFTCAPS)}, caps
+
+
+# transformers' Gemma2Config defaults where they are not Gemma's.
+_GEMMA2_DEFAULTS = dict(
+    num_key_value_heads=4,
+    head_dim=256,
+    query_pre_attn_scalar=256,
+    sliding_window=4096,
+    attn_logit_softcapping=50.0,
+    final_logit_softcapping=30.0,
+)
+
+
+def _gemma2(hf: dict) -> dict[str, Any]:
+    """Gemma 2: Gemma's block with a norm on each branch's output before its residual add, logits
+    scaled by query_pre_attn_scalar ** -0.5 and soft-capped (the attention's before the mask,
+    the output's), and `sliding_window` on the layers `layer_types` names "sliding_attention"
+    (by default every other layer from the first); one RoPE for every layer. transformers'
+    Gemma2Config defaults fill what config.json leaves out (caps 50 and 30)."""
+    if hf.get("attention_bias"):
+        raise _refuse("attention_bias", True, "only false (Gemma 2 has no biases)")
+    hf, caps = _softcaps({**_GEMMA2_DEFAULTS, **hf})
+    n = hf["num_hidden_layers"]
+    window = None if hf.get("sliding_window") is None else _window_size(hf)
+    default = [_SLIDING if (i + 1) % 2 else _FULL for i in range(n)]
+    types = _layer_types(hf, default, window, "a sliding_window")
+    keys = _gemma(hf)
+    keys.update(post_norms=True, query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]), **caps)
+    keys["layer_pattern"] = ()
+    if _SLIDING in types:
+        entries = (f"rope:window={window}" if t == _SLIDING else "rope" for t in types)
+        keys["layer_pattern"] = tuple(entries)
+    return keys
+
+
 # transformers' Gemma3TextConfig defaults: the Hub's multimodal Gemma 3 files leave most of them
 # out of text_config (gemma-3-4b's names six keys).
 _GEMMA3_TEXT_DEFAULTS = dict(
@@ -392,6 +446,14 @@ def _gemma3(hf: dict) -> dict[str, Any]:
     local = {"rope_type": "default", **(by_type.get(_SLIDING) or {})}
     local.setdefault("rope_theta", hf.get("rope_local_base_freq", 10_000.0))
     head_dim = hf["head_dim"]
+    if hf.get("attn_logit_softcapping") is not None:
+        raise _refuse(
+            "attn_logit_softcapping",
+            hf["attn_logit_softcapping"],
+            "only null for Gemma 3 (transformers' Gemma 3 keeps the key but does not cap its "
+            "attention logits; final_logit_softcapping is applied)",
+        )
+    hf, caps = _softcaps(hf)
     plain = {k: v for k, v in hf.items() if k not in ("rope_parameters", "rope_scaling")}
     keys = _gemma({**plain, "rope_parameters": full})
     rope_local = _rope({**plain, "rope_parameters": local}, head_dim, 10_000.0)
@@ -399,6 +461,7 @@ def _gemma3(hf: dict) -> dict[str, Any]:
         post_norms=True,
         qk_norm=True,
         query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]),
+        **caps,
     )
     if _SLIDING in types:
         local_entry = (
@@ -576,6 +639,7 @@ _PARSERS = {
     "gpt_neox": _neox,
     "starcoder2": _starcoder2,
     "gemma": _gemma,
+    "gemma2": _gemma2,
     "gemma3_text": _gemma3,
     "gemma3": _gemma3_multimodal,
     "mpt": _mpt,
@@ -669,13 +733,14 @@ def hf_config(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
     )
     act = {"gelu_tanh": "gelu_pytorch_tanh"}.get(cfg.activation, cfg.activation)
     llama_like = ("llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3", "gemma")
-    if model_type in (*llama_like, "gemma3_text"):
+    if model_type in (*llama_like, "gemma2", "gemma3_text"):
         params, max_positions = _hf_rope(cfg.settings)
         arch = {
             "llama": "LlamaForCausalLM",
             "mistral": "MistralForCausalLM",
             "ministral": "MinistralForCausalLM",
             "gemma": "GemmaForCausalLM",
+            "gemma2": "Gemma2ForCausalLM",
             "gemma3_text": "Gemma3ForCausalLM",
             "qwen3": "Qwen3ForCausalLM",
             "smollm3": "SmolLM3ForCausalLM",
@@ -691,19 +756,19 @@ def hf_config(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
         )
         if model_type in ("llama", "smollm3"):
             out.update(attention_bias=cfg.bias == "all", mlp_bias=cfg.bias == "all")
-        if model_type == "gemma3_text":
+        if model_type in ("gemma2", "gemma3_text"):
             local = [s for s in cfg.layers if s.window is not None]
-            local_params, _ = _hf_rope(local[0].settings if local else cfg.settings)
             out.update(
                 hidden_activation=out.pop("hidden_act"),
                 query_pre_attn_scalar=int(cfg.query_pre_attn_scalar or cfg.head_dim),
                 layer_types=[_FULL if s.window is None else _SLIDING for s in cfg.layers],
                 sliding_window=local[0].window if local else 4096,
-                rope_parameters={_FULL: params, _SLIDING: local_params},
                 attention_bias=False,
-                final_logit_softcapping=None,
-                attn_logit_softcapping=None,
+                **{key: getattr(cfg, ours) or None for key, ours in _SOFTCAPS},
             )
+            if model_type == "gemma3_text":
+                local_params, _ = _hf_rope(local[0].settings if local else cfg.settings)
+                out.update(rope_parameters={_FULL: params, _SLIDING: local_params})
             return out
         windows = [spec.window for spec in cfg.layers]
         size = next((w for w in windows if w is not None), None)

@@ -173,7 +173,7 @@ def rules(cfg: ModelConfig, model_type: str) -> list[Rule]:
         out.append(_copy(f"{hf}.bias", ours))
 
     llama_like = ("llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3", "gemma")
-    llama_like = (*llama_like, "gemma3_text", "gemma3")
+    llama_like = (*llama_like, "gemma2", "gemma3_text", "gemma3")
     if model_type in llama_like:
         out.append(_copy(f"{p}embed_tokens.weight", ("embed",)))
         norm(f"{p}norm", ("final_norm",))
@@ -181,9 +181,10 @@ def rules(cfg: ModelConfig, model_type: str) -> list[Rule]:
             L, b = f"{p}layers.{i}.", ("blocks", i)
             norm(f"{L}input_layernorm", (*b, "attn_norm"))
             a = f"{L}self_attn."
-            if model_type in ("gemma3_text", "gemma3"):
-                # Gemma 3's post_attention_layernorm normalises the attention's output; the MLP's
-                # input norm is pre_feedforward_layernorm (Llama's post_attention_layernorm).
+            if model_type in ("gemma2", "gemma3_text", "gemma3"):
+                # Gemma 2's and 3's post_attention_layernorm normalises the attention's output;
+                # the MLP's input norm is pre_feedforward_layernorm (Llama's
+                # post_attention_layernorm).
                 norm(f"{L}post_attention_layernorm", (*b, "attn_post_norm"))
                 norm(f"{L}pre_feedforward_layernorm", (*b, "mlp_norm"))
                 norm(f"{L}post_feedforward_layernorm", (*b, "mlp_post_norm"))
