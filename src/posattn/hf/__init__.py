@@ -377,10 +377,13 @@ def _architecture(cfg: ModelConfig) -> str:
     arch = (cfg.norm, cfg.norm_bias, cfg.mlp, cfg.embed_scale, cfg.parallel_residual)
     rope = cfg.position == "rope" and cfg.settings.layout == "half"
     rope = rope and cfg.settings.partial_factor == 1 and cfg.settings.proportion == 1
-    gemma = rope and arch == ("rms", False, "gated", "sqrt_d", False) and cfg.norm_unit_offset
-    gemma = gemma and cfg.bias == "none" and not cfg.embed_norm and cfg.activation == "gelu_tanh"
+    block = rope and arch == ("rms", False, "gated", "sqrt_d", False) and cfg.norm_unit_offset
+    block = block and cfg.bias == "none" and not cfg.embed_norm  # Gemma's, any activation
+    # Gemma 2 and 3 write `hidden_activation`, which their transformers classes read; Gemma's
+    # reads only its tanh GELU.
+    gemma = block and cfg.activation == "gelu_tanh"
     whole = float(cfg.query_pre_attn_scalar).is_integer()  # transformers takes an int
-    if gemma and cfg.post_norms and cfg.qk_norm and whole:
+    if block and cfg.post_norms and cfg.qk_norm and whole:
         if cfg.attn_logit_softcap:
             raise ValueError(
                 f"model.attn_logit_softcap={cfg.attn_logit_softcap} on Gemma 3's block "
@@ -388,13 +391,13 @@ def _architecture(cfg: ModelConfig) -> str:
                 "Face architecture computes this model; Gemma 2 (gemma2) caps them without qk_norm"
             )
         return "gemma3_text"
-    if gemma and cfg.post_norms and whole:
+    if block and cfg.post_norms and whole:
         return "gemma2"
     if cfg.attn_logit_softcap or cfg.final_logit_softcap:
         raise ValueError(
             "model.attn_logit_softcap and model.final_logit_softcap are written only as Gemma "
-            "2's or Gemma 3's (gemma2, gemma3_text: post_norms, Gemma's 1 + w RMSNorm, tanh-GELU "
-            "gated MLP, RoPE 'half', no biases, a whole query_pre_attn_scalar); this model has "
+            "2's or Gemma 3's (gemma2, gemma3_text: post_norms, Gemma's 1 + w RMSNorm, a gated "
+            "MLP, RoPE 'half', no biases, a whole query_pre_attn_scalar); this model has "
             f"attn_logit_softcap={cfg.attn_logit_softcap}, final_logit_softcap="
             f"{cfg.final_logit_softcap}"
         )
@@ -406,7 +409,7 @@ def _architecture(cfg: ModelConfig) -> str:
     if cfg.post_norms or cfg.qk_norm or not plain_scale:
         raise ValueError(
             "model.post_norms, model.qk_norm and model.query_pre_attn_scalar are written only "
-            "as Gemma 3's (gemma3_text: both norms, Gemma's 1 + w RMSNorm, tanh-GELU gated MLP, "
+            "as Gemma 3's (gemma3_text: both norms, Gemma's 1 + w RMSNorm, a gated MLP, "
             "RoPE 'half', no biases, a whole query_pre_attn_scalar), Gemma 2's (gemma2: as Gemma "
             "3's without qk_norm) or Qwen3's (qk_norm alone on Llama's block without biases); "
             "this model has "
