@@ -330,16 +330,11 @@ def choose_implementation(
     # A materialised bias has one slice per batch row with per-row positions or lengths, or with
     # forget gates.
     per_row_bias = per_row or log_forget is not None
-    if softcap is not None:
-        small = T * S < AUTO_CHUNKED_MAX_HEAD_LOGITS and (
-            not per_row_bias or B * N * T * S < AUTO_BLOCKWISE_MIN_LOGITS
-        )
-        choice = "chunked" if small else "blockwise"
-    elif backend == "cpu":
-        small = T * S < AUTO_CHUNKED_MAX_HEAD_LOGITS and (
-            not per_row_bias or B * N * T * S < AUTO_BLOCKWISE_MIN_LOGITS
-        )
-        choice = "chunked" if small else "blockwise"
+    small = T * S < AUTO_CHUNKED_MAX_HEAD_LOGITS and (
+        not per_row_bias or B * N * T * S < AUTO_BLOCKWISE_MIN_LOGITS
+    )
+    choice = "chunked" if small else "blockwise"  # the soft cap's choice on every backend
+    if softcap is None and backend == "cpu":
         materialised = _native_materialised(
             B, N, T, S, bias, per_row, causal, static_offset, window, log_forget
         )
@@ -349,7 +344,7 @@ def choose_implementation(
         fits = materialised <= AUTO_BLOCKWISE_MIN_LOGITS and not wide_and_long
         if fits and native.supports(q, k) is None:
             choice = "native"
-    else:
+    elif softcap is None:
         has_bias = bias is not None or log_forget is not None
         cudnn_ok = (
             cudnn.unsupported_reason(
