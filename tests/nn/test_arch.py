@@ -225,6 +225,10 @@ def test_an_untied_head_is_its_own_parameter_and_head_dim_is_free():
         (dict(attn_logit_softcap=-1.0), "model.attn_logit_softcap=-1.0"),
         (dict(final_logit_softcap=float("inf")), "model.final_logit_softcap=inf"),
         (dict(final_logit_softcap="30"), "model.final_logit_softcap='30'"),
+        (
+            dict(attn_logit_softcap=5.0, attention_impl="xla"),
+            "model.attention_impl='xla' is invalid: soft-capped attention logits",
+        ),
         (dict(head_dim=-2), "model.head_dim=-2"),
         (dict(d_model=30), "model.d_model=30"),
         (dict(init_from="/x"), "model.init_from='/x'"),

@@ -55,6 +55,7 @@ from posattn.attention.reference import reference_attention, xla_attention
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "SOFTCAP_IMPLEMENTATIONS",
     "Bias",
     "BiasFn",
     "attention",

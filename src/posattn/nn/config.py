@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from posattn import families
-from posattn.attention import IMPLEMENTATIONS, native
+from posattn.attention import IMPLEMENTATIONS, SOFTCAP_IMPLEMENTATIONS, native
 from posattn.nn import pattern as pattern_lib
 
 __all__ = ["ConfigError", "ModelConfig", "config_keys", "continuous_keys", "defaults", "describe"]
@@ -292,6 +292,13 @@ class ModelConfig:
             )
         if self.attention_impl not in IMPLEMENTATIONS:
             _fail("attention_impl", self.attention_impl, "allowed: " + _listing(IMPLEMENTATIONS))
+        if self.attn_logit_softcap and self.attention_impl not in SOFTCAP_IMPLEMENTATIONS:
+            _fail(
+                "attention_impl",
+                self.attention_impl,
+                f"soft-capped attention logits (model.attn_logit_softcap="
+                f"{self.attn_logit_softcap}) run in {_listing(SOFTCAP_IMPLEMENTATIONS)} only",
+            )
         if self.attention_impl == "native":
             if self.head_dim not in native.HEAD_DIMS:
                 _fail(
