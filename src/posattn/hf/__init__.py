@@ -445,7 +445,8 @@ def _architecture(cfg: ModelConfig) -> str:
             return "mpt"
     raise ValueError(
         "this model has no Hugging Face architecture that computes the same function; "
-        "save_pretrained writes Llama/Mistral/Ministral/Qwen2/Qwen3/Phi-3/SmolLM3/Gemma/Gemma 3 "
+        "save_pretrained writes Llama/Mistral/Ministral/Qwen2/Qwen3/Phi-3/SmolLM3/Gemma/Gemma 2/"
+        "Gemma 3 "
         "(rope, half layout, RMSNorm, gated MLP), "
         "GPT-NeoX and StarCoder2 (rope, LayerNorm), GPT-2 (learned positions), BLOOM "
         "(ALiBi, biases) and MPT (ALiBi, no biases) models"
