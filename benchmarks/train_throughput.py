@@ -156,9 +156,15 @@ class Case:
     """One (config, family): the jitted step, its batches, and the pieces timed alone."""
 
     def __init__(
-        self, config_name: str, family: str, *, steps_per_round: int, overrides: list[str]
+        self,
+        config_name: str,
+        family: str,
+        *,
+        steps_per_round: int,
+        overrides: list[str],
+        label: str = "",
     ):
-        self.name, self.family = config_name, family
+        self.name, self.family = config_name + (f" [{label}]" if label else ""), family
         args = [
             f"--config.{o}" for o in CONFIGS[config_name] + [f"model.position={family}"] + overrides
         ]
@@ -218,6 +224,7 @@ class Case:
                 bias=bias,
                 causal=layer.causal,
                 scale=layer.scale,
+                softcap=layer.softcap,
                 implementation=layer.implementation,
             )
             return jnp.sum(out * d_out)
@@ -231,7 +238,7 @@ class Case:
         )
         self.attention_args = (fn, q, k, v, floats)
         self.attention_impl = (
-            attention_lib.choose_implementation(q, k, None)
+            attention_lib.choose_implementation(q, k, None, softcap=layer.softcap)
             if layer.implementation == "auto"
             else layer.implementation
         )
@@ -564,6 +571,14 @@ def main(argv=None):
         help="model.dtype of each case (the compute dtype; parameters stay float32), timed "
         "side by side; default: the config's (float32)",
     )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=None,
+        metavar="OVERRIDES",
+        help="override sets timed side by side, each a space-separated list ('' for none), "
+        "e.g. '' 'model.attn_logit_softcap=10'",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write every round as JSON")
     parser.add_argument(
         "--crossover",
@@ -602,16 +617,19 @@ def main(argv=None):
         return
     print(f"# overrides: {args.override or 'none'}; {args.rounds} rounds of {args.steps} steps")
     dtypes = args.dtypes or [None]
+    variants = args.variants or [""]
     cases = [
         Case(
             c,
             f,
             steps_per_round=args.steps,
-            overrides=args.override + ([f"model.dtype={d}"] if d else []),
+            overrides=args.override + ([f"model.dtype={d}"] if d else []) + v.split(),
+            label=v if args.variants else "",
         )
         for c in args.configs
         for f in args.families
         for d in dtypes
+        for v in variants
     ]
     # One baseline series per (config, family), shared by that pair's dtypes.
     baselines: dict[tuple[str, str], list] = {}

@@ -2,10 +2,10 @@
 in place of scale q.k, before the bias, the forget term and the mask.
 
 The oracle (`attention_cases.oracle_attention(softcap=)`) writes the cap from that definition,
-sharing no code with `posattn.attention`; "reference", "chunked" and "blockwise" (the ones that
-compute it) match its output and every gradient (q, k, v, the bias parameters, log_forget) over
-the masking and window grids. The other implementations refuse a cap by name, and "auto" never
-picks them for one.
+sharing no code with `posattn.attention`; "reference", "chunked", "native" (where its kernel
+builds) and "blockwise", the ones that compute it, match its output and every gradient (q, k,
+v, the bias parameters, log_forget) over the masking and window grids. The others refuse a cap
+by name, and "auto" never picks them for one.
 """
 
 import jax
@@ -23,10 +23,12 @@ from attention_cases import (
 )
 
 from posattn import attention as attn_lib
-from posattn.attention import attention, chunked
+from posattn.attention import attention, chunked, native
 
 CAP = 1.5  # q, k ~ N(0, 1) with H 8: logits of ~1, so the cap bends most of them
-IMPLEMENTATIONS = ("reference", "chunked", "blockwise")
+IMPLEMENTATIONS = ("reference", "chunked", "blockwise") + (
+    ("native",) if native.available() else ()
+)
 
 POINTS = [
     ("alibi", "causal_gqa"),
@@ -76,12 +78,12 @@ def test_a_large_cap_is_the_uncapped_attention_and_the_cap_is_the_formula():
     capped = 2.0 * np.tanh(s / 2.0)
     p = np.exp(capped - capped.max())
     p /= p.sum()
-    for impl in IMPLEMENTATIONS:
+    for impl in ("reference", "chunked", "blockwise"):  # H 2: not a native head size
         got = attention(q1, k1, v1, scale=0.5, softcap=2.0, implementation=impl)
         np.testing.assert_allclose(got[0, 0, 0], p, rtol=1e-6, err_msg=impl)
 
 
-@pytest.mark.parametrize("impl", ["xla", "native", "cudnn", "pallas"])
+@pytest.mark.parametrize("impl", ["xla", "cudnn", "pallas"])
 def test_implementations_without_the_cap_refuse_it_by_name(impl):
     (q, k, v, _), _, _ = _case("none", "causal_gqa")
     with pytest.raises(ValueError, match=f"implementation='{impl}' does not compute soft-capped"):
@@ -95,13 +97,18 @@ def test_a_bad_cap_is_refused(bad):
         attention(q, k, v, causal=True, softcap=bad)
 
 
-def test_auto_picks_chunked_or_blockwise_on_every_backend():
+def test_auto_takes_the_cpu_rule_and_elsewhere_chunked_or_blockwise():
     q = jax.ShapeDtypeStruct((2, 64, 4, 16), jnp.float32)
     long_q = jax.ShapeDtypeStruct((1, 2048, 4, 16), jnp.float32)
     for backend in ("cpu", "gpu", "tpu"):
         pick = attn_lib.choose_implementation(q, q, None, causal=True, backend=backend, softcap=CAP)
-        assert pick == "chunked", backend
+        plain = attn_lib.choose_implementation(q, q, None, causal=True, backend=backend)
+        if backend == "cpu":
+            assert pick == plain == ("native" if native.available() else "chunked")
+        else:
+            assert pick == "chunked" and plain != pick, backend  # never cuDNN or Pallas
         pick = attn_lib.choose_implementation(
             long_q, long_q, None, causal=True, backend=backend, softcap=CAP
         )
-        assert pick == "blockwise", backend
+        plain = attn_lib.choose_implementation(long_q, long_q, None, causal=True, backend=backend)
+        assert pick == (plain if backend == "cpu" else "blockwise"), backend

@@ -139,8 +139,8 @@ def attention(
         [0, S) (self-attention, a KV cache). Needs causal=True.
       softcap: None, or a static number c > 0: the content logits scale * q.k become
         c * tanh(scale * q.k / c) before the bias, forget term and mask are added (Gemma 2's
-        `attn_logit_softcapping`). "reference", "chunked" and "blockwise" compute it; "auto"
-        picks among those.
+        `attn_logit_softcapping`). "reference", "chunked", "native" and "blockwise" compute it;
+        "auto" picks among those.
       implementation: one of IMPLEMENTATIONS.
 
     Returns:
@@ -319,8 +319,9 @@ def choose_implementation(
     `cudnn.unsupported_reason`; cuDNN refuses a window except with its own causal mask at offset
     0, so such calls fall to "blockwise".
 
-    Soft-capped logits (`softcap`): only "chunked" and "blockwise" compute them fast, so the
-    choice is between those two by the CPU rule above on every backend.
+    Soft-capped logits (`softcap`): on a CPU the rule above ("native" computes the cap too);
+    elsewhere "chunked" or "blockwise" by the CPU rule's sizes (cuDNN and the Pallas kernel do
+    not take a cap).
 
     q, k: arrays or shape/dtype structs (the rows one device sees); log_forget an array, a
     shape/dtype struct or None. Pass `implementation=` to `attention` to override.
@@ -334,8 +335,8 @@ def choose_implementation(
     small = T * S < AUTO_CHUNKED_MAX_HEAD_LOGITS and (
         not per_row_bias or B * N * T * S < AUTO_BLOCKWISE_MIN_LOGITS
     )
-    choice = "chunked" if small else "blockwise"  # the soft cap's choice on every backend
-    if softcap is None and backend == "cpu":
+    choice = "chunked" if small else "blockwise"  # and a soft cap's on a GPU or TPU
+    if backend == "cpu":
         materialised = _native_materialised(
             B, N, T, S, bias, per_row, causal, static_offset, window, log_forget
         )
@@ -425,7 +426,7 @@ def _bias_kind(bias: Bias) -> str:
 
 
 # The implementations that compute soft-capped logits.
-SOFTCAP_IMPLEMENTATIONS = ("auto", "reference", "chunked", "blockwise")
+SOFTCAP_IMPLEMENTATIONS = ("auto", "reference", "chunked", "native", "blockwise")
 
 
 def _check_softcap(softcap, implementation: str) -> float | None:

@@ -216,10 +216,12 @@ class _Plan:
     offset: int  # the static position of query 0 (causal only)
     window: int  # 0: none (a causal window otherwise)
     bias_grad: bool
+    softcap: float = 0.0  # 0: none; else the content logits become softcap * tanh(s / softcap)
 
     def attrs(self) -> dict:
         return dict(
             scale=np.float32(self.scale),
+            softcap=np.float32(self.softcap),
             causal=np.int64(self.causal),
             offset=np.int64(self.offset),
             window=np.int64(self.window),
@@ -236,6 +238,7 @@ def native_attention(
     bias_grad: bool,
     causal_offset: int | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """softmax(scale q k^T + logit_bias) v by the C++ kernel: "chunked"'s contract
     (`posattn.attention.chunked.chunked_attention`).
@@ -250,6 +253,8 @@ def native_attention(
         the kernel then skips (and hides) keys j > causal_offset + t itself, so the bias need not
         hide them. None: every key is visible up to the bias.
       window: with `causal_offset`, a causal sliding window w: keys j <= i - w are skipped too.
+      softcap: None, or c > 0: the content logits scale q.k become c tanh(scale q.k / c) before
+        `logit_bias` is added (Gemma 2's soft-capping).
 
     Returns:
       float[B, T, N, H] in q's dtype.
@@ -262,6 +267,7 @@ def native_attention(
         offset=0 if causal_offset is None else int(causal_offset),
         window=0 if window is None or causal_offset is None else int(window),
         bias_grad=bool(bias_grad) and logit_bias is not None,
+        softcap=0.0 if softcap is None else float(softcap),
     )
     bias = jnp.zeros((0,), f32) if logit_bias is None else logit_bias.astype(f32)
     out = _attend(plan, q.astype(f32), k.astype(f32), v.astype(f32), bias)
@@ -336,6 +342,7 @@ def attention_from_bias(
     static_offset=None,
     window=None,
     log_forget=None,
+    softcap=None,
 ) -> jax.Array:
     """The kernel on `posattn.attention.attention`'s inputs: the position bias and the forget
     term materialised [B or 1, N, T, S] (as "chunked" does), the visibility mask added as -inf
@@ -362,4 +369,5 @@ def attention_from_bias(
         bias_grad=bias_grad,
         causal_offset=static_offset if ranged else None,
         window=window if ranged else None,
+        softcap=softcap,
     )

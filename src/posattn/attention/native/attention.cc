@@ -7,7 +7,9 @@
 // the forward's row statistics m (guarded row max) and inv_l (1 / row sum) [B, N, T].
 //
 // The math is the chunked kernel's (posattn/attention/chunked.py, FlashAttention-2's equations
-// with a whole row as one tile): s = scale q.k + bias (-inf hides a key), m = max(s) (0 for a
+// with a whole row as one tile): s = scale q.k + bias (-inf hides a key; with a soft cap c,
+// Gemma 2's, s = c tanh(scale q.k / c) + bias and ds reaches dq and dk times the cap's slope
+// 1 - tanh^2, the bias gradient without it), m = max(s) (0 for a
 // row that sees no key), p = exp(s - m), l = sum(p), out = (p v) / l. Backward: p is recomputed
 // as exp(s - m) * inv_l, dv = p^T dO, dp = dO v^T, D = rowsum(p * dp), ds = p * (dp - D),
 // dq = scale ds k, dk = scale ds^T q, dbias = ds summed over the rows and heads it broadcasts to.
@@ -145,7 +147,7 @@ void ParallelFor(Pool& pool, int64_t n, const Fn& fn) {
 // Per-thread scratch, grown on demand and reused by every item and call on that thread (its
 // contents are overwritten before they are read: the packers zero their padding).
 float* Scratch(int slot, size_t floats) {
-  thread_local std::vector<float> buffers[8];
+  thread_local std::vector<float> buffers[9];
   std::vector<float>& buffer = buffers[slot];
   if (buffer.size() < floats) buffer.resize(floats);
   return buffer.data();
@@ -158,6 +160,7 @@ struct Dims {
   int64_t offset;  // position of query 0 (static)
   int64_t window;  // 0: none; causal windows only
   float scale;
+  float softcap;  // 0: none; else the content logits become softcap * tanh(s / softcap)
 };
 
 // The keys query t may see by position (causal, window); the bias may hide more.
@@ -318,6 +321,19 @@ Block<R> MakeBlock(const Dims& d, int64_t t0) {
   return blk;
 }
 
+// Soft-capping (Gemma 2) of a row of content logits over [a8, e8), in place: s = c tanh(s / c)
+// with tanh(x) = 1 - 2 / (exp(2x) + 1) (Exp saturates, so |s| large gives +-c), and, when `slope`
+// is given, its derivative 1 - tanh^2 there. The row's products are finite over [a8, e8).
+template <int R>
+inline void Cap(const Block<R>& blk, float c, float* sr, float* slope) {
+  const float twice_inv = 2.0f / c;
+  for (int64_t j = blk.a8; j < blk.e8; j += kV) {
+    const vf t = 1.0f - 2.0f / (Exp(Load(sr + j) * twice_inv) + 1.0f);
+    Store(sr + j, t * c);
+    if (slope) Store(slope + j, 1.0f - t * t);
+  }
+}
+
 // Row r of the logits `sr` (scaled products, over [a8, e8)) plus its bias row, -inf outside the
 // row's key range, in place.
 template <int R>
@@ -359,6 +375,7 @@ void Forward(Pool& pool, const Dims& d, const float* q, const float* k, const fl
         if (blk.e > blk.a) RowDots<H, R>(qa, kt, blk.a / kW * kW, blk.e, s, Sp);
         for (int r = 0; r < R; ++r) {
           float* sr = s + r * Sp;
+          if (d.softcap > 0.0f) Cap(blk, d.softcap, sr, nullptr);
           BiasAndMask(blk, r, bs && r < blk.rows ? bs + (t0 + r) * d.S : nullptr, sr);
           vf vmax = Splat(kNegInf);
           for (int64_t j = blk.a8; j < blk.e8; j += kV) {
@@ -417,6 +434,7 @@ void Backward(Pool& pool, const Dims& d, bool bias_grad, const float* q,
     float* p = Scratch(5, R * Sp);
     float* ds = Scratch(6, R * Sp);
     float* dp = Scratch(7, R * Sp);
+    float* slope = d.softcap > 0.0f ? Scratch(8, R * Sp) : nullptr;
     for (int64_t b = b_begin; b < b_end; ++b) {
       for (int64_t kh = k_begin; kh < k_end; ++kh) {
         PackTransposed<H>(d, k, b, kh, Sp, kt);
@@ -456,6 +474,8 @@ void Backward(Pool& pool, const Dims& d, bool bias_grad, const float* q,
               float* pr = p + r * Sp;
               const float* dpr = dp + r * Sp;
               float* dsr = ds + r * Sp;
+              float* slr = slope ? slope + r * Sp : nullptr;
+              if (slr) Cap(blk, d.softcap, pr, slr);
               BiasAndMask(blk, r, bs && r < blk.rows ? bs + (t0 + r) * d.S : nullptr, pr);
               const float m = mrow[r], inv_l = il[r];
               vf vdelta = Splat(0.0f);
@@ -471,6 +491,11 @@ void Backward(Pool& pool, const Dims& d, bool bias_grad, const float* q,
               if (dbs && r < blk.rows) {
                 float* dbr = dbs + (t0 + r) * d.S;
                 for (int64_t j = blk.a; j < blk.e; ++j) dbr[j] += dsr[j];
+              }
+              if (slr) {  // dq and dk see the content logits through the cap
+                for (int64_t j = blk.a8; j < blk.e8; j += kV) {
+                  Store(dsr + j, Load(dsr + j) * Load(slr + j));
+                }
               }
             }
             float dqa[R][H];  // dq = scale ds k
@@ -493,8 +518,8 @@ void Backward(Pool& pool, const Dims& d, bool bias_grad, const float* q,
 }
 
 ffi::Error MakeDims(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k, ffi::Buffer<ffi::F32>& v,
-                    ffi::Buffer<ffi::F32>& bias, float scale, int64_t causal, int64_t offset,
-                    int64_t window, Dims* d) {
+                    ffi::Buffer<ffi::F32>& bias, float scale, float softcap, int64_t causal,
+                    int64_t offset, int64_t window, Dims* d) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), bd = bias.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) {
     return ffi::Error::InvalidArgument("posattn native attention: q, k, v must be 4-D");
@@ -517,6 +542,7 @@ ffi::Error MakeDims(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k, ffi::Buf
     d->Bb = bd[0], d->Nb = bd[1];
   }
   d->scale = scale;
+  d->softcap = softcap;
   d->causal = causal != 0;
   d->offset = offset;
   d->window = window;
@@ -537,11 +563,12 @@ ffi::Error MakeDims(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k, ffi::Buf
 
 ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                        ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> bias, float scale,
-                       int64_t causal, int64_t offset, int64_t window,
+                       float softcap, int64_t causal, int64_t offset, int64_t window,
                        ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> m,
                        ffi::ResultBuffer<ffi::F32> inv_l) {
   Dims d;
-  if (auto err = MakeDims(q, k, v, bias, scale, causal, offset, window, &d); err.failure()) {
+  if (auto err = MakeDims(q, k, v, bias, scale, softcap, causal, offset, window, &d);
+      err.failure()) {
     return err;
   }
   POSATTN_DISPATCH_H(d.H, Forward<H>(pool, d, q.typed_data(), k.typed_data(), v.typed_data(),
@@ -553,12 +580,13 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
 ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                         ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> bias,
                         ffi::Buffer<ffi::F32> d_out, ffi::Buffer<ffi::F32> m,
-                        ffi::Buffer<ffi::F32> inv_l, float scale, int64_t causal, int64_t offset,
-                        int64_t window, int64_t bias_grad, ffi::ResultBuffer<ffi::F32> dq,
-                        ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv,
-                        ffi::ResultBuffer<ffi::F32> d_bias) {
+                        ffi::Buffer<ffi::F32> inv_l, float scale, float softcap, int64_t causal,
+                        int64_t offset, int64_t window, int64_t bias_grad,
+                        ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
+                        ffi::ResultBuffer<ffi::F32> dv, ffi::ResultBuffer<ffi::F32> d_bias) {
   Dims d;
-  if (auto err = MakeDims(q, k, v, bias, scale, causal, offset, window, &d); err.failure()) {
+  if (auto err = MakeDims(q, k, v, bias, scale, softcap, causal, offset, window, &d);
+      err.failure()) {
     return err;
   }
   const bool grad = bias_grad != 0 && d.has_bias;
@@ -579,6 +607,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PosattnAttentionForward, ForwardImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v
                                   .Arg<ffi::Buffer<ffi::F32>>()  // bias (empty: none)
                                   .Attr<float>("scale")
+                                  .Attr<float>("softcap")
                                   .Attr<int64_t>("causal")
                                   .Attr<int64_t>("offset")
                                   .Attr<int64_t>("window")
@@ -598,6 +627,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PosattnAttentionBackward, BackwardImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // m
                                   .Arg<ffi::Buffer<ffi::F32>>()  // inv_l
                                   .Attr<float>("scale")
+                                  .Attr<float>("softcap")
                                   .Attr<int64_t>("causal")
                                   .Attr<int64_t>("offset")
                                   .Attr<int64_t>("window")
