@@ -300,7 +300,7 @@ def test_triton_warps_and_stages_reach_every_kernel():
     assert lowered(64, num_warps=8, num_stages=3) == {("3", "8")}
 
 
-def _export(platform, name, T=256, window=None, forget=False):
+def _export(platform, name, T=256, window=None, forget=False, softcap=None):
     """Lower forward + backward for `platform` ("cuda": Triton, "tpu": Mosaic) without running
     (gradients to q, k, v, the bias parameters and, with `forget`, the log forget gates)."""
     backend = "gpu" if platform == "cuda" else "tpu"
@@ -310,7 +310,7 @@ def _export(platform, name, T=256, window=None, forget=False):
         b = None if bias is None else (bias[0], params)
         out = pallas_attention(
             q, k, v, bias=b, causal=True, q_offset=off, kv_lengths=lens, backend=backend,
-            window=window, log_forget=log_forget,
+            window=window, log_forget=log_forget, softcap=softcap,
         )  # fmt: skip
         return jnp.sum(out.astype(jnp.float32))
 
@@ -352,9 +352,10 @@ def test_kernels_lower_for_accelerators(platform, pretend_tpu):
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_window_and_forget_lower_for_accelerators(platform, pretend_tpu):
-    """With a sliding window (tile ranges with a start) and FoX gates (their rows in, their
-    gradients out of both backward kernels), on top of ALiBi, the three kernels still lower."""
-    text = _export(platform, "alibi", window=100, forget=True).mlir_module()
+    """With a sliding window (tile ranges with a start), FoX gates (their rows in, their
+    gradients out of both backward kernels) and a soft cap (tanh and its slope in every kernel),
+    on top of ALiBi, the three kernels still lower."""
+    text = _export(platform, "alibi", window=100, forget=True, softcap=30.0).mlir_module()
     marker = "__gpu$xla.gpu.triton" if platform == "cuda" else "tpu_custom_call"
     assert text.count(marker) >= 3, text.count(marker)
 

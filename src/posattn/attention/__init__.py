@@ -320,8 +320,8 @@ def choose_implementation(
     0, so such calls fall to "blockwise".
 
     Soft-capped logits (`softcap`): on a CPU the rule above ("native" computes the cap too);
-    elsewhere "chunked" or "blockwise" by the CPU rule's sizes (cuDNN and the Pallas kernel do
-    not take a cap).
+    elsewhere "pallas" where it takes the inputs, else "chunked" or "blockwise" by the CPU rule's
+    sizes (cuDNN takes no cap).
 
     q, k: arrays or shape/dtype structs (the rows one device sees); log_forget an array, a
     shape/dtype struct or None. Pass `implementation=` to `attention` to override.
@@ -335,7 +335,7 @@ def choose_implementation(
     small = T * S < AUTO_CHUNKED_MAX_HEAD_LOGITS and (
         not per_row_bias or B * N * T * S < AUTO_BLOCKWISE_MIN_LOGITS
     )
-    choice = "chunked" if small else "blockwise"  # and a soft cap's on a GPU or TPU
+    choice = "chunked" if small else "blockwise"
     if backend == "cpu":
         materialised = _native_materialised(
             B, N, T, S, bias, per_row, causal, static_offset, window, log_forget
@@ -346,7 +346,19 @@ def choose_implementation(
         fits = materialised <= AUTO_BLOCKWISE_MIN_LOGITS and not wide_and_long
         if fits and native.supports(q, k) is None:
             choice = "native"
-    elif softcap is None:
+    elif softcap is not None:  # cuDNN takes no cap
+        pallas_ok = _pallas_supports(
+            q,
+            k,
+            bias,
+            causal=causal,
+            per_row=per_row,
+            backend=backend,
+            window=window,
+            log_forget=log_forget,
+        )
+        choice = "pallas" if pallas_ok else choice
+    else:
         has_bias = bias is not None or log_forget is not None
         cudnn_ok = (
             cudnn.unsupported_reason(
@@ -426,7 +438,7 @@ def _bias_kind(bias: Bias) -> str:
 
 
 # The implementations that compute soft-capped logits.
-SOFTCAP_IMPLEMENTATIONS = ("auto", "reference", "chunked", "native", "blockwise")
+SOFTCAP_IMPLEMENTATIONS = ("auto", "reference", "chunked", "native", "blockwise", "pallas")
 
 
 def _check_softcap(softcap, implementation: str) -> float | None:

@@ -112,6 +112,7 @@ class _Plan:
     backend: str
     window: int | None = None  # sliding window: i - j < window (|i - j| < window when not causal)
     forget: bool = False  # FoX: the kernels take cumulative log forget gates of queries and keys
+    softcap: float | None = None  # the content logits capped as c tanh(s / c) (Gemma 2)
     num_warps: int | None = None  # Triton (backend "gpu"); None: `_compiler_params`' default
     num_stages: int | None = None  # likewise
 
@@ -199,6 +200,7 @@ def pallas_attention(
     scale: float | None = None,
     window: int | None = None,
     log_forget: jax.Array | None = None,
+    softcap: float | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
@@ -215,6 +217,8 @@ def pallas_attention(
       log_forget: None or float[B, S, N] log forget gates (FoX, causal only): logit (i, j) gains
         c[i] - c[j], c = cumsum(log_forget) over positions in float32, query i reading c at its
         position q_offset + t (clipped to [0, S - 1]). Differentiated.
+      softcap: None, or c > 0: the content logits scale q.k become c tanh(scale q.k / c) before
+        the bias and the forget term (Gemma 2's soft-capping); dq and dk pass through its slope.
       block_q: query tile size, a power of two >= 16 (clipped to T rounded up); default per backend.
       block_k: key tile size, likewise.
       num_warps: Triton's warps per program, 1, 2, 4, 8 or 16 (backend "gpu" only); default 4
@@ -333,6 +337,7 @@ def pallas_attention(
         backend=backend,
         window=None if window is None else min(int(window), _MAX_WINDOW),
         forget=forget is not None,
+        softcap=None if softcap is None else float(softcap),
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -821,6 +826,16 @@ def _split(plan, refs):
 # bias parameter leaves; then the outputs.
 
 
+def _content(plan, qk):
+    """(the content logits scale q.k of a tile, soft-capped as c tanh(. / c) with the plan's cap,
+    and the cap's slope 1 - tanh^2, None without one)."""
+    s = qk * plan.scale
+    if plan.softcap is None:
+        return s, None
+    t = jnp.tanh(s / plan.softcap)
+    return plan.softcap * t, 1.0 - t * t
+
+
 def _forward_kernel(plan, off_ref, len_ref, q_ref, k_ref, v_ref, *refs):
     forget, param_refs, (o_ref, lse_ref) = _split(plan, refs)
     b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -836,7 +851,7 @@ def _forward_kernel(plan, off_ref, len_ref, q_ref, k_ref, v_ref, *refs):
         m, l_sum, acc = carry
         ks = pl.ds(pl.multiple_of(j * plan.tk, plan.tk), plan.tk)
         k, v = k_ref[ks, :], v_ref[ks, :]  # (tk, Hp)
-        s = _dot(q, k, (1, 1)) * plan.scale  # (tq, tk)
+        s, _ = _content(plan, _dot(q, k, (1, 1)))  # (tq, tk)
         q_pos, k_pos = _positions(plan, off, i, j)
         if params is not None:
             s = s + _head_bias(plan, params, h, q_pos, k_pos)
@@ -884,7 +899,7 @@ def _dkdv_kernel(plan, off_ref, len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, d
         qs = pl.ds(pl.multiple_of(i * plan.tq, plan.tq), plan.tq)
         q, do = q_ref[qs, :], do_ref[qs, :]  # (tq, Hp)
         lse, delta = lse_ref[0, qs], delta_ref[0, qs]  # (tq,)
-        s = _dot(q, k, (1, 1)) * plan.scale
+        s, slope = _content(plan, _dot(q, k, (1, 1)))
         q_pos, k_pos = _positions(plan, off, i, j)
         pull = None
         if plan.bias_fn is not None:
@@ -901,7 +916,8 @@ def _dkdv_kernel(plan, off_ref, len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, d
         dv = dv + _dot(p.astype(do.dtype), do, (0, 0))  # (tk, Hp)
         dp = _dot(do, v, (1, 1))  # (tq, tk)
         ds = p * (dp - delta[:, None])  # d loss / d logits
-        dk = dk + plan.scale * _dot(ds.astype(q.dtype), q, (0, 0))
+        ds_qk = ds if slope is None else ds * slope  # through the cap to scale q.k
+        dk = dk + plan.scale * _dot(ds_qk.astype(q.dtype), q, (0, 0))
         if forget is not None:
             dc_k = dc_k - jnp.sum(ds, axis=0)  # logit (i, j) has -c_k[j]
         if pull is not None:
@@ -939,7 +955,7 @@ def _dq_kernel(plan, off_ref, len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, del
         dq, dc_q = carry
         ks = pl.ds(pl.multiple_of(j * plan.tk, plan.tk), plan.tk)
         k, v = k_ref[ks, :], v_ref[ks, :]
-        s = _dot(q, k, (1, 1)) * plan.scale
+        s, slope = _content(plan, _dot(q, k, (1, 1)))
         q_pos, k_pos = _positions(plan, off, i, j)
         if params is not None:
             s = s + _head_bias(plan, params, h, q_pos, k_pos)
@@ -952,7 +968,8 @@ def _dq_kernel(plan, off_ref, len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, del
         ds = p * (_dot(do, v, (1, 1)) - delta[:, None])
         if forget is not None:
             dc_q = dc_q + jnp.sum(ds, axis=1)  # logit (i, j) has +c_q[i]
-        return dq + plan.scale * _dot(ds.astype(k.dtype), k, (1, 0)), dc_q
+        ds_qk = ds if slope is None else ds * slope  # through the cap to scale q.k
+        return dq + plan.scale * _dot(ds_qk.astype(k.dtype), k, (1, 0)), dc_q
 
     start = _key_tile_start(plan, off, kv_len, i)
     end = _key_tile_end(plan, off, kv_len, i)
