@@ -10,7 +10,7 @@ Run (from the repository root; needs nothing but the project):
     python benchmarks/accelerator.py --smoke              # tiny sizes (automatic on CPU)
     python benchmarks/accelerator.py --lengths 8192 --families alibi fire \
         --implementations cudnn pallas --skip-training              # one goal, quickly
-    python benchmarks/accelerator.py --variants window forget --skip-training   # the new masks
+    python benchmarks/accelerator.py --variants window forget softcap --skip-training  # new terms
     python benchmarks/accelerator.py --skip-attention \
         --train-families rope fox "rope:window=256/rope"            # per-layer patterns
 
@@ -19,8 +19,9 @@ heads and 16 key/value heads of 128, bfloat16, causal, bias families none / alib
 kerple_power / fire as `(BiasFn, params)` pairs from `posattn.families` (implementations that take
 a materialised bias get it materialised by `posattn.attention`), for each of --variants: "causal"
 (the plain causal mask), "window" (causal with a sliding window of --window keys, Hugging Face's
-`sliding_window`) and "forget" (causal with FoX's per-row log forget gates, float32[B, T, N]
-log-sigmoid values, differentiated too), for every implementation in
+`sliding_window`), "forget" (causal with FoX's per-row log forget gates, float32[B, T, N]
+log-sigmoid values, differentiated too) and "softcap" (causal with Gemma 2's soft cap of
+--softcap on the content logits; not a default variant), for every implementation in
 --implementations the backend has ("cudnn" only on GPU and only where posattn offers it; "pallas"
 in interpret mode on CPU). Per case: the best of --repeats wall-clock times of the jitted forward
 and of the jitted forward + backward (value_and_grad over q, k, v and the bias parameters, a
@@ -60,6 +61,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import pathlib
 import platform
 import subprocess
@@ -77,7 +79,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 FULL_LENGTHS = (1024, 2048, 4096, 8192, 16384, 65536)
 FAMILIES = ("none", "alibi", "t5", "kerple_power", "fire")
-VARIANTS = ("causal", "window", "forget")
+VARIANTS = ("causal", "window", "forget", "softcap")
 IMPLEMENTATIONS = ("xla", "cudnn", "blockwise", "pallas")
 # Dense bfloat16 peak FLOP/s per device kind (vendor datasheets; no sparsity).
 PEAK_BF16 = {
@@ -160,9 +162,12 @@ def visible_pairs(T: int, window: int | None) -> float:
     return T * window - window * window / 2
 
 
-def attention_case(impl, family, *, B, T, N, H, repeats, with_error, device, window, forget):
+def attention_case(
+    impl, family, *, B, T, N, H, repeats, with_error, device, window, forget, softcap=None
+):
     """One (implementation, family, T, variant) measurement as a dict: `window` None or the
-    sliding window, `forget` whether FoX's log forget gates are added."""
+    sliding window, `forget` whether FoX's log forget gates are added, `softcap` None or the soft
+    cap of the content logits."""
     bias, scale = family_bias(family, N, H)
     limit = memory_limit(device)
     need = materialised_bytes(impl, B, N, T, bias is not None or forget, forget)
@@ -194,6 +199,7 @@ def attention_case(impl, family, *, B, T, N, H, repeats, with_error, device, win
             scale=scale,
             window=window,
             log_forget=log_forget,
+            softcap=softcap,
             implementation=impl,
         )
 
@@ -250,6 +256,7 @@ def attention_case(impl, family, *, B, T, N, H, repeats, with_error, device, win
                     scale=scale,
                     window=window,
                     log_forget=log_forget,
+                    softcap=softcap,
                     implementation="reference",
                 )
                 return jnp.sum(out * d_out), out
@@ -433,7 +440,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", nargs="+", type=int, default=None)
     parser.add_argument("--families", nargs="+", default=list(FAMILIES))
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS[:3]))
+    parser.add_argument(
+        "--softcap", type=float, default=50.0, help="the cap of variant softcap (Gemma 2's 50)"
+    )
     parser.add_argument("--window", type=int, default=1024, help="the window of variant window")
     parser.add_argument("--implementations", nargs="+", default=list(IMPLEMENTATIONS))
     parser.add_argument("--batch", type=int, default=4)
@@ -460,6 +470,8 @@ def main(argv=None):
         position_overrides(entry)  # likewise, before anything is measured
     if args.window < 1:
         parser.error(f"--window {args.window}: a window is at least one key")
+    if not (math.isfinite(args.softcap) and args.softcap > 0):
+        parser.error(f"--softcap {args.softcap}: a cap is a finite number > 0")
     device = jax.devices()[0]
     backend = jax.default_backend()
     backend = "gpu" if backend in ("cuda", "rocm") else backend
@@ -504,6 +516,8 @@ def main(argv=None):
             for variant in args.variants:
                 for impl in args.implementations:
                     reason = available(impl, backend)
+                    if variant == "softcap" and impl not in attention_lib.SOFTCAP_IMPLEMENTATIONS:
+                        reason = f"{impl!r} does not compute soft-capped logits"
                     result = (
                         {"skipped": reason}
                         if reason
@@ -519,6 +533,7 @@ def main(argv=None):
                             device=device,
                             window=window if variant == "window" else None,
                             forget=variant == "forget",
+                            softcap=args.softcap if variant == "softcap" else None,
                         )
                     )
                     row = {"T": T, "family": family, "variant": variant, "implementation": impl}
