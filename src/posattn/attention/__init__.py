@@ -336,6 +336,19 @@ def choose_implementation(
         not per_row_bias or B * N * T * S < AUTO_BLOCKWISE_MIN_LOGITS
     )
     choice = "chunked" if small else "blockwise"
+
+    def pallas_takes() -> bool:  # asked off the CPU only: it imports the Pallas module
+        return _pallas_supports(
+            q,
+            k,
+            bias,
+            causal=causal,
+            per_row=per_row,
+            backend=backend,
+            window=window,
+            log_forget=log_forget,
+        )
+
     if backend == "cpu":
         materialised = _native_materialised(
             B, N, T, S, bias, per_row, causal, static_offset, window, log_forget
@@ -347,17 +360,7 @@ def choose_implementation(
         if fits and native.supports(q, k) is None:
             choice = "native"
     elif softcap is not None:  # cuDNN takes no cap
-        pallas_ok = _pallas_supports(
-            q,
-            k,
-            bias,
-            causal=causal,
-            per_row=per_row,
-            backend=backend,
-            window=window,
-            log_forget=log_forget,
-        )
-        choice = "pallas" if pallas_ok else choice
+        choice = "pallas" if pallas_takes() else choice
     else:
         has_bias = bias is not None or log_forget is not None
         cudnn_ok = (
@@ -379,16 +382,7 @@ def choose_implementation(
             # Nothing to materialise: cuDNN's fused kernel (3.9x faster than "pallas" forward and
             # backward at T 8k on an H200, docs/attention.md).
             choice = "cudnn"
-        elif _pallas_supports(
-            q,
-            k,
-            bias,
-            causal=causal,
-            per_row=per_row,
-            backend=backend,
-            window=window,
-            log_forget=log_forget,
-        ):
+        elif pallas_takes():
             choice = "pallas"
         else:
             bias_rows = B if per_row_bias and has_bias else 1
