@@ -547,19 +547,23 @@ def test_save_then_load_gives_the_same_parameters(tmp_path, case):
     assert again.cfg == model.cfg
 
 
-def test_gemma2_and_gemma3_write_any_activation_and_gemma_only_its_own(tmp_path):
-    """Gemma2Config and Gemma3TextConfig carry `hidden_activation`; GemmaConfig's model computes
-    its tanh GELU whatever config.json says, so a Gemma with another activation has no twin."""
+@pytest.mark.parametrize("activation, written", [("silu", "silu"), ("gelu", "gelu")])
+def test_gemma2_and_gemma3_write_any_activation_and_gemma_only_its_own(
+    tmp_path, activation, written
+):
+    """Gemma2Config and Gemma3TextConfig carry `hidden_activation`, which their models read as
+    it is ("gelu" the exact GELU); posattn writes Gemma (GemmaConfig reads a legacy "gelu" as
+    the tanh approximation) with its tanh GELU only."""
     from posattn.nn.model import TransformerLM
 
     for case in ("gemma2", "gemma3"):
-        cfg = hf.from_pretrained(GOLDENS / case).cfg.replace(activation="silu").validate()
+        cfg = hf.from_pretrained(GOLDENS / case).cfg.replace(activation=activation).validate()
         hf.save_pretrained(TransformerLM(cfg, rngs=nnx.Rngs(0)), tmp_path / case)
-        written = json.loads((tmp_path / case / "config.json").read_text())
-        assert written["model_type"] == case.replace("gemma3", "gemma3_text")
-        assert written["hidden_activation"] == "silu"
+        config = json.loads((tmp_path / case / "config.json").read_text())
+        assert config["model_type"] == case.replace("gemma3", "gemma3_text")
+        assert config["hidden_activation"] == written
         assert hf.from_pretrained(tmp_path / case).cfg == cfg
-    gemma = hf.from_pretrained(GOLDENS / "gemma").cfg.replace(activation="silu").validate()
+    gemma = hf.from_pretrained(GOLDENS / "gemma").cfg.replace(activation=activation).validate()
     with pytest.raises(ValueError, match="no Hugging Face architecture"):
         hf.save_pretrained(TransformerLM(gemma, rngs=nnx.Rngs(0)), tmp_path / "gemma")
 

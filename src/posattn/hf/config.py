@@ -326,13 +326,18 @@ def _smollm3(hf: dict) -> dict[str, Any]:
     return keys
 
 
-def _gemma(hf: dict) -> dict[str, Any]:
+def _gemma(hf: dict, *, legacy_gelu: bool = True) -> dict[str, Any]:
+    """Gemma's block. `legacy_gelu`: "gelu" means the tanh approximation, as transformers reads
+    Gemma's legacy hidden_act="gelu"; Gemma 2 and 3 (False) take `hidden_activation` as it is,
+    "gelu" the exact GELU."""
     if hf.get("use_bidirectional_attention"):
         raise _refuse("use_bidirectional_attention", True, "only causal attention")
     hf = dict(hf)
-    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
-    # transformers reads Gemma's legacy hidden_act="gelu" as the tanh approximation.
-    hf["hidden_act"] = "gelu_pytorch_tanh" if act == "gelu" else act
+    if legacy_gelu:
+        act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+        hf["hidden_act"] = "gelu_pytorch_tanh" if act == "gelu" else act
+    else:  # Gemma2Config and Gemma3TextConfig have no hidden_act; their models read this one
+        hf["hidden_act"] = hf.get("hidden_activation") or "gelu_pytorch_tanh"
     hf.setdefault("tie_word_embeddings", True)
     keys = _llama({**_LLAMA_FAMILY_DEFAULTS["gemma"], **hf, "model_type": "llama"})
     keys.update(norm_unit_offset=True, embed_scale="sqrt_d")  # weight 1 + w, embeddings sqrt(D)
@@ -382,7 +387,7 @@ def _gemma2(hf: dict) -> dict[str, Any]:
     window = None if hf.get("sliding_window") is None else _window_size(hf)
     default = [_SLIDING if (i + 1) % 2 else _FULL for i in range(n)]
     types = _layer_types(hf, default, window, "a sliding_window")
-    keys = _gemma(hf)
+    keys = _gemma(hf, legacy_gelu=False)
     keys.update(post_norms=True, query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]), **caps)
     keys["layer_pattern"] = ()
     if _SLIDING in types:
@@ -455,7 +460,7 @@ def _gemma3(hf: dict) -> dict[str, Any]:
         )
     hf, caps = _softcaps(hf)
     plain = {k: v for k, v in hf.items() if k not in ("rope_parameters", "rope_scaling")}
-    keys = _gemma({**plain, "rope_parameters": full})
+    keys = _gemma({**plain, "rope_parameters": full}, legacy_gelu=False)
     rope_local = _rope({**plain, "rope_parameters": local}, head_dim, 10_000.0)
     keys.update(
         post_norms=True,
