@@ -208,9 +208,9 @@ def cases() -> dict[str, tuple[str, dict, dict]]:
         ),
         # Gemma 2: a local layer (window 8 < T) before a global one, one RoPE for both, head_dim
         # 12 != D / N, logits scaled by 10 ** -0.5, and caps small enough (attention 4, output
-        # 2) to bend most logits; and the Hub's older config form (rope_theta, no layer_types:
-        # every other layer local from the first) over three layers with Gemma2Config's caps
-        # (50 and 30).
+        # 2) that removing either moves the log-softmax by nats (test_hf.py); and the Hub's
+        # older config form (rope_theta, no layer_types: every other layer local from the
+        # first) over three layers with Gemma2Config's caps (50 and 30).
         "gemma2": (
             "Gemma2Config",
             dict(
