@@ -241,13 +241,16 @@ def oracle_attention(
     window=None,
     log_forget=None,
     softcap=None,
+    far=None,
 ):
     """The definitions written out densely in float32 (differentiable), with no code shared with
     `posattn.attention`: logits scale q.k (or softcap * tanh(scale q.k / softcap), Gemma 2's
     `attn_logit_softcapping`) + bias, plus the forget term
     sum_{l=j+1..i} log_forget[b, l, h] as an explicit masked sum (not a cumulative sum); key j is
     visible to query i iff (j <= i if causal), (i - j < window, and j - i < window if not causal),
-    j < kv_lengths[b]; softmax over the visible keys, a row with none gives zeros."""
+    j < kv_lengths[b]; softmax over the visible keys, a row with none gives zeros. `far`
+    (q_far, k_far, w): the pairs with i - j >= w (|i - j| >= w if not causal) score
+    scale q_far.k_far instead of scale q.k."""
     Bq, Tq, Nq, Hq = q.shape
     Sk, Kk = k.shape[1], k.shape[2]
     G = Nq // Kk
@@ -257,10 +260,17 @@ def oracle_attention(
     vr = jnp.repeat(v.astype(f32), G, axis=2)
     hi = jax.lax.Precision.HIGHEST
     logits = scale * jnp.einsum("btnh,bsnh->bnts", q.astype(f32), kr, precision=hi)
-    if softcap is not None:
-        logits = softcap * jnp.tanh(logits / softcap)
     i = jnp.broadcast_to(jnp.asarray(q_offset), (Bq,))[:, None] + jnp.arange(Tq)  # (B, T)
     j = jnp.arange(Sk)
+    if far is not None:
+        q_far, k_far, w = far
+        k_far = jnp.repeat(k_far.astype(f32), G, axis=2)
+        far_logits = scale * jnp.einsum("btnh,bsnh->bnts", q_far.astype(f32), k_far, precision=hi)
+        gap = i[:, :, None] - j[None, None, :]  # (B, T, S)
+        is_far = (gap >= w) if causal else (jnp.abs(gap) >= w)
+        logits = jnp.where(is_far[:, None], far_logits, logits)
+    if softcap is not None:
+        logits = softcap * jnp.tanh(logits / softcap)
     if bias is not None:
         if isinstance(bias, tuple):
             logits = logits + jnp.stack([bias[0](bias[1], i[b], j) for b in range(Bq)])

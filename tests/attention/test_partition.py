@@ -27,7 +27,7 @@ CODE = r"""
 import json
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-from posattn.attention import attention, chunked, native
+from posattn.attention import Far, attention, chunked, native
 
 B, T, N, K, H = 16, 32, 4, 2, 16
 keys = jax.random.split(jax.random.key(0), 4)
@@ -91,6 +91,21 @@ _, _, want = run("chunked", False)
 with jax.set_mesh(data8):
     _, gathers, got = run("chunked", False, data8)
 result["chunked/row_chunks"] = dict(gathers=gathers, diff=diff(got, want))
+# two-score attention (far=): its far queries and keys are split over the batch too
+def far_run(mesh=None):
+    def loss(q, k, v, d_out, q_far, k_far):
+        out = attention(q, k, v, causal=True, far=Far(q_far, k_far, 7), implementation="blockwise")
+        return jnp.sum(out * d_out), out
+    args = [q, k, v, d_out, 0.5 * q[::-1], k[:, ::-1]]
+    if mesh is not None:
+        args = [jax.device_put(x, NamedSharding(mesh, P("data"))) for x in args]
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 4, 5), has_aux=True)).lower(*args).compile()
+    grads, out = compiled(*args)
+    return "all-gather" in compiled.as_text(), [np.asarray(x) for x in (out, *grads)]
+_, want = far_run()
+with jax.set_mesh(data8):
+    gathers, got = far_run(data8)
+result["blockwise/far"] = dict(gathers=gathers, diff=diff(got, want))
 print("RESULT", json.dumps(result))
 """
 
@@ -233,3 +248,9 @@ def test_sharded_inputs_with_or_without_a_mesh_context(no_context, impl, mode):
         assert not got["gathers"], f"{impl} {mode}: the compiled program all-gathers"
     else:
         assert not got["shard_map"]
+
+
+def test_two_score_attention_partitions_over_the_batch(measured):
+    r = measured["blockwise/far"]
+    assert not r["gathers"]
+    assert r["diff"] < 1e-5

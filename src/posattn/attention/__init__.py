@@ -9,7 +9,9 @@ one per batch row, e.g. a KV-cache decode step), key positions `arange(S)`; logi
 a sliding `window` w hides keys with i - j >= w (and j - i >= w when not causal: Hugging Face's
 `sliding_window`). Forgetting attention (`log_forget`, FoX) adds `c[i] - c[j]` to the logits, c
 the float32 cumulative sum of log_forget over the key positions (docs/attention.md). A
-`softcap` c replaces scale * q.k by c * tanh(scale * q.k / c) before the bias (Gemma 2).
+`softcap` c replaces scale * q.k by c * tanh(scale * q.k / c) before the bias (Gemma 2). `far`
+(`Far`: two-score attention) scores the pairs at distance `far.window` and beyond with a second
+query/key pair (ReRoPE, SelfExtend).
 Softmax runs in float32 whatever the input dtype; the output keeps q's dtype; a query row that
 sees no key returns zeros, never NaN.
 
@@ -50,14 +52,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from posattn.attention import blockwise, chunked, cudnn, native, partition
-from posattn.attention.masks import materialize_bias, query_positions, visibility_mask
+from posattn.attention.masks import Far, materialize_bias, query_positions, visibility_mask
 from posattn.attention.reference import reference_attention, xla_attention
 
 __all__ = [
+    "FAR_IMPLEMENTATIONS",
     "IMPLEMENTATIONS",
     "SOFTCAP_IMPLEMENTATIONS",
     "Bias",
     "BiasFn",
+    "Far",
     "attention",
     "choose_implementation",
     "materialize_bias",
@@ -113,6 +117,7 @@ def attention(
     window: int | None = None,
     log_forget: jax.Array | None = None,
     softcap: float | None = None,
+    far: Far | None = None,
     implementation: str = "auto",
 ) -> jax.Array:
     """Multi-head (grouped-query) dot-product attention with an optional additive bias.
@@ -141,6 +146,13 @@ def attention(
         c * tanh(scale * q.k / c) before the bias, forget term and mask are added (Gemma 2's
         `attn_logit_softcapping`). "reference", "chunked", "native" and "blockwise" compute it;
         "auto" picks among those.
+      far: None, or `Far(q, k, window)`: two-score attention. The content logit of query i and
+        key j is scale * q_i.k_j while i - j < window (|i - j| < window when not causal) and
+        scale * far.q_i.far.k_j from there on (far.q [B, T, N, H], far.k [B, S, K, H]); the
+        soft cap, bias, forget term and masks apply to either, and gradients reach both pairs.
+        Eval-time RoPE remaps (ReRoPE, SelfExtend: `posattn.rotary.remap_positions`) are this.
+        "reference" and "blockwise" compute it (FAR_IMPLEMENTATIONS); "auto" takes
+        "blockwise".
       implementation: one of IMPLEMENTATIONS.
 
     Returns:
@@ -156,6 +168,7 @@ def attention(
             f"allowed: {', '.join(IMPLEMENTATIONS)}"
         )
     softcap = _check_softcap(softcap, implementation)
+    far_window, far_qk = _check_far(q, k, far, implementation)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     # A Python-int offset (training, a prefill) is static: "chunked" then skips the keys above the
@@ -171,6 +184,7 @@ def attention(
         static_offset=static_offset,
         window=window,
         softcap=softcap,
+        far_window=far_window,
     )
     return partition.over_batch(
         run,
@@ -182,6 +196,7 @@ def attention(
         kv_lengths=kv_lengths,
         scale=scale,
         log_forget=log_forget,
+        far=far_qk,
     )
 
 
@@ -194,14 +209,18 @@ def _dispatch(
     kv_lengths,
     scale,
     log_forget,
+    far_qk,
     *,
     implementation,
     causal,
     static_offset,
     window,
     softcap=None,
+    far_window=None,
 ):
     """One implementation on (the local rows of) q, k, v."""
+    if far_qk is not None and implementation == "auto":
+        implementation = "blockwise"  # the one tiled implementation that scores two pairs
     if implementation == "auto":
         per_row = jnp.ndim(q_offset) == 1 or kv_lengths is not None
         implementation = choose_implementation(
@@ -226,6 +245,8 @@ def _dispatch(
     )
     if softcap is not None:  # _check_softcap let only these through
         kwargs["softcap"] = softcap
+    if far_qk is not None:  # _check_far let only these through
+        kwargs["far"] = Far(*far_qk, far_window)
     match implementation:
         case "reference":
             return reference_attention(q, k, v, **kwargs)
@@ -452,6 +473,39 @@ def _check_softcap(softcap, implementation: str) -> float | None:
             f"use one of {', '.join(map(repr, SOFTCAP_IMPLEMENTATIONS))}"
         )
     return float(softcap)
+
+
+# The implementations that compute two-score attention (`far`).
+FAR_IMPLEMENTATIONS = ("auto", "reference", "blockwise")
+
+
+def _check_far(q, k, far, implementation: str):
+    """(window, (far.q, far.k)) of a valid `far`, (None, None) without one; ValueError naming the
+    problem otherwise."""
+    if far is None:
+        return None, None
+
+    def fail(msg):
+        raise ValueError(f"attention: {msg}")
+
+    if not isinstance(far, Far):
+        fail(f"far must be None or posattn.attention.Far(q, k, window), got {type(far).__name__}")
+    window = far.window
+    is_int = isinstance(window, (int, np.integer)) and not isinstance(window, (bool, np.bool_))
+    if not is_int or window < 1:
+        fail(f"far.window must be a static Python int >= 1, got {window!r}")
+    for name, x, want in (("far.q", far.q, q), ("far.k", far.k, k)):
+        if getattr(x, "shape", None) != want.shape:
+            fail(
+                f"{name} must have the shape of {name[-1]}, {tuple(want.shape)}, "
+                f"got {getattr(x, 'shape', None)}"
+            )
+    if implementation not in FAR_IMPLEMENTATIONS:
+        fail(
+            f"implementation={implementation!r} does not compute two-score attention (far=); "
+            f"use one of {', '.join(map(repr, FAR_IMPLEMENTATIONS))}"
+        )
+    return int(window), (far.q, far.k)
 
 
 def _check_window_and_forget(q, k, window, log_forget, causal, q_offset) -> None:

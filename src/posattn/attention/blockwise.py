@@ -75,6 +75,7 @@ class _Plan:
     window: int | None = None  # sliding window: query i sees key j only if i - j < window
     forget: bool = False  # the forget term c_q - c_k is added to the logits
     softcap: float | None = None  # the content logits capped as c tanh(s / c) (Gemma 2)
+    far_window: int | None = None  # two-score attention: far.q, far.k score from this distance
 
 
 def blockwise_attention(
@@ -90,14 +91,15 @@ def blockwise_attention(
     window: int | None = None,
     log_forget: jax.Array | None = None,
     softcap: float | None = None,
+    far: masks.Far | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
 ) -> jax.Array:
     """Same contract as `posattn.attention.attention` (which validates the inputs), tiled.
 
     Args:
-      q, k, v, bias, causal, q_offset, kv_lengths, scale, window, log_forget, softcap: as in
-        `posattn.attention.attention`.
+      q, k, v, bias, causal, q_offset, kv_lengths, scale, window, log_forget, softcap, far: as
+        in `posattn.attention.attention`.
       block_q: query tile size (clipped to T).
       block_k: key tile size (clipped to S).
 
@@ -109,7 +111,8 @@ def blockwise_attention(
     G = N // K
     if scale is None:
         scale = 1.0 / math.sqrt(H)
-    # A traced scale (e.g. swept under vmap) is folded into q.
+    # A traced scale (e.g. swept under vmap) is folded into q (and into far.q).
+    q_far = None if far is None else tiles.fold_scale(far.q, scale)[0]
     q, scale = tiles.fold_scale(q, scale)
     tq, tk = min(block_q, T), min(block_k, S)
     nq, nk = -(-T // tq), -(-S // tk)
@@ -148,21 +151,30 @@ def blockwise_attention(
         window=None if window is None else int(window),
         forget=log_forget is not None,
         softcap=None if softcap is None else float(softcap),
+        far_window=None if far is None else int(far.window),
     )
 
-    qt = tiles.group_heads(jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, 0))), K)
-    qt = qt.reshape(B, nq, tq, K, G, H).transpose(1, 0, 3, 4, 2, 5)  # (nq, B, K, G, tq, H)
+    qt = _tile_queries(q, nq, tq, K)  # (nq, B, K, G, tq, H)
     kt = _tile_keys(k, nk, tk)  # (nk, B, K, tk, H)
     vt = _tile_keys(v, nk, tk)  # (nk, B, K, tk, H)
+    qft = kft = None
+    if far is not None:
+        qft, kft = _tile_queries(q_far, nq, tq, K), _tile_keys(far.k, nk, tk)
     cq = ck = None
     if log_forget is not None:
         c = masks.forget_cumsum(log_forget)  # (B, S, N) float32
         c_q = masks.forget_at_queries(c, masks.query_positions(offsets, T))  # (B, T, N)
         cq = _tile_forget(c_q, nq, tq, K)  # (nq, B, K, G, tq)
         ck = _tile_forget(c, nk, tk, K)  # (nk, B, K, G, tk)
-    out = _flash(plan, qt, kt, vt, params, offsets, kv_len, cq, ck)  # (nq, B, K, G, tq, H)
+    out = _flash(plan, qt, kt, vt, params, offsets, kv_len, cq, ck, qft, kft)  # (nq,B,K,G,tq,H)
     out = out.transpose(1, 0, 4, 2, 3, 5).reshape(B, Tp, N, H)  # (B, Tp, N, H)
     return out[:, :T]
+
+
+def _tile_queries(x, nq, tq, K):
+    B, T, N, H = x.shape
+    x = tiles.group_heads(jnp.pad(x, ((0, 0), (0, nq * tq - T), (0, 0), (0, 0))), K)
+    return x.reshape(B, nq, tq, K, N // K, H).transpose(1, 0, 3, 4, 2, 5)  # (nq, B, K, G, tq, H)
 
 
 def _tile_keys(x, nk, tk):
@@ -221,12 +233,22 @@ def _tile_mask(plan, offsets, kv_len, i, j):
     )
 
 
-def _scores(plan, q_i, k_j, bias_t, mask, *, keys_transposed=False):
+def _tile_far(plan, offsets, qft, kft, i, j):
+    """(far q tile, far k tile, near: bool[B or 1, 1, 1, tq, tk]) of tile (i, j) for
+    `tiles.capped_logits`, or None without two-score attention."""
+    if plan.far_window is None:
+        return None
+    q_pos, k_pos = _tile_positions(plan, offsets, i, j)
+    near = masks.within_window(q_pos, k_pos, plan.far_window, causal=plan.causal)
+    return qft[i], kft[j], near[:, None, None]
+
+
+def _scores(plan, q_i, k_j, bias_t, mask, *, keys_transposed=False, far=None):
     """(float32[B, K, G, tq, tk] logits of one tile, hidden keys at -inf; the soft cap's slope
     or None: `tiles.capped_logits`).
 
     k_j is (B, K, tk, H), or (B, K, H, tk) with keys_transposed (the layout the CPU matmul wants,
-    so the forward transposes K once instead of once per tile).
+    so the forward transposes K once instead of once per tile); `far` (`_tile_far`) likewise.
     """
     return tiles.capped_logits(
         "query_major",
@@ -237,6 +259,7 @@ def _scores(plan, q_i, k_j, bias_t, mask, *, keys_transposed=False):
         mask=mask,
         keys_transposed=keys_transposed,
         softcap=plan.softcap,
+        far=far,
     )
 
 
@@ -314,22 +337,26 @@ def _query_tile_end(plan, offsets, j):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(plan, qt, kt, vt, params, offsets, kv_len, cq, ck):
-    return _forward(plan, qt, kt, vt, params, offsets, kv_len, cq, ck)[0]
+def _flash(plan, qt, kt, vt, params, offsets, kv_len, cq, ck, qft, kft):
+    return _forward(plan, qt, kt, vt, params, offsets, kv_len, cq, ck, qft, kft)[0]
 
 
-def _forward(plan, qt, kt, vt, params, offsets, kv_len, cq, ck):
+def _forward(plan, qt, kt, vt, params, offsets, kv_len, cq, ck, qft, kft):
     """Returns out (nq, B, K, G, tq, H) in q's dtype and lse float32 (nq, B, K, G, tq)."""
     _, B, K, G, tq, H = qt.shape
 
     kt_t = jnp.swapaxes(kt, -1, -2)  # (nk, B, K, H, tk)
+    kft_t = None if kft is None else jnp.swapaxes(kft, -1, -2)
 
     def query_tile(i):
         q_i = qt[i]  # (B, K, G, tq, H)
 
         def step(carry, mask, j):
             bias_t = _tile_logit_bias(plan, _tile_bias(plan, params, offsets, i, j), cq, ck, i, j)
-            s, _ = _scores(plan, q_i, kt_t[j], bias_t, mask, keys_transposed=True)  # (B,K,G,tq,tk)
+            far = _tile_far(plan, offsets, qft, kft_t, i, j)
+            s, _ = _scores(
+                plan, q_i, kt_t[j], bias_t, mask, keys_transposed=True, far=far
+            )  # (B, K, G, tq, tk)
             return tiles.online_softmax_step(carry, s, vt[j])
 
         def key_tile(j, carry):
@@ -347,13 +374,14 @@ def _forward(plan, qt, kt, vt, params, offsets, kv_len, cq, ck):
     return jax.lax.map(query_tile, jnp.arange(plan.nq, dtype=jnp.int32))
 
 
-def _flash_fwd(plan, qt, kt, vt, params, offsets, kv_len, cq, ck):
-    out, lse = _forward(plan, qt, kt, vt, params, offsets, kv_len, cq, ck)
-    return out, (qt, kt, vt, params, offsets, kv_len, cq, ck, out, lse)
+def _flash_fwd(plan, qt, kt, vt, params, offsets, kv_len, cq, ck, qft, kft):
+    out, lse = _forward(plan, qt, kt, vt, params, offsets, kv_len, cq, ck, qft, kft)
+    return out, (qt, kt, vt, params, offsets, kv_len, cq, ck, qft, kft, out, lse)
 
 
 def _flash_bwd(plan, res, d_out):
-    qt, kt, vt, params, offsets, kv_len, cq, ck, out, lse = res
+    qt, kt, vt, params, offsets, kv_len, cq, ck, qft, kft, out, lse = res
+    two = plan.far_window is not None  # dq and dk are then (near, far) pairs
     d_out = d_out.astype(qt.dtype)
     delta = tiles.softmax_delta(d_out, out)  # (nq, B, K, G, tq)
     if plan.bias_kind == "fn":  # differentiate the floating-point leaves only
@@ -382,7 +410,9 @@ def _flash_bwd(plan, res, d_out):
                     )
                 case _:
                     bias_t = _tile_bias(plan, params, offsets, i, j)
-            s, slope = _scores(plan, q_i, k_j, _tile_logit_bias(plan, bias_t, cq, ck, i, j), mask)
+            far = _tile_far(plan, offsets, qft, kft, i, j)
+            logit_bias = _tile_logit_bias(plan, bias_t, cq, ck, i, j)
+            s, slope = _scores(plan, q_i, k_j, logit_bias, mask, far=far)
             p = tiles.probabilities_from_lse("query_major", s, lse[i])  # hidden, empty rows: 0
             dq, dk, dv, ds = tiles.tile_grads(
                 "query_major",
@@ -394,7 +424,8 @@ def _flash_bwd(plan, res, d_out):
                 delta=delta[i],
                 scale=plan.scale,
                 cap_slope=slope,
-            )  # ds: (B, K, G, tq, tk)
+                far=far,
+            )  # ds: (B, K, G, tq, tk); dq, dk (near, far) pairs with `far`
             d_forget = tiles.forget_grads(ds) if plan.forget else ((), ())
             d_bias = ()
             if bias_t is not None:
@@ -419,7 +450,9 @@ def _flash_bwd(plan, res, d_out):
                     d_params = [a + b for a, b in zip(d_params, d_bias, strict=True)]
                 case "array":
                     d_params = d_params.at[i, j].set(d_bias)
-            return dq.at[i].add(dq_i), dk_j + dk, dv_j + dv, d_params, dcq, dck_j
+            dq = jax.tree.map(lambda buf, x: buf.at[i].add(x), dq, dq_i)
+            dk_j = jax.tree.map(jnp.add, dk_j, dk)
+            return dq, dk_j, dv_j + dv, d_params, dcq, dck_j
 
         zeros = jnp.zeros(k_j.shape, f32)
         dck_j = jnp.zeros(ck.shape[1:], f32) if plan.forget else ()
@@ -427,20 +460,22 @@ def _flash_bwd(plan, res, d_out):
             _query_tile_start(plan, offsets, j),
             _query_tile_end(plan, offsets, j),
             query_tile,
-            (dq, zeros, zeros, d_params, dcq, dck_j),
+            (dq, (zeros, zeros) if two else zeros, zeros, d_params, dcq, dck_j),
         )
         if plan.forget:
             dck = dck.at[j].set(dck_j)
-        return dq, dk.at[j].set(dk_j), dv.at[j].set(dv_j), d_params, dcq, dck
+        dk = jax.tree.map(lambda buf, x: buf.at[j].set(x), dk, dk_j)
+        return dq, dk, dv.at[j].set(dv_j), d_params, dcq, dck
 
     # The first query tile sees the earliest keys, the last query tile the latest: no key tile
     # outside that range is needed.
     first_key_tile = _key_tile_start(plan, offsets, 0)
     n_key_tiles = _key_tile_end(plan, offsets, kv_len, plan.nq - 1)
     d_forget = (jnp.zeros(cq.shape, f32), jnp.zeros(ck.shape, f32)) if plan.forget else ((), ())
+    dq0, dk0 = jnp.zeros(qt.shape, f32), jnp.zeros(kt.shape, f32)
     init = (
-        jnp.zeros(qt.shape, f32),
-        jnp.zeros(kt.shape, f32),
+        (dq0, dq0) if two else dq0,
+        (dk0, dk0) if two else dk0,
         jnp.zeros(vt.shape, f32),
         d_params,
         *d_forget,
@@ -450,6 +485,7 @@ def _flash_bwd(plan, res, d_out):
         d_params = cotangent(d_params)
     if not plan.forget:
         dcq = dck = None
+    (dq, dqf), (dk, dkf) = (dq, dk) if two else ((dq, None), (dk, None))
     return (
         dq.astype(qt.dtype),
         dk.astype(kt.dtype),
@@ -459,6 +495,8 @@ def _flash_bwd(plan, res, d_out):
         None,
         dcq,
         dck,
+        None if dqf is None else dqf.astype(qft.dtype),
+        None if dkf is None else dkf.astype(kft.dtype),
     )
 
 

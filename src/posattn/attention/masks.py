@@ -13,11 +13,34 @@ with a Forget Gate"): with `c = cumsum(log_forget, axis=1)` in float32, the logi
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 f32 = jnp.float32
+
+
+class Far(NamedTuple):
+    """A second query/key pair for the pairs at distance `window` and beyond: two-score attention.
+
+    The logit of query i and key j is scale * q_i . k_j while i - j < window (|i - j| < window
+    when not causal), and scale * far.q_i . far.k_j from there on; the soft cap, the bias, the
+    forget term and the masks then apply to either alike. Eval-time RoPE position remaps are
+    this: ReRoPE (Su 2023), whose far queries are rotated at position `window` and far keys not
+    at all, and SelfExtend (Jin et al. 2024), whose far queries and keys are rotated at their
+    positions floor-divided by a group size (`posattn.rotary.remap_positions`).
+
+    Attributes:
+      q: float[B, T, N, H], the far queries (the near ones are attention's q).
+      k: float[B, S, K, H], the far keys.
+      window: a static int >= 1, the distance from which a pair scores with q and k here.
+    """
+
+    q: jax.Array
+    k: jax.Array
+    window: int
 
 
 def query_positions(q_offset: jax.Array, T: int) -> jax.Array:
@@ -36,15 +59,21 @@ def visible(q_pos, k_pos, *, causal: bool, kv_lengths, window: int | None = None
     if causal:
         mask = k_pos[None, None, :] <= q_pos[:, :, None]  # (B|1, t, s)
     if window is not None:
-        distance = q_pos[:, :, None] - k_pos[None, None, :]  # (B|1, t, s): i - j
-        near = distance < window
-        if not causal:
-            near = near & (-distance < window)
+        near = within_window(q_pos, k_pos, window, causal=causal)
         mask = near if mask is None else mask & near
     if kv_lengths is not None:
         valid = k_pos[None, None, :] < kv_lengths[:, None, None]  # (B|1, 1, s)
         mask = valid if mask is None else mask & valid
     return mask
+
+
+def within_window(q_pos, k_pos, window: int, *, causal: bool):
+    """bool[B or 1, t, s]: i - j < window (and j - i < window when not causal), i the query
+    positions int[B or 1, t], j the key positions int[s]: a sliding window's visible pairs, and
+    the pairs a two-score attention (`posattn.attention.Far`) scores with its near q and k."""
+    distance = q_pos[:, :, None] - k_pos[None, None, :]  # (B|1, t, s): i - j
+    near = distance < window
+    return near if causal else near & (-distance < window)
 
 
 def visibility_mask(q_pos, S, *, causal, kv_lengths, window=None):

@@ -65,26 +65,29 @@ def batch_axes(q) -> tuple[object, tuple[str, ...]] | None:
     return (mesh, tuple(axes)) if axes else None
 
 
-def over_batch(fn: Callable, q, k, v, *, bias, q_offset, kv_lengths, scale, log_forget=None):
-    """fn(q, k, v, bias, q_offset, kv_lengths, scale, log_forget) -> out, run per device over the
-    batch axes of the ambient mesh (see the module docstring), or directly outside a mesh.
+def over_batch(
+    fn: Callable, q, k, v, *, bias, q_offset, kv_lengths, scale, log_forget=None, far=None
+):
+    """fn(q, k, v, bias, q_offset, kv_lengths, scale, log_forget, far) -> out, run per device over
+    the batch axes of the ambient mesh (see the module docstring), or directly outside a mesh.
 
-    q, k, v, kv_lengths, log_forget and a per-row q_offset are split over the batch; the bias (an
-    array or the parameters of a BiasFn), a scalar q_offset and a traced scale are replicated.
+    q, k, v, kv_lengths, log_forget, far (a (q, k) pair or None) and a per-row q_offset are split
+    over the batch; the bias (an array or the parameters of a BiasFn), a scalar q_offset and a
+    traced scale are replicated.
     """
     found = batch_axes(q)
     if found is None:
-        return fn(q, k, v, bias, q_offset, kv_lengths, scale, log_forget)
+        return fn(q, k, v, bias, q_offset, kv_lengths, scale, log_forget, far)
     mesh, axes = found
     rows = P(axes)
     bias_fn, bias_operand = bias if isinstance(bias, tuple) else (None, bias)
     static_scale = isinstance(scale, (int, float, np.number))
     static_scale_value = scale if static_scale else None
 
-    def body(q, k, v, bias_operand, q_offset, kv_lengths, scale, log_forget):
+    def body(q, k, v, bias_operand, q_offset, kv_lengths, scale, log_forget, far):
         b = bias_operand if bias_fn is None else (bias_fn, bias_operand)
         scale = static_scale_value if static_scale else scale
-        return fn(q, k, v, b, q_offset, kv_lengths, scale, log_forget)
+        return fn(q, k, v, b, q_offset, kv_lengths, scale, log_forget, far)
 
     in_specs = (
         rows,
@@ -95,6 +98,7 @@ def over_batch(fn: Callable, q, k, v, *, bias, q_offset, kv_lengths, scale, log_
         P() if kv_lengths is None else rows,
         P(),
         P() if log_forget is None else rows,
+        P() if far is None else (rows, rows),
     )
     # check_vma=False: the kernels' loops start from replicated zeros that become per-device
     # values; the transpose then sums the cotangents of the replicated operands (the bias
@@ -103,5 +107,13 @@ def over_batch(fn: Callable, q, k, v, *, bias, q_offset, kv_lengths, scale, log_
         body, mesh=mesh, in_specs=in_specs, out_specs=rows, axis_names=set(axes), check_vma=False
     )
     return sharded(
-        q, k, v, bias_operand, q_offset, kv_lengths, None if static_scale else scale, log_forget
+        q,
+        k,
+        v,
+        bias_operand,
+        q_offset,
+        kv_lengths,
+        None if static_scale else scale,
+        log_forget,
+        far,
     )

@@ -13,6 +13,7 @@ from posattn.attention.masks import (
     materialize_logit_bias,
     query_positions,
     visibility_mask,
+    within_window,
 )
 
 
@@ -29,22 +30,28 @@ def reference_attention(
     window=None,
     log_forget=None,
     softcap=None,
+    far=None,
 ):
     """The oracle: every step written out in float32 on the full [B, N, T, S] logits."""
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     G = N // K
     f32 = jnp.float32
-    # Repeat each key/value head for its G query heads: obviously right, costs memory.
-    k_rep = jnp.repeat(k.astype(f32), G, axis=2)  # (B, S, N, H)
     v_rep = jnp.repeat(v.astype(f32), G, axis=2)  # (B, S, N, H)
-    logits = (
-        jnp.einsum("btnh,bsnh->bnts", q.astype(f32), k_rep, precision=jax.lax.Precision.HIGHEST)
-        * scale
-    )  # (B, N, T, S)
+
+    def content(q, k):  # scale q.k, (B, N, T, S)
+        # Repeat each key/value head for its G query heads: obviously right, costs memory.
+        k_rep = jnp.repeat(k.astype(f32), G, axis=2)  # (B, S, N, H)
+        hi = jax.lax.Precision.HIGHEST
+        return jnp.einsum("btnh,bsnh->bnts", q.astype(f32), k_rep, precision=hi) * scale
+
+    q_pos = query_positions(q_offset, T)  # (B or 1, T)
+    logits = content(q, k)
+    if far is not None:  # two-score attention: the far pairs score with far.q and far.k
+        near = within_window(q_pos, jnp.arange(S, dtype=jnp.int32), far.window, causal=causal)
+        logits = jnp.where(near[:, None], logits, content(far.q, far.k))
     if softcap is not None:  # Gemma 2: the content logits capped, before any bias
         logits = softcap * jnp.tanh(logits / softcap)
-    q_pos = query_positions(q_offset, T)  # (B or 1, T)
     c = None if log_forget is None else forget_cumsum(log_forget)  # (B, S, N)
     extra = materialize_logit_bias(bias, c, q_pos, S)  # (B or 1, N, T, S) or None
     if extra is not None:

@@ -12,7 +12,9 @@ Each equation is written once here, for both layouts:
   forward    s = scale q k^T + bias (hidden keys at -inf); the online softmax keeps the running
              row max m, row sum l and unnormalised output acc; out = acc / l. With a soft cap c
              (Gemma 2) the content term scale q k^T becomes c tanh(scale q k^T / c) before the
-             bias is added.
+             bias is added. Two-score attention (`masks.Far`) takes the content term of the
+             pairs past its window from a second pair q_far k_far^T, and splits dS between
+             the two pairs in the backward.
   backward   P = exp(s - m) / l (or exp(s - lse)); dV = P^T dO; dP = dO V^T;
              D = rowsum(dO * O); dS = P * (dP - D); dQ = scale dS K; dK = scale dS^T Q
              (with a soft cap, dS times the cap's slope 1 - tanh^2 in dQ and dK, not the bias's).
@@ -178,12 +180,19 @@ def logits(layout, q, k, *, scale, bias=None, mask=None, keys_transposed=False, 
 
 
 def capped_logits(
-    layout, q, k, *, scale, bias=None, mask=None, keys_transposed=False, softcap=None
+    layout, q, k, *, scale, bias=None, mask=None, keys_transposed=False, softcap=None, far=None
 ):
     """(logits, slope): `logits`, and the derivative of the cap at the content logits,
-    1 - tanh^2(scale q.k / c), or None without a cap."""
+    1 - tanh^2(scale q.k / c), or None without a cap.
+
+    `far`: None, or (q_far, k_far, near) for two-score attention (`masks.Far`): the pairs where
+    the bool `near` (broadcast against the logits) is False score scale q_far.k_far instead
+    (k_far in k's layout, transposed or not)."""
     name = "logits_kt" if keys_transposed else "logits"
     s = _einsum(layout, name, q=q, k=k) * scale
+    if far is not None:
+        q_far, k_far, near = far
+        s = jnp.where(near, s, _einsum(layout, name, q=q_far, k=k_far) * scale)
     slope = None
     if softcap is not None:
         s, slope = cap(s, softcap)
@@ -273,7 +282,7 @@ def forget_grads(ds: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.sum(ds, axis=-1), -jnp.sum(ds, axis=-2)
 
 
-def tile_grads(layout, *, p, q, k, v, d_out, delta, scale, cap_slope=None):
+def tile_grads(layout, *, p, q, k, v, d_out, delta, scale, cap_slope=None, far=None):
     """One tile's (dq, dk, dv, dS) from its probabilities P, all float32. `delta`: D per query
     row, or None when the tile holds whole rows (D is then rowsum(P * dP)). `cap_slope`: the
     soft-cap's derivative at the content logits (`capped_logits`), which dq and dk pass through
@@ -281,6 +290,9 @@ def tile_grads(layout, *, p, q, k, v, d_out, delta, scale, cap_slope=None):
 
     dq is [B, K, G, t, H] in "query_major" and [B, K, H, G, t] in "key_major"; dk, dv
     [B, K, s, H]; dS in the layout of the logits (the bias gradient before any sum).
+
+    `far`: None, or (q_far, k_far, near) as in `capped_logits`; dq and dk are then pairs
+    (near, far): the near pairs' dS reaches q and k, the far pairs' q_far and k_far.
     """
     dv = _einsum(layout, "dv", p=p.astype(d_out.dtype), do=d_out)
     dp = _einsum(layout, "dp", do=d_out, v=v)
@@ -288,6 +300,19 @@ def tile_grads(layout, *, p, q, k, v, d_out, delta, scale, cap_slope=None):
         delta = softmax_delta_from_probs(layout, p, dp)
     ds = logit_grad(layout, p, dp, delta)
     ds_c = (ds if cap_slope is None else ds * cap_slope).astype(q.dtype)
-    dq = scale * _einsum(layout, "dq", ds=ds_c, k=k)
-    dk = scale * _einsum(layout, "dk", ds=ds_c, q=q)
+    if far is None:
+        dq = scale * _einsum(layout, "dq", ds=ds_c, k=k)
+        dk = scale * _einsum(layout, "dk", ds=ds_c, q=q)
+        return dq, dk, dv, ds
+    q_far, k_far, near = far
+    zero = jnp.zeros((), ds_c.dtype)
+    ds_near, ds_far = jnp.where(near, ds_c, zero), jnp.where(near, zero, ds_c)
+    dq = (
+        scale * _einsum(layout, "dq", ds=ds_near, k=k),
+        scale * _einsum(layout, "dq", ds=ds_far, k=k_far),
+    )
+    dk = (
+        scale * _einsum(layout, "dk", ds=ds_near, q=q),
+        scale * _einsum(layout, "dk", ds=ds_far, q=q_far),
+    )
     return dq, dk, dv, ds
