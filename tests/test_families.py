@@ -368,6 +368,7 @@ def test_registry_derives_keys_and_continuous_keys_from_the_settings():
         "rope_layout",
         "rope_partial_factor",
         "rope_proportion",
+        "rope_remap",
         "t5_num_buckets",
         "t5_max_distance",
         "alibi_slope_scale",

@@ -193,20 +193,33 @@ class RopeSettings(Settings):
         "over the whole head, only the int(p H // 2) fastest pairs turn",
         exclusive=True,
     )
+    remap: Any = setting(
+        None,
+        help="None or an eval-time position remap for the pairs at distance >= window: "
+        "{'type': 'rerope', 'window': w} (ReRoPE) or {'type': 'self_extend', 'window': w, "
+        "'group': g} (SelfExtend)",
+        exclusive=True,
+    )
 
     def __post_init__(self):
-        if self.scaling is not None and hasattr(self.scaling, "keys"):
-            items = tuple(
-                sorted(
-                    (k, tuple(v) if isinstance(v, list) else v)  # LongRoPE's factor lists
-                    for k, v in ((k, self.scaling[k]) for k in self.scaling.keys())
+        for name in ("scaling", "remap"):
+            value = getattr(self, name)
+            if value is not None and hasattr(value, "keys"):
+                items = tuple(
+                    sorted(
+                        (k, tuple(v) if isinstance(v, list) else v)  # LongRoPE's factor lists
+                        for k, v in ((k, value[k]) for k in value.keys())
+                    )
                 )
-            )
-            object.__setattr__(self, "scaling", items)
+                object.__setattr__(self, name, items)
 
     @property
     def scaling_dict(self) -> dict[str, Any] | None:
         return None if self.scaling is None else dict(self.scaling)
+
+    @property
+    def remap_dict(self) -> dict[str, Any] | None:
+        return None if self.remap is None else dict(self.remap)
 
     @property
     def rope_parameters(self) -> dict[str, Any] | None:
@@ -221,7 +234,11 @@ class RopeSettings(Settings):
         return params
 
     def to_keys(self) -> dict[str, Any]:
-        return {**super().to_keys(), self._key("scaling"): self.scaling_dict}
+        return {
+            **super().to_keys(),
+            self._key("scaling"): self.scaling_dict,
+            self._key("remap"): self.remap_dict,
+        }
 
     def validate(self, ctx: Context) -> None:
         self._positive_number("base")
@@ -279,6 +296,17 @@ class RopeSettings(Settings):
                 "'factor'); use model.rope_scaling=None or "
                 "{'rope_type': 'proportional', 'factor': s}",
             )
+        if self.remap is not None:
+            try:
+                if not isinstance(self.remap, tuple):
+                    raise ValueError("must be None or a dict")
+                rotary.validate_rope_remap(self.remap_dict)
+            except ValueError as e:
+                raise _invalid(
+                    self._key("remap"),
+                    self.remap_dict if isinstance(self.remap, tuple) else self.remap,
+                    f"{e}",
+                ) from None
         if self.rope_parameters is not None:
             where = f"config.model.{self._key('scaling')}"
             for name in ("partial_factor", "proportion"):

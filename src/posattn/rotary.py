@@ -19,6 +19,9 @@ the rotation is partial).
 - `rope_angles(positions, inv_freq)` the angles, to ~1e-6 rad for |p| < 2^24 (a plain float32
   `p * theta` is off by up to 0.03 rad at p = 1e6); `rope_decay_bound` RoFormer §3.4.3's bound;
   `validate_rope_scaling(scaling, head_dim)` checks a scaling dict once, before any compute.
+- `remap_positions(remap, q_pos, k_pos)`: an eval-time remap's second rotation for the pairs
+  beyond its window (ReRoPE, SelfExtend), scored by two-score attention (`posattn.attention.Far`);
+  `validate_rope_remap(remap)` checks one.
 Formulas, reference functions, pitfalls and the precision measurement: docs/rope.md.
 """
 
@@ -720,3 +723,93 @@ def rope_decay_bound(offsets: jax.Array, inv_freq: jax.Array) -> jax.Array:
         jax.lax.complex(jnp.cos(angles), jnp.sin(angles)), axis=-1
     )  # S_1 .. S_F
     return jnp.mean(jnp.abs(partial_sums), axis=-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Eval-time position remaps: a second rotation for the far pairs (two-score attention).
+# ----------------------------------------------------------------------------------------------
+REMAP_TYPES = ("rerope", "self_extend")
+_REMAP_KEYS = {"rerope": ("window",), "self_extend": ("window", "group")}
+_REMAP_OPTIONAL = ("log_scale_base",)
+
+
+def validate_rope_remap(remap: Mapping | None) -> dict[str, Any] | None:
+    """`remap` as a plain dict, checked; ValueError naming the key and what is allowed.
+
+    A remap keeps RoPE's rotation for the pairs at distance i - j < window and gives the others
+    a second rotation (`remap_positions`), scored by `posattn.attention.Far`:
+
+      {"type": "rerope", "window": w}: ReRoPE (Su 2023, "Rectified Rotary Position Embeddings",
+        github.com/bojone/rerope): every far pair sits at distance w.
+      {"type": "self_extend", "window": w, "group": g}: SelfExtend (Jin et al. 2024, "LLM Maybe
+        LongLM", github.com/datamllab/LongLM): far queries at i // g + w - w / g, far keys at
+        j // g. g must divide w: the reference's prefill shifts by w - w / g and its decode step
+        by w - w // g, which agree only then (and positions stay integers).
+
+    Either may add "log_scale_base": b (an integer >= 2), the log-n query scale both references
+    offer (ReRoPE's patch always, with b its training length; SelfExtend's `scale_base`):
+    queries at position i are multiplied by max(1, log(i + 1) / log b) (`remap_query_scale`).
+    """
+    if remap is None:
+        return None
+    if not isinstance(remap, Mapping):
+        raise ValueError(
+            f"rope remap {remap!r} must be None or a dict such as {{'type': 'rerope', "
+            "'window': 512}} or {'type': 'self_extend', 'window': 1024, 'group': 8}"
+        )
+    kind = remap.get("type")
+    if kind not in REMAP_TYPES:
+        raise ValueError(
+            f"rope remap type {kind!r} is not allowed: use one of {', '.join(REMAP_TYPES)}"
+        )
+    want = {"type", *_REMAP_KEYS[kind]}
+    if not want <= set(remap) <= want | set(_REMAP_OPTIONAL):
+        raise ValueError(
+            f"rope remap {dict(remap)!r}: a {kind!r} remap has the keys "
+            f"{', '.join(sorted(want))}, and optionally {', '.join(_REMAP_OPTIONAL)}"
+        )
+    keys = [key for key in (*_REMAP_KEYS[kind], *_REMAP_OPTIONAL) if key in remap]
+    for key in keys:
+        value, least = remap[key], 2 if key == "log_scale_base" else 1
+        integral = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        if not (integral and value >= least):
+            raise ValueError(f"rope remap {kind!r}: {key}={value!r} must be an integer >= {least}")
+    out = {"type": kind, **{key: int(remap[key]) for key in keys}}
+    if kind == "self_extend" and out["window"] % out["group"]:
+        raise ValueError(
+            f"rope remap 'self_extend': group={out['group']} must divide window={out['window']} "
+            "(the reference shifts far queries by w - w / g in its prefill and by w - w // g "
+            "when decoding; they agree only when g divides w)"
+        )
+    return out
+
+
+def remap_positions(
+    remap: Mapping, q_pos: jax.Array, k_pos: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """(far query positions, far key positions), int32 of q_pos's and k_pos's shapes: where a
+    remap (`validate_rope_remap`) rotates the queries and keys of the pairs at distance
+    i - j >= window.
+
+    ReRoPE rotates far queries to `window` and leaves far keys at 0, so every far pair scores at
+    distance `window`; SelfExtend rotates queries to i // g + w - w / g and keys to j // g, so a
+    far pair's distance is i // g - j // g + w - w / g: the neighbours' window continues into
+    distances shrunk g-fold, and the largest distance at length T is about w + (T - w) / g.
+    """
+    q_pos = jnp.asarray(q_pos, jnp.int32)
+    k_pos = jnp.asarray(k_pos, jnp.int32)
+    w = int(remap["window"])
+    if remap["type"] == "rerope":
+        return jnp.full_like(q_pos, w), jnp.zeros_like(k_pos)
+    g = int(remap["group"])
+    return q_pos // g + (w - w // g), k_pos // g
+
+
+def remap_query_scale(remap: Mapping, q_pos: jax.Array) -> jax.Array | None:
+    """float32 max(1, log(i + 1) / log b) at the query positions (q_pos's shape), the remap's
+    log-n query scale, or None when it has no "log_scale_base" b."""
+    base = remap.get("log_scale_base")
+    if base is None:
+        return None
+    q_pos = jnp.asarray(q_pos, jnp.float32)
+    return jnp.maximum(1.0, jnp.log(q_pos + 1.0) / math.log(base))

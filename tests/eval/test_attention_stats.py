@@ -72,7 +72,13 @@ def test_stats_match_closed_forms(position):
 
 @pytest.mark.parametrize(
     "position, keys",
-    [("rope", {}), ("alibi", dict(model__attn_logit_softcap=0.05))],  # a cap before the bias
+    [
+        ("rope", {}),
+        ("alibi", dict(model__attn_logit_softcap=0.05)),  # a cap before the bias
+        # RoPE remaps: the far pairs (distance >= 5) score with the far rotations
+        ("rope", dict(model__rope_remap={"type": "rerope", "window": 5})),
+        ("rope", dict(model__rope_remap={"type": "self_extend", "window": 6, "group": 3})),
+    ],
 )
 def test_probabilities_reproduce_each_layers_attention(position, keys):
     cfg, graphdef, params, constants = _model(position, model__num_kv_heads=2, **keys)
@@ -83,9 +89,8 @@ def test_probabilities_reproduce_each_layers_attention(position, keys):
     pos = layers.token_positions(0, 24)
     for layer, block in enumerate(model.blocks):
         h = block.attn_norm(x)
-        k, v = block.attn.project_kv(h, pos, seq_len=24)
-        q = block.attn.project_q(h, pos, seq_len=24)
-        want = block.attn.attend(q, k, v, q_offset=0, kv_lengths=None)  # (B, T, D)
+        _, v = block.attn.project_kv(h, pos, seq_len=24)
+        want, _ = block.attn(h)  # (B, T, D): the layer's own attention
         v_rep = jnp.repeat(v, cfg.num_heads // cfg.num_kv_heads, axis=2)  # (B, S, N, H)
         out = jnp.einsum("bnts,bsnh->btnh", probs[layer], v_rep)
         got = layers.dense(out.reshape(2, 24, -1), block.attn.wo[...].reshape(-1, cfg.d_model))

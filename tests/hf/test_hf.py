@@ -607,6 +607,10 @@ def test_a_model_without_a_hugging_face_twin_is_not_saved(tmp_path):
     # Per-layer positions that no architecture writes are refused, not dropped: another RoPE
     # base on one layer, a length temperature, windows a Llama cannot hold.
     llama = hf.from_pretrained(GOLDENS / "llama_gqa").cfg
+    # An eval-time RoPE remap has no transformers setting: refused, not dropped.
+    remapped = llama.replace(rope_remap={"type": "rerope", "window": 4}).validate()
+    with pytest.raises(ValueError, match=r"model.rope_remap=.*transformers has no ReRoPE"):
+        hf.save_pretrained(TransformerLM(remapped, rngs=nnx.Rngs(0)), tmp_path / "r")
     for pattern, named in [
         (("rope", "rope:rope_base=500.0"), "layer 1 has positions of its own"),
         (("rope:attn_scale=0.1",), "layer 0 has positions of its own.*temperature"),

@@ -1,6 +1,6 @@
 """Architecture switches (`model.head_dim`, `norm*`, `mlp`, `activation`, `bias`,
 `parallel_residual`, `post_norms`, `qk_norm`, `query_pre_attn_scalar`, `tie_embeddings`,
-`embed_scale`, `embed_norm`): the defaults are the model
+`embed_scale`, `embed_norm`, and the eval-time `rope_remap`): the defaults are the model
 as it was before the switches existed, and every switch works in training, `scan_layers`,
 `remat` and the KV-cache decode."""
 
@@ -64,6 +64,13 @@ VARIANTS = {
     ),
     "softcap_alibi_scanned": dict(
         position="alibi", attn_logit_softcap=1.5, final_logit_softcap=4.0
+    ),
+    # Eval-time RoPE remaps: keys travel and are cached as projected, rotated twice at each use;
+    # a sliding-window layer with a remap keeps a full cache.
+    "rerope_scanned": dict(num_kv_heads=2, rope_remap={"type": "rerope", "window": 3}),
+    "self_extend_window_layer": dict(
+        rope_remap={"type": "self_extend", "window": 4, "group": 2, "log_scale_base": 3},
+        layer_pattern=("rope:window=6", "rope"),
     ),
     "gated_alibi": dict(
         position="alibi",

@@ -41,6 +41,7 @@ import numpy as np
 from flax import nnx
 
 from posattn import attention as attention_lib
+from posattn.attention import masks
 from posattn.eval import lengths as lengths_lib
 from posattn.nn import layers
 
@@ -55,22 +56,28 @@ __all__ = [
 
 
 def _probabilities(
-    attn: layers.Attention, q: jax.Array, k: jax.Array, start: int = 0, log_forget=None
+    attn: layers.Attention, q: jax.Array, k: jax.Array, start: int = 0, log_forget=None, far=None
 ) -> jax.Array:
     """Reference softmax probabilities float32[B, N, T - start, S] of one layer for the queries
-    q[:, start:] (q at positions 0..T-1; its window and FoX's log f [B, S, N] as the layer's)."""
+    q[:, start:] (q at positions 0..T-1; its window, FoX's log f [B, S, N] and a RoPE remap's
+    far pairs (`attention.Far`) as the layer's)."""
     q = q[:, start:]
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     f32 = jnp.float32
-    k_rep = jnp.repeat(k.astype(f32), N // K, axis=2)  # (B, S, N, H)
-    logits = (
-        jnp.einsum("btnh,bsnh->bnts", q.astype(f32), k_rep, precision=jax.lax.Precision.HIGHEST)
-        * attn.scale
-    )  # (B, N, T, S)
+
+    def content(q, k):  # (B, N, T, S)
+        k_rep = jnp.repeat(k.astype(f32), N // K, axis=2)  # (B, S, N, H)
+        hi = jax.lax.Precision.HIGHEST
+        return jnp.einsum("btnh,bsnh->bnts", q.astype(f32), k_rep, precision=hi) * attn.scale
+
+    logits = content(q, k)
+    q_pos = jnp.arange(start, start + T, dtype=jnp.int32)[None]  # (1, T)
+    if far is not None:  # the pairs at distance >= window score with the far queries and keys
+        near = masks.within_window(q_pos, jnp.arange(S), far.window, causal=attn.causal)
+        logits = jnp.where(near[:, None], logits, content(far.q[:, start:], far.k))
     if attn.softcap is not None:  # Gemma 2's cap on the content logits, before the bias
         logits = attn.softcap * jnp.tanh(logits / attn.softcap)
-    q_pos = jnp.arange(start, start + T, dtype=jnp.int32)[None]  # (1, T)
     if attn.bias is not None:
         logits = logits + attention_lib.materialize_bias(attn.bias(), q_pos, S)
     if log_forget is not None:
@@ -102,10 +109,18 @@ def _per_layer(graphdef, params, constants, tokens, *, start: int, reduce) -> li
             kv = None
         attn = block.attn
         h = block.attn_norm(x)
-        own = attn.project_kv(h, positions, seq_len=T) if attn.owns_kv else kv
-        q = attn._temper(attn.project_q(h, positions, seq_len=T), positions, T)
+        remap = attn.rotary is not None and attn.rotary.remap is not None
+        if attn.owns_kv:  # keys of a remapped layer travel as projected (`Attention.__call__`)
+            own = attn.project_kv(h, positions, seq_len=T, rotate=not remap)
+        else:
+            own = kv
+        q, k, far = attn.project_q(h, positions, seq_len=T, rotate=not remap), own[0], None
+        if remap:
+            q, k, far = attn.remapped(q, k, positions, seq_len=T, kv_len=T)
+        else:
+            q = attn._temper(q, positions, T)
         log_forget = None if attn.forget is None else attn.forget(h)  # (B, T, N)
-        out.append(reduce(_probabilities(attn, q, own[0], start, log_forget)))
+        out.append(reduce(_probabilities(attn, q, k, start, log_forget, far)))
         x, kv = block(x, kv=kv)
     return out
 

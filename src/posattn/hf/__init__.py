@@ -461,6 +461,14 @@ def save_pretrained(model: TransformerLM, path) -> None:
     cfg = model.cfg
     if cfg.scan_layers:
         raise ValueError("save_pretrained takes the per-layer layout (model.scan_layers=False)")
+    remapped = [s for s in cfg.layers if s.family.rotary and s.settings.remap is not None]
+    if remapped:
+        raise ValueError(
+            f"model.rope_remap={remapped[0].settings.remap_dict!r}: transformers has no "
+            "ReRoPE/SelfExtend setting, so the saved model would compute another function; "
+            "save the model without the remap (model.rope_remap=None: the parameters are the "
+            "same) and apply it when reading"
+        )
     model_type = model_type_of(cfg)
     hf = hf_config(cfg, model_type)
     if cfg.activation not in ("silu", "gelu", "gelu_tanh", "relu"):

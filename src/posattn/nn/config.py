@@ -19,7 +19,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from posattn import families
-from posattn.attention import IMPLEMENTATIONS, SOFTCAP_IMPLEMENTATIONS, native
+from posattn.attention import (
+    FAR_IMPLEMENTATIONS,
+    IMPLEMENTATIONS,
+    SOFTCAP_IMPLEMENTATIONS,
+    native,
+)
 from posattn.nn import pattern as pattern_lib
 
 __all__ = ["ConfigError", "ModelConfig", "config_keys", "continuous_keys", "defaults", "describe"]
@@ -298,6 +303,14 @@ class ModelConfig:
                 self.attention_impl,
                 f"soft-capped attention logits (model.attn_logit_softcap="
                 f"{self.attn_logit_softcap}) run in {_listing(SOFTCAP_IMPLEMENTATIONS)} only",
+            )
+        remaps = [s.settings.remap_dict for s in self.layers if getattr(s.settings, "remap", None)]
+        if remaps and self.attention_impl not in FAR_IMPLEMENTATIONS:
+            _fail(
+                "attention_impl",
+                self.attention_impl,
+                f"a RoPE remap (model.rope_remap={remaps[0]!r}) scores its far pairs with a "
+                f"second query/key pair, which {_listing(FAR_IMPLEMENTATIONS)} compute",
             )
         if self.attention_impl == "native":
             if self.head_dim not in native.HEAD_DIMS:

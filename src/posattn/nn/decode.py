@@ -26,7 +26,8 @@ the unwritten rows) give every family its true positions with nothing family-spe
   * Sliding-window layers (`model.layer_pattern` entries with `window=`): a ring buffer of the
     last `window` keys (posattn.nn.window), memory O(window) per layer, when the capacity
     exceeds the window and the layer's position signal depends on `i - j` only; otherwise
-    (FIRE, dynamic NTK, kv_share > 1) a full cache with the window applied by the mask.
+    (FIRE, dynamic NTK, a RoPE remap, kv_share > 1) a full cache with the window applied by the
+    mask.
   * FoX layers: the cache also keeps each key's `log f` [B, S, N] (float32), from which the
     attention core forms the cumulative sums `c_j`; the query reads `c` at its own row.
 
@@ -151,6 +152,8 @@ def _cache_rows(cfg: ModelConfig, spec, capacity: int) -> int:
     relative = spec.family.bias is None or spec.family.bias.relative
     if w is None or w >= capacity or cfg.kv_share != 1 or not relative:
         return capacity
+    if spec.family.rotary and spec.settings.remap is not None:
+        return capacity  # keys cached as projected, rotated at their far positions at each use
     return capacity if _dynamic_scaling(spec) is not None else w
 
 

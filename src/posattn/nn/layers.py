@@ -269,6 +269,8 @@ class Rotary(nnx.Module):
         )
         # Frequencies that follow the current length (dynamic NTK, LongRoPE).
         self.dynamic = rotary.rope_kind(scaling) in rotary.LENGTH_DEPENDENT
+        # An eval-time remap of the far pairs (ReRoPE, SelfExtend), items (hashable) or None.
+        self.remap = settings.remap
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, *, seq_len: jax.Array | int
@@ -422,25 +424,63 @@ class Attention(nnx.Module):
             k = rotary_module(k, positions, seq_len=seq_len)
         return k, v
 
-    def project_q(self, x: jax.Array, positions: jax.Array, *, seq_len, shared=None) -> jax.Array:
+    def project_q(
+        self, x: jax.Array, positions: jax.Array, *, seq_len, rotate: bool = True, shared=None
+    ) -> jax.Array:
+        """Queries of x[B, T, D] at `positions` (rotated for RoPE when `rotate`)."""
         (q,) = self._projections(x, "q")  # (B, T, N, H)
         rotary_module = self._rotary(shared)
-        if rotary_module is not None:
+        if rotary_module is not None and rotate:
             q = rotary_module(q, positions, seq_len=seq_len)
         return q
 
     def project_qkv(
-        self, x: jax.Array, positions: jax.Array, *, seq_len, rotate_keys: bool = True, shared=None
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        *,
+        seq_len,
+        rotate_keys: bool = True,
+        rotate_queries: bool = True,
+        shared=None,
     ):
         """(q, k, v) of x[B, T, D] at `positions`, as `project_q` and `project_kv` give them, by
-        one matrix product (keys rotated for RoPE when `rotate_keys`)."""
+        one matrix product (queries and keys rotated for RoPE when `rotate_queries` and
+        `rotate_keys`)."""
         q, k, v = self._projections(x, "qkv")
         rotary_module = self._rotary(shared)
         if rotary_module is not None:
-            q = rotary_module(q, positions, seq_len=seq_len)
+            if rotate_queries:
+                q = rotary_module(q, positions, seq_len=seq_len)
             if rotate_keys:
                 k = rotary_module(k, positions, seq_len=seq_len)
         return q, k, v
+
+    def remapped(self, q, k, positions, *, seq_len, kv_len, shared=None):
+        """(q, k, far) of a layer whose RoPE has an eval-time remap (ReRoPE, SelfExtend:
+        `rotary.validate_rope_remap`): the projected queries q[B, T, N, H] at `positions` and
+        keys k[B, S, K, H] at 0..S-1, each rotated at its own position (q, k) and at its far
+        position (`posattn.attention.Far`, with the remap's window), the queries scaled by the
+        remap's log-n factor (both references scale q before rotating it) and by the layer's
+        temperature."""
+        rotary_module = self._rotary(shared)
+        remap = dict(rotary_module.remap)
+        k_pos = token_positions(0, k.shape[1])
+        log_n = rotary.remap_query_scale(remap, positions)  # (T,) | (B, T) | None
+        if log_n is not None:
+            q = (q.astype(jnp.float32) * log_n[..., None, None]).astype(q.dtype)
+        far_q_pos, far_k_pos = rotary.remap_positions(remap, positions, k_pos)
+
+        def rotated(x, at):
+            return rotary_module(x, at, seq_len=seq_len)
+
+        far = attention_lib.Far(
+            self._temper(rotated(q, far_q_pos), positions, kv_len),
+            rotated(k, far_k_pos),
+            remap["window"],
+        )
+        q = self._temper(rotated(q, positions), positions, kv_len)
+        return q, rotated(k, k_pos), far
 
     def _temper(self, q, positions, kv_len):
         return q if self.temperature is None else self.temperature(q, positions, kv_len=kv_len)
@@ -455,9 +495,11 @@ class Attention(nnx.Module):
         kv_lengths,
         shared=None,
         log_forget=None,
+        far=None,
     ) -> jax.Array:
         """Attention of q[B, T, N, H] over k, v[B, S, K, H], projected back to [B, T, D]
-        (log_forget: FoX's float32[B, S, N] of the keys)."""
+        (log_forget: FoX's float32[B, S, N] of the keys; far: `posattn.attention.Far`, the
+        queries and keys of an eval-time RoPE remap's far pairs)."""
         bias_module = self._bias(shared)
         bias = bias_module() if bias_module is not None else None
         extra = {} if self.window is None else {"window": self.window}
@@ -465,6 +507,8 @@ class Attention(nnx.Module):
             extra["softcap"] = self.softcap
         if log_forget is not None:
             extra["log_forget"] = log_forget
+        if far is not None:
+            extra["far"] = far
         out = attention_lib.attention(
             q,
             k,
@@ -537,24 +581,37 @@ class Attention(nnx.Module):
         positions = token_positions(q_offset, T)  # (T,) or (B, T)
         kv_len = T if kv_lengths is None else kv_lengths
         seq_len = kv_len if seq_len is None else seq_len
+        rotary_module = self._rotary(shared)
+        # An eval-time remap (ReRoPE, SelfExtend) rotates each query and key twice, at its own
+        # position and at its far position, so keys travel (between layers, in a cache) as
+        # projected and both rotations happen here.
+        remap = None if rotary_module is None else rotary_module.remap
         # A ring's rows are renumbered at every step, so its keys are cached rotated (a layer
-        # whose frequencies follow the length never gets a ring: posattn.nn.decode).
+        # whose frequencies follow the length, or with a remap, never gets a ring:
+        # posattn.nn.decode).
         ring = (
             cache is not None
             and self.owns_kv
             and self.window is not None
             and cache[0].shape[1] == self.window
         )
-        rotate = keys_rotated or ring or cache is None
+        if ring and remap is not None:
+            raise ValueError("a RoPE remap needs a full KV cache, not a sliding window's ring")
+        rotate = (keys_rotated or ring or cache is None) and remap is None
         if self.owns_kv:
             q, *new = self.project_qkv(
-                x, positions, seq_len=seq_len, rotate_keys=rotate, shared=shared
+                x,
+                positions,
+                seq_len=seq_len,
+                rotate_keys=rotate,
+                rotate_queries=remap is None,
+                shared=shared,
             )
             new = tuple(new)
             if self.forget is not None:
                 new = (*new, self.forget(x))  # (k, v, log f [B, T, N])
         else:
-            q = self.project_q(x, positions, seq_len=seq_len, shared=shared)
+            q = self.project_q(x, positions, seq_len=seq_len, rotate=remap is None, shared=shared)
         offset, lengths = q_offset, kv_lengths
         if cache is None:
             read = new if self.owns_kv else kv
@@ -578,13 +635,26 @@ class Attention(nnx.Module):
                 kv = tuple(write_rows(c, n, q_offset) for c, n in zip(cache, new, strict=True))
             read = kv if attend_len is None else tuple(c[:, :attend_len] for c in kv)
         k, v = read[:2]
-        rotary_module = self._rotary(shared)
+        far = None
         if rotary_module is not None and not rotate:  # cached as projected: rotate them now
-            k = rotary_module(k, token_positions(0, k.shape[1]), seq_len=seq_len)
-        q = self._temper(q, positions, kv_len)
+            if remap is not None:
+                q, k, far = self.remapped(
+                    q, k, positions, seq_len=seq_len, kv_len=kv_len, shared=shared
+                )
+            else:
+                k = rotary_module(k, token_positions(0, k.shape[1]), seq_len=seq_len)
+        if far is None:  # (remapped tempers its queries itself)
+            q = self._temper(q, positions, kv_len)
         log_forget = read[2] if self.forget is not None else None
         out = self.attend(
-            q, k, v, q_offset=offset, kv_lengths=lengths, shared=shared, log_forget=log_forget
+            q,
+            k,
+            v,
+            q_offset=offset,
+            kv_lengths=lengths,
+            shared=shared,
+            log_forget=log_forget,
+            far=far,
         )
         return out, kv
 
