@@ -99,7 +99,7 @@ def _row_models(workdir: pathlib.Path, results: dict):
     eval-time RoPE scaling of a RoPE seed and each fine-tune; model_at(T) is the split model the
     row reads at T (None where it cannot read T), or the row is (row, seed, error message)."""
     from flax import nnx
-    from length_extrapolation.settings import entry_dir, rope_scaling_entry
+    from length_extrapolation.settings import entry_dir, rope_row_at
 
     from posattn.eval import lengths as lengths_lib
     from posattn.generate import GenerateError, load_model
@@ -113,10 +113,10 @@ def _row_models(workdir: pathlib.Path, results: dict):
         graph = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(small, rngs=nnx.Rngs(0))))
         return lambda T: (graph if T > L else graphdef, params, constants)
 
-    def scaled(cfg, params, L, kind, options):
+    def scaled(cfg, params, L, entry):
         def at(T):
-            scaling = lengths_lib.rope_scaling_row(kind, train_len=L, eval_len=T, **options)
-            graphdef, constants = lengths_lib.rope_row_model(cfg, scaling, T)
+            scaling, remap = rope_row_at(entry, L, T)
+            graphdef, constants = lengths_lib.rope_row_model(cfg, scaling, T, remap)
             return graphdef, params, constants
 
         return at
@@ -148,8 +148,7 @@ def _row_models(workdir: pathlib.Path, results: dict):
                 if where != sd or not cfg.family.rotary:
                     continue
                 for scaling in scalings:
-                    kind, options = rope_scaling_entry(scaling)
-                    model_at = scaled(cfg, params, L, kind, options)
+                    model_at = scaled(cfg, params, L, scaling)
                     yield f"{entry}+{scaling}", train_seed, cfg, L, corpus, model_at
 
 

@@ -74,7 +74,9 @@ def _groups(fams: dict) -> list[tuple[str, list[str]]]:
     variants = [n for n in fams if _variant(n) is not None]
     if variants:
         bases = [b for b in trained if any(v.split("+")[0] == b for v in variants)]
-        groups.append(("RoPE: eval-time scalings (--) and fine-tunes (-.)", bases + variants))
+        groups.append(
+            ("RoPE: eval-time scalings and remaps (--), fine-tunes (-.)", bases + variants)
+        )
     windows = [n for n in fams if _window(n)]
     if windows:
         bases = [b for b in trained if f"{b}+window" in windows]

@@ -40,7 +40,6 @@ from flax import nnx
 from posattn import config as config_lib
 from posattn import data as data_lib
 from posattn.eval import heldout, intervals, registry, summary, tokenized
-from posattn.eval import lengths as lengths_lib
 from posattn.nn.model import TransformerLM
 
 from . import pretrained_finetune, report, results
@@ -49,10 +48,10 @@ from .rows import ModelKey, Row, build_pretrained_rows, row_model
 from .run import combine, eval_settings_sha, evaluate_row, evaluators_of
 from .settings import (
     check_evaluation,
+    check_rope_row,
     check_window_layers,
     eval_lengths,
     finetune_enabled,
-    rope_scaling_entry,
     window_row_problem,
 )
 from .training import params_sha256, say
@@ -183,15 +182,9 @@ def check_pretrained(config: ml_collections.ConfigDict) -> tuple[ml_collections.
                 f"{cfg.settings.scaling_dict!r}; an eval-time scaling would replace it (set "
                 "config.rope_scalings=())"
             )
-        from posattn import rotary
-
+        impl = resolved.eval.attention_impl
         for entry in config.rope_scalings:
-            kind, options = rope_scaling_entry(entry, _fail)
-            scaling = lengths_lib.rope_scaling_row(kind, train_len=L, eval_len=2 * L, **options)
-            try:
-                rotary.validate_rope_scaling(scaling, cfg.head_dim)
-            except ValueError as err:
-                raise _fail(f"config.rope_scalings entry {entry!r}: {err}") from None
+            check_rope_row(entry, L, lengths, cfg.head_dim, impl, _fail)
     pretrained_finetune.check(resolved, cfg, name, _fail)
     skipped = {}
     for evaluator in registry.names():

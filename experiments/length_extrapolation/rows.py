@@ -47,7 +47,7 @@ from .settings import (
     finetune_enabled,
     finetune_scaling,
     is_rotary,
-    rope_scaling_entry,
+    rope_row_at,
 )
 
 __all__ = ["ModelKey", "Row", "build_pretrained_rows", "build_rows", "row_model"]
@@ -64,9 +64,13 @@ class ModelKey:
     scaling: str
     window: int | None = None
     window_layers: tuple[int, ...] | None = None
+    remap: str = "null"  # an eval-time RoPE remap (JSON; "null": none)
 
     def scaling_dict(self) -> dict[str, Any] | None:
         return json.loads(self.scaling)
+
+    def remap_dict(self) -> dict[str, Any] | None:
+        return json.loads(self.remap)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,16 +116,15 @@ class Row:
     def reads(self, config: ml_collections.ConfigDict, length: int) -> ModelKey:
         """The model this row reads at `length`."""
         L = int(config.data.seq_len)
-        scaling = None
+        scaling = remap = None
         if self.finetune is not None:
             scaling = finetune_scaling(config, self.finetune)
         elif self.scaling is not None:
-            kind, options = rope_scaling_entry(self.scaling)
-            scaling = lengths_lib.rope_scaling_row(kind, train_len=L, eval_len=length, **options)
+            scaling, remap = rope_row_at(self.scaling, L, length)
         window = L if self.window and length > L else None
         layers = (self.window_layers or None) if window else None
-        scaling = json.dumps(scaling, sort_keys=True)
-        return ModelKey(self.entry, self.finetune, scaling, window, layers)
+        scaling, remap = (json.dumps(x, sort_keys=True) for x in (scaling, remap))
+        return ModelKey(self.entry, self.finetune, scaling, window, layers, remap)
 
     def settings(self) -> dict[str, Any]:
         """What identifies the row's numbers besides the code, the text and the parameters."""
@@ -191,7 +194,7 @@ def row_model(cfg, graphdef: nnx.GraphDef, constants: nnx.State, key: ModelKey, 
     if key.window is not None:
         cfg = lengths_lib.windowed(cfg, key.window, key.window_layers)
     if cfg.family.rotary:
-        return lengths_lib.rope_row_model(cfg, key.scaling_dict(), length)
+        return lengths_lib.rope_row_model(cfg, key.scaling_dict(), length, key.remap_dict())
     if key.window is not None:
         graphdef = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(params=0))))
     return graphdef, constants

@@ -1,7 +1,8 @@
 """The experiment's config: its rows' entries parsed and every setting checked before compute.
 
 `families` entries ("fire", "fire:fire_init_c=3.2"), `rope_scalings` entries ("yarn",
-"yarn:beta_fast=16"), `window_rows` (entries of `families` also read under a window of L), the
+"yarn:beta_fast=16", and the remaps "rerope", "self_extend:window_multiple=0.25"),
+`window_rows` (entries of `families` also read under a window of L), the
 `finetune` block and the evaluation sections (`eval`, `passkey`,
 `induction`, `copy`); `check_experiment` validates all of them (the training sections are
 validated by `posattn.config.load_config`). The keys and their defaults: experiments/README.md.
@@ -17,7 +18,7 @@ import ml_collections
 from posattn import config as config_lib
 from posattn import data as data_lib
 from posattn import families, rotary
-from posattn.attention import IMPLEMENTATIONS
+from posattn.attention import FAR_IMPLEMENTATIONS, IMPLEMENTATIONS
 from posattn.data import probes
 from posattn.eval import lengths as lengths_lib
 from posattn.eval import retrieval
@@ -42,12 +43,16 @@ __all__ = [
     "finetune_scaling",
     "induction_gaps",
     "is_rotary",
+    "rope_row_at",
     "rope_scaling_entry",
     "row_stem",
     "window_row_problem",
 ]
 
-ROPE_KINDS = ("linear", "ntk", "dynamic", "yarn")
+# Eval-time RoPE rows: Hugging Face rope_scaling kinds, then position remaps (ReRoPE,
+# SelfExtend: `posattn.eval.lengths.rope_remap_row`).
+REMAP_KINDS = ("rerope", "self_extend")
+ROPE_KINDS = ("linear", "ntk", "dynamic", "yarn", *REMAP_KINDS)
 
 
 def eval_lengths(config: ml_collections.ConfigDict) -> list[int]:
@@ -118,18 +123,20 @@ def check_experiment(config: ml_collections.ConfigDict) -> None:
         data_lib.batch_options(config.data, causal=True, vocab_size=256)
     except data_lib.DataError as err:
         raise fail(str(err)) from None
-    scalings = [rope_scaling_entry(e, fail) for e in config.rope_scalings]
+    for e in config.rope_scalings:
+        rope_scaling_entry(e, fail)
     if len(set(config.rope_scalings)) != len(config.rope_scalings):
         raise fail(f"config.rope_scalings={tuple(config.rope_scalings)!r} repeats an entry")
     L = config.data.seq_len
-    for entry, (kind, options) in zip(config.rope_scalings, scalings, strict=True):
-        try:  # the dict at 2L, as the model will check it
-            rotary.validate_rope_scaling(
-                lengths_lib.rope_scaling_row(kind, train_len=L, eval_len=2 * L, **options),
-                config.model.d_model // config.model.num_heads,
-            )
-        except ValueError as err:
-            raise fail(f"config.rope_scalings entry {entry!r}: {err}") from None
+    for entry in config.rope_scalings:
+        check_rope_row(
+            entry,
+            L,
+            eval_lengths(config),
+            config.model.d_model // config.model.num_heads,
+            config.eval.attention_impl,
+            fail,
+        )
     if config.rope_scalings and not any(is_rotary(e) for e in config.families):
         raise fail(
             "config.rope_scalings needs a RoPE entry in config.families (e.g. 'rope'; the rows "
@@ -236,7 +243,43 @@ ROPE_OPTIONS = {
     "ntk": {},
     "dynamic": {"factor": 2.0},
     "yarn": {"beta_fast": 32.0, "beta_slow": 1.0},
+    # window w = window_multiple x L; group 0: per length, the smallest that keeps the far
+    # distances below L; log_scale 1: queries times max(1, log(i + 1) / log L)
+    "rerope": {"window_multiple": 0.5, "log_scale": 0.0},
+    "self_extend": {"window_multiple": 0.5, "group": 0.0, "log_scale": 0.0},
 }
+
+
+def rope_row_at(entry: str, train_len: int, eval_len: int) -> tuple[dict | None, dict | None]:
+    """(rope_scaling, rope_remap) that an entry of config.rope_scalings reads a model trained at
+    `train_len` with at `eval_len`: a Hugging Face scaling (`rope_scaling_row`) or a remap
+    (`rope_remap_row`), the other None; both None at eval_len <= train_len."""
+    kind, options = rope_scaling_entry(entry)
+    if kind in REMAP_KINDS:
+        remap = lengths_lib.rope_remap_row(kind, train_len=train_len, eval_len=eval_len, **options)
+        return None, remap
+    return lengths_lib.rope_scaling_row(
+        kind, train_len=train_len, eval_len=eval_len, **options
+    ), None
+
+
+def check_rope_row(entry, L, lengths, head_dim, attention_impl, fail=ValueError) -> None:
+    """Checks an entry of config.rope_scalings for a model trained at L and read at `lengths`:
+    its dict at every length past L (at 2L at least), as the model will check it."""
+    kind, _ = rope_scaling_entry(entry, fail)
+    if kind in REMAP_KINDS and attention_impl not in FAR_IMPLEMENTATIONS:
+        raise fail(
+            f"config.rope_scalings entry {entry!r} scores its far pairs with a second query/key "
+            f"pair, which config.eval.attention_impl={attention_impl!r} does not compute; use "
+            f"one of {', '.join(map(repr, FAR_IMPLEMENTATIONS))}"
+        )
+    for T in sorted({2 * L, *(T for T in lengths if T > L)}):
+        try:
+            scaling, remap = rope_row_at(entry, L, T)
+            if scaling is not None:
+                rotary.validate_rope_scaling(scaling, head_dim)
+        except ValueError as err:
+            raise fail(f"config.rope_scalings entry {entry!r} at length {T}: {err}") from None
 
 
 def rope_scaling_entry(entry: str, fail=ValueError) -> tuple[str, dict[str, float]]:

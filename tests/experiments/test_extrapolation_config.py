@@ -162,6 +162,45 @@ def test_rows_are_built_once_for_any_rope_entry():
         experiment.check_experiment(config)
 
 
+def test_remap_rows_read_rerope_and_self_extend_past_L_and_are_checked_before_compute():
+    config = config_lib.load_config(ROOT / "configs" / "extrapolation.py", [])
+    config.families = ("rope",)
+    config.rope_scalings = ("rerope", "self_extend", "self_extend:group=4,log_scale=1")
+    config.finetune.enabled = False
+    experiment.check_experiment(config)
+    rows = experiment.build_rows(config)
+    L = config.data.seq_len  # 64: windows of 32
+    assert [r.name for r in rows] == [
+        "rope",
+        "rope+rerope",
+        "rope+self_extend",
+        "rope+self_extend:group=4,log_scale=1",
+    ]
+    assert rows[1].reads(config, L) == rows[0].reads(config, L)  # the trained model up to L
+    assert rows[1].reads(config, 2 * L).remap_dict() == {"type": "rerope", "window": 32}
+    assert rows[1].reads(config, 2 * L).scaling_dict() is None
+    # SelfExtend's group per length: the smallest divisor g of 32 with
+    # (T - 1) // g + 32 - 32 // g < 64: 4 at 2L (31 + 24), 32 at 16L (31 + 31)
+    groups = [rows[2].reads(config, m * L).remap_dict()["group"] for m in (2, 4, 8, 16)]
+    assert groups == [4, 8, 16, 32]
+    fixed = rows[3].reads(config, 16 * L).remap_dict()
+    assert fixed == {"type": "self_extend", "window": 32, "group": 4, "log_scale_base": 64}
+    for entries, named in [
+        (("rerope:window_multiple=1",), "window of 64 tokens"),
+        (("self_extend:group=3",), "group=3.0 must be a positive integer dividing window 32"),
+        (("self_extend:window_multiple=0.75",), "no SelfExtend group keeps the far distances"),
+        (("rerope:group=2",), "allowed: window_multiple, log_scale"),
+        (("rerope:log_scale=2",), "log_scale=2.0 must be 0"),
+    ]:
+        config.rope_scalings = entries
+        with pytest.raises(config_lib.ConfigError, match=named):
+            experiment.check_experiment(config)
+    config.rope_scalings = ("rerope",)
+    config.eval.attention_impl = "native"
+    with pytest.raises(config_lib.ConfigError, match="second query/key pair"):
+        experiment.check_experiment(config)
+
+
 def _module(tmp_path, body):
     path = tmp_path / "mine.py"
     path.write_text(textwrap.dedent(body))

@@ -46,6 +46,7 @@ __all__ = [
     "max_length",
     "model_config_of",
     "predict",
+    "rope_remap_row",
     "rope_row_model",
     "rope_scaling_row",
     "token_stats",
@@ -271,6 +272,57 @@ def rope_scaling_row(
     }
 
 
+def rope_remap_row(
+    kind: str,
+    *,
+    train_len: int,
+    eval_len: int,
+    window_multiple: float = 0.5,
+    group: float = 0,
+    log_scale: float = 0,
+) -> dict[str, Any] | None:
+    """The eval-time RoPE remap (`rotary.validate_rope_remap`) of kind "rerope" or "self_extend"
+    that reads a model trained at L = `train_len` at T = `eval_len`: None at T <= L (the trained
+    model itself), else the remap with window w = round(window_multiple * L), 1 <= w < L, and
+    for SelfExtend the group g: `group` when it is > 0 (it must divide w), else the smallest
+    divisor of w that keeps every far distance i // g - j // g + w - w / g below L at T (as
+    SelfExtend's authors pick g for the target length). `log_scale` 1 adds the log-n query
+    scale max(1, log(i + 1) / log L) (`log_scale_base` = L). ValueError when no group fits.
+    """
+    if eval_len <= train_len:
+        return None
+    L, T = int(train_len), int(eval_len)
+    w = round(window_multiple * L)
+    if not 1 <= w < L:
+        raise ValueError(
+            f"window_multiple={window_multiple} gives a window of {w} tokens at L = {L}; it "
+            f"must give 1 .. {L - 1} (the near pairs' distances must be trained ones)"
+        )
+    remap: dict[str, Any] = {"type": kind, "window": w}
+    if kind == "self_extend":
+        if group:
+            g = int(group)
+            if g != group or g < 1 or w % g:
+                raise ValueError(f"group={group} must be a positive integer dividing window {w}")
+        else:
+            fits = [g for g in range(1, w + 1) if w % g == 0 and (T - 1) // g + w - w // g < L]
+            if not fits:
+                raise ValueError(
+                    f"no SelfExtend group keeps the far distances below L = {L} at T = {T} "
+                    f"with a window of {w} (the largest, g = {w}, reaches "
+                    f"{(T - 1) // w + w - 1}); use a smaller window_multiple"
+                )
+            g = fits[0]
+        remap["group"] = g
+    elif group:
+        raise ValueError(f"group={group}: a {kind!r} remap has no group")
+    if log_scale not in (0, 1):
+        raise ValueError(f"log_scale={log_scale} must be 0 (off) or 1 (log-n query scale, base L)")
+    if log_scale:
+        remap["log_scale_base"] = L
+    return rotary.validate_rope_remap(remap)
+
+
 def with_rope_scaling(
     cfg: ModelConfig, scaling: Mapping[str, Any] | None
 ) -> tuple[nnx.GraphDef, nnx.State]:
@@ -316,6 +368,7 @@ class TableRotary(nnx.Module):
         self.inv_freq = layers.Constant(jnp.asarray(inv_freq, jnp.float32))
         self.attention_factor = layers.Constant(jnp.asarray(factor, jnp.float32))
         self.layout, self.length = source.layout, int(length)
+        self.remap = source.remap  # an eval-time remap (ReRoPE, SelfExtend) stays in the graph
 
     def __call__(self, x: jax.Array, positions: jax.Array, *, seq_len) -> jax.Array:
         if not isinstance(seq_len, int) or seq_len != self.length:
@@ -347,13 +400,17 @@ def _tabulate(model: TransformerLM, base: ModelConfig, length: int) -> Transform
 
 
 def rope_row_model(
-    cfg: ModelConfig, scaling: Mapping[str, Any] | None, length: int
+    cfg: ModelConfig,
+    scaling: Mapping[str, Any] | None,
+    length: int,
+    remap: Mapping[str, Any] | None = None,
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, constants) that read windows of `length` tokens with the parameters of the RoPE
     model `cfg` under `scaling` (None: its own rope_scaling, if any; a dict replaces it, as in
     `with_rope_scaling`), with one graphdef for every scaling at that length (`TableRotary`): the
     eval-time rows and fine-tunes of one trained model share their compiled programs length by
-    length.
+    length. `remap` (`rope_remap_row`; None: none) adds an eval-time ReRoPE or SelfExtend, which
+    stays in the graph (its attention scores two query/key pairs).
 
     The numbers are those of `with_rope_scaling`: the same frequencies and attention factor, as
     arrays instead of graph constants. `model_config_of` of the result is `cfg` itself.
@@ -363,6 +420,8 @@ def rope_row_model(
     if scaling is not None:
         rotary.validate_rope_scaling(dict(scaling), cfg.head_dim)
     new = cfg if scaling is None else cfg.replace(rope_scaling=dict(scaling))
+    if remap is not None:
+        new = new.replace(rope_remap=rotary.validate_rope_remap(remap))
     length = int(length)
 
     def build():
