@@ -4,6 +4,7 @@
     python experiments/seed_table.py runs/kerple --params           # and the learned positions
     python experiments/seed_table.py runs/nope --heads              # and the heads that copy
     python experiments/seed_table.py runs/t5 --digits               # and the passkey's digits
+    python experiments/seed_table.py runs/remap --length 1024       # at 1024, and the change
 
 `results.json` reports a row's mean over seeds; whether a probe is learned is a property of one
 trained model, so this reads the per-seed evaluations: a run's workdir keeps them in
@@ -17,6 +18,9 @@ training length L, a line per row and seed:
 * passkey: NLL per key digit at each depth (chance ln 10 = 2.30) and the share of keys exact;
 * induction: NLL per letter at the first gap (L / 2 in the default config; chance over letters
   ln 26 = 3.26) ± 1.96 standard errors over the samples.
+
+`--length T` prints the same at the eval length T instead of L (one of the run's lengths), with
+the text's change from L seed by seed.
 
 `--params` also restores each seed's checkpoint (a workdir only: `posattn.generate.load_model`)
 and prints the parameters of its attention biases that hold at most 16 numbers (Kerple's r1 and
@@ -92,27 +96,40 @@ class TableError(ValueError):
     """A file this table reads is not an evaluation; the message names it."""
 
 
-def _first(path: pathlib.Path | None) -> dict | None:
-    """The evaluator's values at the first length (L), or None when there is no file."""
+def _first(path: pathlib.Path | None, length: int | None = None) -> dict | None:
+    """The evaluator's values at `length` (None: the first length, L), or None when there is no
+    file."""
     if path is None:
         return None
     try:
-        return json.loads(path.read_text())["values"][0]
+        found = json.loads(path.read_text())
+        index = 0 if length is None else _index(found["key"]["settings"]["lengths"], length, path)
+        return found["values"][index]
     except (ValueError, KeyError, IndexError, TypeError) as e:
+        if isinstance(e, TableError):
+            raise
         raise TableError(
             f"{path} is not an evaluation written by length_extrapolation.py ({e!r}); "
             "delete it and rerun the experiment's command to evaluate that row again"
         ) from None
 
 
+def _index(lengths: list[int], length: int, where) -> int:
+    if length not in lengths:
+        raise TableError(f"{where} has no evaluation at length {length}; its lengths: {lengths}")
+    return lengths.index(length)
+
+
 def _fmt(x: float | None, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def _results_text(workdir: pathlib.Path) -> tuple[dict[tuple[str, int], float], dict[str, str]]:
-    """((row stem, seed) -> text loss at L from `results.json`'s `loss_seeds`, row stem -> row
-    name), empty without one; a row's evaluation files spell its name as its stem
-    (`row_stem`: "rope@window=32|nope" for the row "rope:window=32|nope")."""
+def _results_text(
+    workdir: pathlib.Path, length: int | None = None
+) -> tuple[dict[tuple[str, int], float], dict[str, str]]:
+    """((row stem, seed) -> text loss at `length` (None: L) from `results.json`'s `loss_seeds`,
+    row stem -> row name), empty without one; a row's evaluation files spell its name as its
+    stem (`row_stem`: "rope@window=32|nope" for the row "rope:window=32|nope")."""
     from length_extrapolation.settings import row_stem
 
     path = workdir / "results.json"
@@ -121,12 +138,12 @@ def _results_text(workdir: pathlib.Path) -> tuple[dict[tuple[str, int], float], 
     try:
         found = json.loads(path.read_text())
         first = int(found["config"]["train"]["seed"])  # the seeds run from train.seed on
-        losses = {
-            (row_stem(row), first + i): loss
-            for row, entry in found["families"].items()
-            for i, loss in enumerate((entry.get("loss_seeds") or [[]])[0] or [])
-            if loss is not None
-        }
+        losses = {}
+        for row, entry in found["families"].items():
+            at = 0 if length is None else _index(entry["eval_len"], length, path)
+            for i, loss in enumerate((entry.get("loss_seeds") or [[]])[at] or []):
+                if loss is not None:
+                    losses[(row_stem(row), first + i)] = loss
         return losses, {row_stem(row): row for row in found["families"]}
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
         raise TableError(
@@ -135,20 +152,36 @@ def _results_text(workdir: pathlib.Path) -> tuple[dict[tuple[str, int], float], 
         ) from None
 
 
-def seed_lines(workdir: pathlib.Path) -> list[str]:
+def seed_lines(workdir: pathlib.Path, length: int | None = None) -> list[str]:
+    """The table's lines at `length` (None: L); with a length, a column of the text's change
+    from L too."""
     from length_extrapolation.report import md_name
 
+    at = "L" if length is None else str(length)
     lines = [
-        "| row | seed | text at L | passkey per digit, by depth | keys exact "
+        f"| row | seed | text at {at} | passkey per digit, by depth | keys exact "
         "| induction per letter |",
         "|---|---:|---:|---|---|---:|",
     ]
-    from_results, names = _results_text(workdir)
-    for (stem, seed), files in sorted(evaluation_files(workdir).items()):
-        loss, pk, ind = (_first(files.get(name)) for name in EVALUATORS)
-        text, row = _fmt(from_results.get((stem, seed)), ".3f"), names.get(stem, stem)
+    if length is not None:
+        lines = [lines[0].replace(" | passkey", " | change from L | passkey", 1)]
+        lines.append("|---|---:|---:|---:|---|---|---:|")
+    from_results, names = _results_text(workdir, length)
+    at_l, _ = _results_text(workdir) if length is not None else ({}, {})
+
+    def text_of(loss, stem, seed, source):
         if loss is not None:
-            text = f"{np.sum(loss['sum']) / np.sum(loss['count']):.3f}"
+            return float(np.sum(loss["sum"]) / np.sum(loss["count"]))
+        return source.get((stem, seed))
+
+    for (stem, seed), files in sorted(evaluation_files(workdir).items()):
+        loss, pk, ind = (_first(files.get(name), length) for name in EVALUATORS)
+        value, row = text_of(loss, stem, seed, from_results), names.get(stem, stem)
+        text = _fmt(value, ".3f")
+        if length is not None:
+            start = text_of(_first(files.get("loss")), stem, seed, at_l)
+            change = None if value is None or start is None else value - start
+            text += f" | {_fmt(change, '+.3f')}"
         pk_loss = " / ".join(_fmt(x) for x in pk["loss"]) if pk else "-"
         pk_acc = " / ".join(_fmt(x) for x in pk["acc"]) if pk else "-"
         ind_cell = "-"
@@ -333,6 +366,12 @@ def main(argv: list[str] | None = None) -> int:
         help="also print each head's previous-token and induction weight (a workdir only)",
     )
     parser.add_argument(
+        "--length",
+        type=int,
+        default=None,
+        help="the eval length to read (default: L), with the text's change from L",
+    )
+    parser.add_argument(
         "--digits",
         action="store_true",
         help="also print where each digit of the passkey at L came from (a workdir only)",
@@ -341,18 +380,19 @@ def main(argv: list[str] | None = None) -> int:
     if not_a_directory(args.workdir):
         return 2
     try:
-        lines = seed_lines(args.workdir)
+        lines = seed_lines(args.workdir, args.length)
     except TableError as e:
         print(e, file=sys.stderr)
         return 2
-    if len(lines) == 2:
+    if len(lines) == 2:  # the header alone
         print(
             f"{args.workdir} holds no per-seed evaluations (<family>/evaluations/*.json): "
             "pass the --workdir of a finished length_extrapolation.py run",
             file=sys.stderr,
         )
         return 2
-    print(f"At L (chance: passkey ln 10 = {LN10:.2f} a digit, induction ln 26 = {LN26:.2f})")
+    at = "L" if args.length is None else f"length {args.length}"
+    print(f"At {at} (chance: passkey ln 10 = {LN10:.2f} a digit, induction ln 26 = {LN26:.2f})")
     print("\n".join(lines))
     if args.params:
         print("\nLearned position parameters (attention biases of at most 16 numbers):")

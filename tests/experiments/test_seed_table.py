@@ -28,6 +28,18 @@ def test_a_committed_record_gives_the_readme_table(seed_table):
     assert "| fire | 2 | 1.602 | 0.01 / 0.01 | 1.00 / 1.00 | 0.33 ± 0.15 |" in lines
 
 
+def test_a_length_reads_that_length_and_the_change_from_L(seed_table, capsys):
+    # experiments/README.md, the remap record: ReRoPE's seed 0 at 16L = 1024, its text from
+    # results.json's loss_seeds, the passkey and induction from the committed evaluations.
+    record = ROOT / "experiments" / "remap_2026-12-05_avx512_cpu"
+    lines = seed_table.seed_lines(record, 1024)
+    assert lines[0].startswith("| row | seed | text at 1024 | change from L | passkey")
+    assert "| rope+rerope | 0 | 1.615 | -0.074 | 1.84 / 2.20 | 0.09 / 0.00 | 2.38 ± 0.29 |" in lines
+    assert "| rope | 1 | 3.064 | +1.373 | 3.53 / 3.42 | 0.00 / 0.00 | 4.26 ± 0.19 |" in lines
+    assert seed_table.main([str(record), "--length", "100"]) == 2
+    assert "no evaluation at length 100" in capsys.readouterr().err
+
+
 def test_a_workdir_gives_every_seed_and_row(seed_table, tmp_path):
     loss = {"sum": [3.0, 1.0], "count": [2, 2]}  # 4 / 4 = 1.000 at L
     _write(tmp_path / "rope" / "evaluations" / "rope.loss.json", [loss, None])

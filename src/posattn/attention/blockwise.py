@@ -34,6 +34,10 @@ to the logits; no [T, S] term is ever formed. The backward returns d c_q = rowsu
 d c_k = -colsum(dS) per tile (dS the logit gradient), and JAX's autodiff of the gather and the
 cumulative sum outside the kernel turns them into d log_forget (a reverse cumulative sum). The
 query-side rowsum is zero in exact arithmetic (c_i shifts a whole row, which softmax ignores).
+
+Two-score attention (`far`, `masks.Far`): each tile computes both content products, q k^T and
+q_far k_far^T, and selects per pair by its distance (`masks.within_window`); the backward splits
+the tile's dS the same way into dq, dk and d q_far, d k_far.
 """
 
 from __future__ import annotations
