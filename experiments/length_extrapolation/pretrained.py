@@ -47,11 +47,13 @@ from . import provenance as prov_lib
 from .rows import ModelKey, Row, build_pretrained_rows, row_model
 from .run import combine, eval_settings_sha, evaluate_row, evaluators_of
 from .settings import (
+    REMAP_KINDS,
     check_evaluation,
     check_rope_row,
     check_window_layers,
     eval_lengths,
     finetune_enabled,
+    rope_scaling_entry,
     window_row_problem,
 )
 from .training import params_sha256, say
@@ -176,11 +178,14 @@ def check_pretrained(config: ml_collections.ConfigDict) -> tuple[ml_collections.
                 f"config.rope_scalings={tuple(config.rope_scalings)!r}: {name} is a "
                 f"{cfg.position!r} model, not RoPE; set config.rope_scalings=()"
             )
-        if cfg.settings.scaling is not None:
+        scalings = [
+            e for e in config.rope_scalings if rope_scaling_entry(e, _fail)[0] not in REMAP_KINDS
+        ]
+        if cfg.settings.scaling is not None and scalings:
             raise _fail(
-                f"config.rope_scalings: {name}'s config.json already has the rope_scaling "
-                f"{cfg.settings.scaling_dict!r}; an eval-time scaling would replace it (set "
-                "config.rope_scalings=())"
+                f"config.rope_scalings {tuple(scalings)!r}: {name}'s config.json already has the "
+                f"rope_scaling {cfg.settings.scaling_dict!r}; an eval-time scaling would replace "
+                f"it (drop them; the remaps {', '.join(REMAP_KINDS)} keep it and may stay)"
             )
         impl = resolved.eval.attention_impl
         for entry in config.rope_scalings:

@@ -157,7 +157,7 @@ def test_a_checkpoint_is_evaluated_per_token_and_per_byte_with_bos(tmp_path, cap
         plain,
         f"--config.data.corpus={text_dir}",
         "--config.pretrained.bos=never",
-        "--config.rope_scalings=()",
+        "--config.rope_scalings=('self_extend',)",
         "--config.eval.attention_windows=0",
     )
     assert experiment.main([*argv, "--config.window_rows=('rope',)"]) == 2
@@ -177,6 +177,19 @@ def test_a_checkpoint_is_evaluated_per_token_and_per_byte_with_bos(tmp_path, cap
     nll, count, _ = _direct(path, tok, text_dir, 16, bos=None, model=windowed)
     np.testing.assert_allclose(fams["tiny-llama+window"]["loss"][1], nll / count, rtol=2e-5)
     assert abs(fams["tiny-llama+window"]["loss"][1] - again["loss"][1]) > 1e-4
+    # The SelfExtend row: the checkpoint itself at L, past L its parameters under the remap of
+    # w = L / 2 = 4 and the group that keeps 16 tokens' far distances below 8 (g = 4).
+    remap = {"type": "self_extend", "window": 4, "group": 4}
+    graphdef = nnx.graphdef(
+        nnx.eval_shape(lambda: TransformerLM(model.cfg.replace(rope_remap=remap), rngs=nnx.Rngs(0)))
+    )
+    extended = fams["tiny-llama+self_extend"]
+    assert extended["loss"][0] == again["loss"][0]
+    nll, count, _ = _direct(
+        path, tok, text_dir, 16, bos=None, model=nnx.merge(graphdef, nnx.state(model))
+    )
+    np.testing.assert_allclose(extended["loss"][1], nll / count, rtol=2e-5)
+    assert abs(extended["loss"][1] - again["loss"][1]) > 1e-4
 
     # A rerun reuses every evaluation.
     capsys.readouterr()
@@ -215,6 +228,25 @@ def test_rope_scalings_of_a_checkpoint_without_rope_are_refused(tmp_path, capsys
     found = json.loads((tmp_path / "run" / "results.json").read_text())
     assert found["pretrained"]["train_len"] == 8 and found["pretrained"]["bos"] == 1
     assert found["families"]["tiny-llama"]["bits_per_byte"][1] is not None
+
+
+def test_a_checkpoint_with_its_own_rope_scaling_takes_remaps_but_no_scaling(tmp_path, capsys):
+    """A Llama 3 checkpoint: an eval-time scaling would replace its llama3 scaling (refused
+    before compute); ReRoPE keeps it, so its row runs."""
+    text_dir = _text_dir(tmp_path)
+    path, _ = _checkpoint(tmp_path, text_dir)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(ROOT / "tests" / "hf" / "goldens" / "rope_llama3" / name, path / name)
+    argv = _args(path, tmp_path / "run", f"--config.data.corpus={text_dir}")
+    argv += ["--config.eval.attention_windows=0"]
+    assert experiment.main([*argv, "--config.rope_scalings=('yarn','rerope')"]) == 2
+    err = capsys.readouterr().err
+    assert "config.rope_scalings ('yarn',)" in err and "already has the rope_scaling" in err
+    assert not (tmp_path / "run").exists()
+    assert experiment.main([*argv, "--config.rope_scalings=('rerope',)"]) == 0
+    fams = json.loads((tmp_path / "run" / "results.json").read_text())["families"]
+    plain, remapped = fams["tiny-llama"]["loss"], fams["tiny-llama+rerope"]["loss"]
+    assert remapped[0] == plain[0] and abs(remapped[1] - plain[1]) > 1e-4
 
 
 def test_bos_rule_and_bos_windows(tmp_path):
