@@ -12,6 +12,13 @@ Run (from the repository root):
     python benchmarks/attention.py --lengths 4096 --repeats 5 --tiles 256x256 512x512  # tile sweep
     python benchmarks/attention.py --window 512 --lengths 8192   # sliding window vs full causal
     python benchmarks/attention.py --window 128 --lengths 1024 --smoke  # a run check only
+    python benchmarks/attention.py --far 512 --lengths 4096     # two-score attention vs one
+
+Far section (--far W): blockwise forward and forward + backward at T = the first --lengths
+value, no bias, causal, with two-score attention (`far=Far(q_far, k_far, W)`, the far pair
+q and k with their head dims reversed) vs without, in the same process, and the ratios; each
+tile computes both content products, so about 2x the products is the expected cost. Then the
+two-score program's compiled memory at T/4, T/2, T and 2T: linear in T like the plain one.
 
 Window section (--window W): blockwise forward + backward at T = the first --lengths value, ALiBi,
 causal, with a sliding window of W vs without (full causal), in the same process, and the ratio;
@@ -54,7 +61,7 @@ import jax.numpy as jnp
 from _machine import cpu_name  # benchmarks/_machine.py, beside this script
 
 from posattn import positions
-from posattn.attention import attention
+from posattn.attention import Far, attention
 from posattn.attention.blockwise import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, blockwise_attention
 
 B, N, H = 1, 8, 64
@@ -89,13 +96,14 @@ def make_bias(name):
 # The programs being compared.
 
 
-def make_fn(impl, bias_name, grad, tiles=(DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K), window=None):
+def make_fn(impl, bias_name, grad, tiles=(DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K), window=None, far=None):
     fn, params, scale = make_bias(bias_name)
 
     def forward(q, k, v, params):
         bias = None if fn is None else (fn, params)
         match impl:
             case "blockwise":
+                two = None if far is None else Far(q[..., ::-1], k[..., ::-1], far)
                 return blockwise_attention(
                     q,
                     k,
@@ -104,6 +112,7 @@ def make_fn(impl, bias_name, grad, tiles=(DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K), win
                     causal=True,
                     scale=scale,
                     window=window,
+                    far=two,
                     block_q=tiles[0],
                     block_k=tiles[1],
                 )
@@ -433,6 +442,33 @@ def run_window(args):
         print(f"| {t} | {xla_bytes(compiled)} | {temp} | {temp / t:.0f} |", flush=True)
 
 
+def run_far(args):
+    """Two-score vs plain blockwise attention, forward and forward + backward, same process;
+    the two-score program's memory vs T."""
+    T, w = args.lengths[0], args.far
+    q, k, v = inputs(T)
+    print(f"| blockwise, T={T}, causal, no bias | fwd ms | fwd+bwd ms |\n|---|---|---|")
+    times = {}
+    for name, far in (("one pair", None), (f"two pairs, far from {w}", w)):
+        row = []
+        for grad in (False, True):
+            f, params = make_fn("blockwise", "none", grad, far=far)
+            compiled = f.lower(q, k, v, params).compile()
+            row.append(best_time(functools.partial(compiled, q, k, v, params), args.repeats))
+        times[name] = row
+        print(f"| {name} | {row[0] * 1e3:.0f} | {row[1] * 1e3:.0f} |", flush=True)
+    one, two = times.values()
+    print(f"\ntwo / one: forward {two[0] / one[0]:.2f}, forward + backward {two[1] / one[1]:.2f}\n")
+    print("| T | two-score fwd+bwd compiled bytes (args + out + temp) | temp | temp / T |")
+    print("|---|---|---|---|")
+    for t in (T // 4, T // 2, T, 2 * T):
+        spec = jax.ShapeDtypeStruct((B, t, N, H), jnp.float32)
+        f, params = make_fn("blockwise", "none", True, far=w)
+        compiled = f.lower(spec, spec, spec, params).compile()
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        print(f"| {t} | {xla_bytes(compiled)} | {temp} | {temp / t:.0f} |", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
@@ -449,6 +485,7 @@ def main():
     parser.add_argument("--crossover", action="store_true")
     parser.add_argument("--tiles", nargs="+", help="sweep blockwise tile sizes, e.g. 512x256")
     parser.add_argument("--window", type=int, help="sliding-window section with this window")
+    parser.add_argument("--far", type=int, help="two-score attention section, far from this")
     parser.add_argument("--smoke", action="store_true", help="one repeat (a quick check)")
     parser.add_argument("--_child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -464,6 +501,8 @@ def main():
         args.repeats = 1
     if args.window:
         return run_window(args)
+    if args.far:
+        return run_far(args)
     if args.crossover:
         return run_crossover(args)
     if args.tiles:
