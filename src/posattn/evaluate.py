@@ -1,7 +1,7 @@
 """Any evaluator on any trained workdir, at any lengths, beside the workdir's own results.
 
     python -m posattn.eval --workdir W [--lengths 64,100,2048] [--evaluators loss,passkey] \
-        [--max_tokens N] [--batch_size B] [--seed S] [--window W]
+        [--max_tokens N] [--batch_size B] [--seed S] [--window W] [--rope_remap DICT]
 
 W is a `posattn.train` workdir (an experiment's `WORKDIR/<entry>/` is one): its `config.json`
 and latest checkpoint are read, the checkpoint restored read-only (nothing is created, cleaned up
@@ -14,7 +14,10 @@ the checkpoint's step, each evaluator's values per length and the loss summarise
 intervals), never over an existing file of other settings; a table of the loss is printed.
 `--window W` reads the trained model with every layer's attention limited to a sliding window of
 W keys (`posattn.eval.lengths.windowed`: a layer's own smaller window is kept), the experiment's
-window rows for any workdir and any W.
+window rows for any workdir and any W. `--rope_remap "{'type': 'rerope', 'window': 32}"` (or a
+SelfExtend dict, `rotary.validate_rope_remap`) reads a RoPE model under that eval-time remap at
+every length (unlike the experiment's remap rows, which read the trained model itself up to L
+and choose SelfExtend's group per length; docs/rope.md, "Position remaps").
 
 An entry point (like `posattn.generate`): it imports `posattn.train`, which restores the
 checkpoint; the evaluators in `posattn.eval` never do (`python -m posattn.eval` runs this module's
@@ -23,13 +26,14 @@ checkpoint; the evaluators in `posattn.eval` never do (`python -m posattn.eval` 
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
 import pathlib
 import sys
 
-from posattn import cli
+from posattn import cli, rotary
 from posattn import config as config_lib
 from posattn import data as data_lib
 from posattn.eval import heldout, intervals, registry, summary
@@ -56,9 +60,32 @@ COMMAND = cli.Command(
             0,
             int,
         ),
+        cli.Flag(
+            "rope_remap",
+            "read a RoPE model under an eval-time remap, a dict such as "
+            "\"{'type': 'rerope', 'window': 32}\" (default: none)",
+            "",
+            metavar="DICT",
+        ),
     ),
     takes_config=False,
 )
+
+
+def _remap(text: str) -> dict | None:
+    """--rope_remap's dict literal, or None when empty."""
+    if not text:
+        return None
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        value = None
+    if not isinstance(value, dict):
+        raise config_lib.ConfigError(
+            f"--rope_remap={text!r} is not a Python dict literal, e.g. "
+            "\"{'type': 'self_extend', 'window': 32, 'group': 8}\""
+        )
+    return value
 
 
 def _ints(text: str) -> list[int]:
@@ -78,6 +105,7 @@ def evaluate_workdir(
     seed: int = 1234,
     bootstrap: int = 1000,
     window: int = 0,
+    rope_remap: dict | None = None,
 ) -> tuple[pathlib.Path, dict]:
     """Evaluates the latest checkpoint of `workdir`; returns (the file written, its content)."""
 
@@ -121,6 +149,16 @@ def evaluate_workdir(
         )
     if window:
         settings["window"] = window  # only when set: earlier files keep their settings hash
+    if rope_remap is not None:
+        try:
+            settings["rope_remap"] = rotary.validate_rope_remap(rope_remap)
+        except ValueError as e:
+            raise config_lib.ConfigError(f"--rope_remap: {e}") from None
+        if not config_lib.validate(config).family.rotary:
+            raise config_lib.ConfigError(
+                f"--rope_remap needs a RoPE model; {workdir} trained model.position="
+                f"{config.model.position!r}"
+            )
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     out = workdir / "eval" / f"{key}.json"
     try:
@@ -140,6 +178,8 @@ def evaluate_workdir(
     cfg, state, step = restored
     if window:
         cfg = lengths_lib.windowed(cfg, window)  # a static setting: the same params read it
+    if rope_remap is not None:  # likewise (its attention runs where it can: "auto")
+        cfg = cfg.replace(rope_remap=settings["rope_remap"], attention_impl="auto")
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(params=0))))
     model = (graphdef, state["params"], state["constants"])
     shared = {"train_len": L, "lengths": lengths, "batch_tokens": batch_size * lengths[-1]}
@@ -190,6 +230,7 @@ def _main(argv: list[str]) -> int:
         seed=args.seed,
         bootstrap=args.bootstrap,
         window=args.window,
+        rope_remap=_remap(args.rope_remap),
     )
     if "loss" in found:
         print("length  loss     95% interval        sliding")

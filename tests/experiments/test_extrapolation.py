@@ -230,6 +230,23 @@ def test_end_to_end_files_schema_new_evaluator_and_rerun_reuses(tmp_path, capsys
     np.testing.assert_allclose(found_w["loss"]["loss"], mean_losses(g_w), rtol=1e-6)
     assert np.all(np.abs(np.subtract(found_w["loss"]["loss"], rope["loss"])) > 1e-4)
     assert eval_cli.main([*argv, "--window", "-1"]) == 2
+    # --rope_remap: ReRoPE with a window of 8 at every length, again what the scoring code gives
+    # for that config; a string that is no dict, or a bad remap, is refused.
+    remap = "{'type': 'rerope', 'window': 8}"
+    assert eval_cli.main([*argv, "--evaluators", "loss", "--rope_remap", remap]) == 0
+    (remapped,) = set((tmp_path / "rope" / "eval").glob("*.json")) - {written, windowed}
+    found_r = json.loads(remapped.read_text())
+    assert found_r["settings"]["rope_remap"] == {"type": "rerope", "window": 8}
+    base = lengths_lib.model_config_of(graphdef, params, constants)
+    cfg_r = base.replace(rope_remap={"type": "rerope", "window": 8}, attention_impl="auto")
+    g_r = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(cfg_r, rngs=nnx.Rngs(0))))
+    np.testing.assert_allclose(found_r["loss"]["loss"], mean_losses(g_r), rtol=1e-6)
+    assert np.all(np.abs(np.subtract(found_r["loss"]["loss"], rope["loss"])) > 1e-4)
+    assert eval_cli.main([*argv, "--rope_remap", "rerope"]) == 2
+    assert eval_cli.main([*argv, "--rope_remap", "{'type': 'rerope'}"]) == 2
+    learned = ["--workdir", str(tmp_path / "learned"), "--rope_remap", remap]
+    assert eval_cli.main(learned) == 2
+    assert "--rope_remap needs a RoPE model" in capsys.readouterr().err
 
 
 def _read(path):
