@@ -119,6 +119,52 @@ SWEEP = Command(
 )
 
 
+# The eval-time RoPE remap flag of `python -m posattn.eval` and `python -m posattn.generate`.
+ROPE_REMAP = Flag(
+    "rope_remap",
+    "read a RoPE model under an eval-time remap (ReRoPE, SelfExtend: docs/rope.md), a dict such "
+    "as \"{'type': 'self_extend', 'window': 1024, 'group': 8}\" (default: none)",
+    "",
+    metavar="DICT",
+)
+
+
+def rope_remap(text: str) -> dict | None:
+    """The value of --rope_remap, checked (`rotary.validate_rope_remap`), or None when empty;
+    UsageError naming the flag otherwise."""
+    import ast
+
+    from posattn import rotary
+
+    if not text:
+        return None
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        value = None
+    if not isinstance(value, dict):
+        raise UsageError(
+            f"--rope_remap={text!r} is not a Python dict literal, e.g. "
+            "\"{'type': 'rerope', 'window': 512}\""
+        )
+    try:
+        return rotary.validate_rope_remap(value)
+    except ValueError as e:
+        raise UsageError(f"--rope_remap: {e}") from None
+
+
+def with_rope_remap(cfg, remap: dict | None, source: str):
+    """`cfg` (a ModelConfig) read under `remap` (None: itself), its attention "auto" (the
+    implementations that score two pairs); UsageError when it is not a RoPE model."""
+    if remap is None:
+        return cfg
+    if not cfg.family.rotary:
+        raise UsageError(
+            f"--rope_remap needs a RoPE model; {source} has model.position={cfg.position!r}"
+        )
+    return cfg.replace(rope_remap=remap, attention_impl="auto").validate()
+
+
 def parse(command: Command, argv: Sequence[str] | None = None) -> types.SimpleNamespace:
     """Reads a command line; prints the help and exits (status 0) on `--help`.
 

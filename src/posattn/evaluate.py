@@ -26,7 +26,6 @@ checkpoint; the evaluators in `posattn.eval` never do (`python -m posattn.eval` 
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import json
 import os
@@ -60,32 +59,10 @@ COMMAND = cli.Command(
             0,
             int,
         ),
-        cli.Flag(
-            "rope_remap",
-            "read a RoPE model under an eval-time remap, a dict such as "
-            "\"{'type': 'rerope', 'window': 32}\" (default: none)",
-            "",
-            metavar="DICT",
-        ),
+        cli.ROPE_REMAP,
     ),
     takes_config=False,
 )
-
-
-def _remap(text: str) -> dict | None:
-    """--rope_remap's dict literal, or None when empty."""
-    if not text:
-        return None
-    try:
-        value = ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        value = None
-    if not isinstance(value, dict):
-        raise config_lib.ConfigError(
-            f"--rope_remap={text!r} is not a Python dict literal, e.g. "
-            "\"{'type': 'self_extend', 'window': 32, 'group': 8}\""
-        )
-    return value
 
 
 def _ints(text: str) -> list[int]:
@@ -154,11 +131,7 @@ def evaluate_workdir(
             settings["rope_remap"] = rotary.validate_rope_remap(rope_remap)
         except ValueError as e:
             raise config_lib.ConfigError(f"--rope_remap: {e}") from None
-        if not config_lib.validate(config).family.rotary:
-            raise config_lib.ConfigError(
-                f"--rope_remap needs a RoPE model; {workdir} trained model.position="
-                f"{config.model.position!r}"
-            )
+        cli.with_rope_remap(config_lib.validate(config), rope_remap, str(workdir))  # before compute
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     out = workdir / "eval" / f"{key}.json"
     try:
@@ -178,8 +151,7 @@ def evaluate_workdir(
     cfg, state, step = restored
     if window:
         cfg = lengths_lib.windowed(cfg, window)  # a static setting: the same params read it
-    if rope_remap is not None:  # likewise (its attention runs where it can: "auto")
-        cfg = cfg.replace(rope_remap=settings["rope_remap"], attention_impl="auto")
+    cfg = cli.with_rope_remap(cfg, settings.get("rope_remap"), str(workdir))  # likewise
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(params=0))))
     model = (graphdef, state["params"], state["constants"])
     shared = {"train_len": L, "lengths": lengths, "batch_tokens": batch_size * lengths[-1]}
@@ -230,7 +202,7 @@ def _main(argv: list[str]) -> int:
         seed=args.seed,
         bootstrap=args.bootstrap,
         window=args.window,
-        rope_remap=_remap(args.rope_remap),
+        rope_remap=cli.rope_remap(args.rope_remap),
     )
     if "loss" in found:
         print("length  loss     95% interval        sliding")

@@ -3,6 +3,7 @@
     python -m posattn.generate --workdir DIR --prompt TEXT [--max_new_tokens N] [--temperature T]
         [--top_k K] [--seed S] [--no_cache] [--dynamic_ntk exact|rerotate|hf]
     python -m posattn.generate --hf PATH --prompt TEXT ...   (a Hugging Face checkpoint)
+    ... --rope_remap "{'type': 'self_extend', 'window': 1024, 'group': 8}"   (past its length)
 
 Loads `DIR/config.json` and the newest checkpoint that restores cleanly, encodes the prompt as
 UTF-8 bytes (the byte-level corpora's vocabulary), and prints the prompt followed by its
@@ -108,6 +109,7 @@ COMMAND = cli.Command(
             choices=decode.DYNAMIC_NTK_MODES,
             metavar="MODE",
         ),
+        cli.ROPE_REMAP,
     ),
     takes_config=False,
 )
@@ -124,12 +126,16 @@ def _main(argv: list[str]) -> int:
     args = cli.parse(COMMAND, argv)
     if bool(args.workdir) == bool(args.hf):
         raise GenerateError("give exactly one of --workdir DIR and --hf PATH")
+    remap = cli.rope_remap(args.rope_remap)
     tokenizer = None
     if args.hf:
         cfg, graphdef, params, constants, tokenizer = load_hf(args.hf)
         step = "hf"
     else:
         cfg, graphdef, params, constants, step = load_model(args.workdir)
+    if remap is not None:  # a static setting: the same parameters read it
+        cfg = cli.with_rope_remap(cfg, remap, args.hf or args.workdir)
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(0))))
     if tokenizer is not None:
         prompt = np.asarray(tokenizer.encode(args.prompt).ids, np.int32)
     elif cfg.vocab_size != BYTE_VOCAB:
@@ -160,9 +166,10 @@ def _main(argv: list[str]) -> int:
     else:
         text = bytes(tokens[0].astype(np.uint8).tolist()).decode("utf-8", errors="replace")
         print(args.prompt + text)
+    under = "" if remap is None else f" under the RoPE remap {remap}"
     print(
-        f"posattn.generate: {cfg.position} step {step}, {tokens.shape[1]} tokens in {seconds:.2f}s "
-        f"(compile included; cache {'off' if args.no_cache else 'on'})",
+        f"posattn.generate: {cfg.position} step {step}{under}, {tokens.shape[1]} tokens in "
+        f"{seconds:.2f}s (compile included; cache {'off' if args.no_cache else 'on'})",
         file=sys.stderr,
     )
     return 0

@@ -259,6 +259,23 @@ def test_command_line_greedy_text_is_the_same_with_and_without_cache(workdir, ca
     )  # past both lengths
 
 
+def test_command_line_rope_remap_reads_the_model_under_it_with_and_without_cache(workdir, capsys):
+    """--rope_remap: SelfExtend on the workdir's RoPE (dynamic NTK, keys shared across layers):
+    the cached greedy text is the full forward's; a bad dict is refused by name."""
+    argv = ["--workdir", str(workdir), "--prompt", "def main():", "--max_new_tokens", "30"]
+    argv += ["--rope_remap", "{'type': 'self_extend', 'window': 8, 'group': 4}"]
+    assert generate.main(argv) == 0
+    cached = capsys.readouterr()
+    assert "step 7 under the RoPE remap {'type': 'self_extend', 'window': 8, 'group': 4}" in (
+        cached.err
+    )
+    assert generate.main(argv + ["--no_cache"]) == 0
+    assert capsys.readouterr().out == cached.out and cached.out.startswith("def main():")
+    bad = ["--workdir", str(workdir), "--prompt", "x", "--rope_remap", "{'type': 'rerope'}"]
+    assert generate.main(bad) == 2
+    assert "--rope_remap: rope remap {'type': 'rerope'}" in capsys.readouterr().err
+
+
 def test_command_line_errors_name_the_fix(tmp_path, capsys):
     assert generate.main(["--workdir", str(tmp_path), "--prompt", "x"]) == 2
     assert "config.json" in capsys.readouterr().err
