@@ -4,12 +4,15 @@ against `lengths.forward_compiler_options()` (one library call per matrix produc
 against the attention implementation the config asks for.
 
     python benchmarks/eval_forward.py [--families alibi rope] [--rounds 3] [--impls auto chunked]
+    python benchmarks/eval_forward.py --families rope --impls native auto blockwise \
+        --rope_remap "{'type': 'rerope', 'window': 32}"   # a remap row's forward, beside RoPE's
 
 Per family and length of the length-extrapolation config (`configs/extrapolation.py`: L = 64,
 lengths L..16L): an untrained model (cost does not depend on the weights), batches of
 `eval.batch_size * 16 * L` tokens (the experiment's), compile time of the first call and the best
 of `--rounds` calls after it, and the ratio default / ours. Name the CPU beside the numbers (the
-first line prints it).
+first line prints it). With `--rope_remap DICT` each implementation of a RoPE family also runs
+under that eval-time remap (rows `<impl> + remap`; "native" refuses a remap and is skipped).
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posattn import cli
 from posattn import config as config_lib
+from posattn.attention import FAR_IMPLEMENTATIONS
 from posattn.eval import lengths as lengths_lib
 from posattn.train import steps
 
@@ -46,17 +51,24 @@ def main(argv=None) -> int:
     parser.add_argument("--families", nargs="+", default=["alibi", "rope"])
     parser.add_argument("--impls", nargs="+", default=["auto"], help="model.attention_impl")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rope_remap", default="", help="also under this remap (a dict)")
     args = parser.parse_args(argv)
+    remap = cli.rope_remap(args.rope_remap)
     print(f"# {cpu_name()}; jax {jax.__version__} ({jax.default_backend()})")
     print(
         "\n| family | attention | T | compile ms: default / ours | run ms: default / ours | "
         "run default / ours |\n|---|---|---|---|---|---|"
     )
     for family in args.families:
-        for impl in args.impls:
+        variants = [(impl, None) for impl in args.impls]
+        if remap is not None and family == "rope":
+            variants += [(impl, remap) for impl in args.impls if impl in FAR_IMPLEMENTATIONS]
+        for impl, rope_remap in variants:
             config = _config()
             config.model.position = family
             config.model.attention_impl = impl
+            config.model.rope_remap = rope_remap
+            label = impl if rope_remap is None else f"{impl} + remap"
             L = int(config.data.seq_len)
             graphdef, params, constants = steps.init_model(
                 config_lib.model_config(config), jax.random.key(0)
@@ -85,7 +97,7 @@ def main(argv=None) -> int:
                         cell[2] = min(cell[2], (time.perf_counter() - start) * 1e3)
                 (c0, _, r0), (c1, _, r1) = row
                 print(
-                    f"| {family} | {impl} | {T} | {c0:.0f} / {c1:.0f} | {r0:.1f} / {r1:.1f} | "
+                    f"| {family} | {label} | {T} | {c0:.0f} / {c1:.0f} | {r0:.1f} / {r1:.1f} | "
                     f"{r0 / r1:.2f}x |",
                     flush=True,
                 )

@@ -3,10 +3,11 @@ causal) score scale q_far.k_far, the others scale q.k; the soft cap, bias, forge
 then apply to either.
 
 The oracle (`attention_cases.oracle_attention(far=)`) selects between the two dense logit
-matrices from that definition, sharing no code with `posattn.attention`; "reference" and
-"blockwise" (small tiles, so that tiles hold near and far pairs, wholly near or wholly far ones)
-match its output and every gradient (q, k, v, far.q, far.k, the bias parameters, log_forget) over
-masking and window cases. The other implementations refuse `far` by name.
+matrices from that definition, sharing no code with `posattn.attention`; "reference", "chunked"
+(one batch row per chunk, causal query tiles of 16) and "blockwise" (small tiles, so that tiles
+hold near and far pairs, wholly near or wholly far ones) match its output and every gradient (q,
+k, v, far.q, far.k, the bias parameters, log_forget) over masking and window cases. The other
+implementations refuse `far` by name.
 """
 
 import jax
@@ -24,7 +25,8 @@ from attention_cases import (
     window_case,
 )
 
-from posattn.attention import FAR_IMPLEMENTATIONS, Far, attention
+from posattn import attention as attn_lib
+from posattn.attention import FAR_IMPLEMENTATIONS, Far, attention, chunked
 from posattn.attention.blockwise import blockwise_attention
 
 POINTS = [
@@ -81,7 +83,11 @@ def _value_and_grads(impl, q, k, v, d_out, q_far, k_far, w, bias, **kw):
 
 
 @pytest.mark.parametrize("bias_kind, case, w", POINTS)
-def test_reference_and_blockwise_match_the_oracle_and_its_gradients(bias_kind, case, w):
+def test_every_implementation_that_takes_it_matches_the_oracle_and_its_gradients(
+    bias_kind, case, w, monkeypatch
+):
+    monkeypatch.setattr(chunked, "CHUNK_LOGITS", 1)  # chunked: one batch row per chunk
+    monkeypatch.setattr(chunked, "TILE_Q", 16)  # chunked: causal query tiles of 16
     (q, k, v, d_out), bias, kw = _case(bias_kind, case)
     q_far, k_far = _far_inputs(q, k)
     want = _value_and_grads("oracle", q, k, v, d_out, q_far, k_far, w, bias, **dict(kw))
@@ -89,7 +95,7 @@ def test_reference_and_blockwise_match_the_oracle_and_its_gradients(bias_kind, c
     plain = oracle_attention(q, k, v, bias=bias, **kw)
     assert np.max(np.abs(np.asarray(want[0]) - np.asarray(plain))) > 0.05
     assert np.max(np.abs(np.asarray(want[1][4]))) > 0.05  # d far.q
-    for impl in ("reference", "blockwise", "auto"):
+    for impl in ("reference", "chunked", "blockwise", "auto"):
         got = _value_and_grads(impl, q, k, v, d_out, q_far, k_far, w, bias, **dict(kw))
         _assert_close(got, want, rtol=1e-5, atol=1e-5, name=f"{impl} ")
 
@@ -99,7 +105,7 @@ def test_with_a_soft_cap():
     q_far, k_far = _far_inputs(q, k)
     far = Far(q_far, k_far, 6)
     want = oracle_attention(q, k, v, bias=bias, far=(q_far, k_far, 6), softcap=1.5, **kw)
-    for impl in ("reference", "blockwise"):
+    for impl in ("reference", "chunked", "blockwise"):
         got = attention(q, k, v, bias=bias, far=far, softcap=1.5, implementation=impl, **kw)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=impl)
 
@@ -108,7 +114,7 @@ def test_equal_pairs_or_a_window_past_every_distance_are_plain_attention():
     (q, k, v, _), bias, kw = _case("alibi", "causal_gqa")
     plain = attention(q, k, v, bias=bias, implementation="reference", **kw)
     T = q.shape[1]
-    for impl in ("reference", "blockwise"):
+    for impl in ("reference", "chunked", "blockwise"):
         same = attention(q, k, v, bias=bias, far=Far(q, k, 3), implementation=impl, **kw)
         np.testing.assert_allclose(same, plain, atol=2e-6, err_msg=impl)
         q_far, k_far = _far_inputs(q, k)
@@ -137,7 +143,7 @@ def test_the_selection_by_hand():
     p = np.exp(s - s.max())
     p /= p.sum()
     want = p @ np.arange(8.0).reshape(4, 2)
-    for impl in ("reference", "blockwise"):
+    for impl in ("reference", "chunked", "blockwise"):
         got = attention(
             q,
             k,
@@ -151,7 +157,7 @@ def test_the_selection_by_hand():
         np.testing.assert_allclose(got[0, 0, 0], want, rtol=1e-6, err_msg=impl)
 
 
-@pytest.mark.parametrize("impl", ["xla", "chunked", "native", "cudnn", "pallas"])
+@pytest.mark.parametrize("impl", ["xla", "native", "cudnn", "pallas"])
 def test_implementations_without_it_refuse_it_by_name(impl):
     (q, k, v, _), _, _ = _case("none", "causal_gqa")
     assert impl not in FAR_IMPLEMENTATIONS
@@ -176,3 +182,12 @@ def test_a_bad_far_is_refused(far, match):
         far = Far(q if far.q is None else far.q, k if far.k is None else far.k, far.window)
     with pytest.raises(ValueError, match=match):
         attention(q, k, v, causal=True, far=far)
+
+
+def test_auto_takes_chunked_or_blockwise_by_size_on_every_backend():
+    small = jax.ShapeDtypeStruct((2, 64, 4, 16), jnp.float32)
+    long = jax.ShapeDtypeStruct((1, 2048, 4, 16), jnp.float32)
+    pick = attn_lib.choose_implementation
+    for backend in ("cpu", "gpu", "tpu"):
+        assert pick(small, small, None, causal=True, backend=backend, far=True) == "chunked"
+        assert pick(long, long, None, causal=True, backend=backend, far=True) == "blockwise"

@@ -151,8 +151,8 @@ def attention(
         scale * far.q_i.far.k_j from there on (far.q [B, T, N, H], far.k [B, S, K, H]); the
         soft cap, bias, forget term and masks apply to either, and gradients reach both pairs.
         Eval-time RoPE remaps (ReRoPE, SelfExtend: `posattn.rotary.remap_positions`) are this.
-        "reference" and "blockwise" compute it (FAR_IMPLEMENTATIONS); "auto" takes
-        "blockwise".
+        "reference", "chunked" and "blockwise" compute it (FAR_IMPLEMENTATIONS); "auto" takes
+        "chunked" or "blockwise" by size.
       implementation: one of IMPLEMENTATIONS.
 
     Returns:
@@ -219,8 +219,6 @@ def _dispatch(
     far_window=None,
 ):
     """One implementation on (the local rows of) q, k, v."""
-    if far_qk is not None and implementation == "auto":
-        implementation = "blockwise"  # the one tiled implementation that scores two pairs
     if implementation == "auto":
         per_row = jnp.ndim(q_offset) == 1 or kv_lengths is not None
         implementation = choose_implementation(
@@ -233,6 +231,7 @@ def _dispatch(
             window=window,
             log_forget=log_forget,
             softcap=softcap,
+            far=far_qk is not None,
         )
     kwargs = dict(
         bias=bias,
@@ -308,6 +307,7 @@ def choose_implementation(
     window: int | None = None,
     log_forget: Any = None,
     softcap: float | None = None,
+    far: bool = False,
 ) -> str:
     """The rule behind implementation="auto", per backend; logs its choice once per input kind.
 
@@ -344,6 +344,9 @@ def choose_implementation(
     elsewhere "pallas" where it takes the inputs, else "chunked" or "blockwise" by the CPU rule's
     sizes (cuDNN takes no cap).
 
+    Two-score attention (`far`): "chunked" or "blockwise" by the CPU rule's sizes on every
+    backend, the implementations that score two query/key pairs (FAR_IMPLEMENTATIONS).
+
     q, k: arrays or shape/dtype structs (the rows one device sees); log_forget an array, a
     shape/dtype struct or None. Pass `implementation=` to `attention` to override.
     """
@@ -370,7 +373,9 @@ def choose_implementation(
             log_forget=log_forget,
         )
 
-    if backend == "cpu":
+    if far:
+        pass  # "chunked" or "blockwise", by the sizes above
+    elif backend == "cpu":
         materialised = _native_materialised(
             B, N, T, S, bias, per_row, causal, static_offset, window, log_forget
         )
@@ -411,11 +416,11 @@ def choose_implementation(
             choice = "cudnn" if cudnn_ok and bias_size <= AUTO_CUDNN_MAX_BIAS else "blockwise"
     forget = log_forget is not None
     key = (backend, q.shape, k.shape, str(q.dtype), _bias_kind(bias), per_row, causal)
-    key += (window, forget, softcap)
+    key += (window, forget, softcap, far)
     if key not in _logged_choices:
         _logged_choices.add(key)
         _log.info(
-            "attention(implementation='auto') on %s: q %s, k %s, %s, bias %s%s%s%s%s -> %r",
+            "attention(implementation='auto') on %s: q %s, k %s, %s, bias %s%s%s%s%s%s -> %r",
             backend,
             q.shape,
             k.shape,
@@ -425,6 +430,7 @@ def choose_implementation(
             "" if window is None else f", window {window}",
             ", forget gates" if forget else "",
             "" if softcap is None else f", soft cap {softcap}",
+            ", two-score (far=)" if far else "",
             choice,
         )
     return choice
@@ -476,7 +482,7 @@ def _check_softcap(softcap, implementation: str) -> float | None:
 
 
 # The implementations that compute two-score attention (`far`).
-FAR_IMPLEMENTATIONS = ("auto", "reference", "blockwise")
+FAR_IMPLEMENTATIONS = ("auto", "reference", "chunked", "blockwise")
 
 
 def _check_far(q, k, far, implementation: str):

@@ -66,6 +66,8 @@ class _Plan:
     # (first query, end query, first key, end key) of each query tile
     tiles: tuple[tuple[int, int, int, int], ...]
     softcap: float | None = None  # the content logits capped as c tanh(s / c) (Gemma 2)
+    far: bool = False  # two-score attention: far pairs score with a second query/key pair
+    per_row_near: bool = False  # its near mask has one slice per batch row (per-row offsets)
 
 
 def attention_from_bias(
@@ -82,6 +84,7 @@ def attention_from_bias(
     window=None,
     log_forget=None,
     softcap=None,
+    far=None,
 ) -> jax.Array:
     """`chunked_attention` on the bias materialised [B or 1, N, T, S] with -inf at hidden keys:
     the contract of `posattn.attention.attention`.
@@ -89,7 +92,8 @@ def attention_from_bias(
     `static_offset`: q_offset as a Python int when it is one (the causal tiles are then static).
     The window joins the mask; the forget term c_i - c_j (c = cumsum(log_forget) in float32) joins
     the materialised bias, one slice per batch row, and JAX differentiates the cumulative sum and
-    the gather outside the kernel from the bias gradient.
+    the gather outside the kernel from the bias gradient. Two-score attention (`far`,
+    `masks.Far`) passes its pair and the near pairs' mask [B or 1, T, S] (`masks.within_window`).
     """
     logit_bias, bias_grad = masks.masked_logit_bias(
         bias,
@@ -101,6 +105,11 @@ def attention_from_bias(
         kv_lengths=kv_lengths,
         window=window,
     )
+    pair = None
+    if far is not None:
+        q_pos = masks.query_positions(q_offset, q.shape[1])  # (B|1, T)
+        k_pos = jnp.arange(k.shape[1], dtype=jnp.int32)
+        pair = (far.q, far.k, masks.within_window(q_pos, k_pos, far.window, causal=causal))
     return chunked_attention(
         q,
         k,
@@ -111,6 +120,7 @@ def attention_from_bias(
         causal_offset=static_offset if causal else None,
         window=window if causal else None,
         softcap=softcap,
+        far=pair,
     )
 
 
@@ -127,6 +137,7 @@ def chunked_attention(
     tile_q: int | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    far: tuple | None = None,
 ) -> jax.Array:
     """softmax(scale q k^T + logit_bias) v, chunked over the batch (with `softcap` c:
     softmax(c tanh(scale q k^T / c) + logit_bias) v).
@@ -150,6 +161,8 @@ def chunked_attention(
       window: with `causal_offset`, a causal sliding window w that `logit_bias` already applies
         (keys j <= i - w hidden): query tiles then also skip the keys below their window.
       softcap: None, or a static c > 0 capping the content logits (Gemma 2's soft-capping).
+      far: None, or (q_far [B, T, N, H], k_far [B, S, K, H], near bool[B or 1, T, S]): two-score
+        attention, the pairs where `near` is False scoring scale q_far k_far^T.
 
     Returns:
       float[B, T, N, H] in q's dtype.
@@ -157,6 +170,11 @@ def chunked_attention(
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     G = N // K
+    pair = None
+    if far is not None:
+        q_far, k_far, near = far
+        near = jnp.asarray(near, bool)[:, None, None]  # (B|1, 1, 1, T, S)
+        pair = (tiles.group_heads(tiles.fold_scale(q_far, scale)[0], K), k_far, near)
     q, scale = tiles.fold_scale(q, scale)
     chunk_logits = CHUNK_LOGITS if chunk_logits is None else chunk_logits
     rows = max(1, min(B, MAX_CHUNK_ROWS, chunk_logits // max(N * T * S, 1)))
@@ -174,8 +192,10 @@ def chunked_attention(
         bias_grad=bool(bias_grad) and bias is not None,
         tiles=_query_tiles(T, S, causal_offset, TILE_Q if tile_q is None else tile_q, window),
         softcap=None if softcap is None else float(softcap),
+        far=pair is not None,
+        per_row_near=pair is not None and pair[2].shape[0] != 1,
     )
-    out = _attend(plan, tiles.group_heads(q, K), k, v, bias)  # (B, T, K, G, H)
+    out = _attend(plan, tiles.group_heads(q, K), k, v, bias, pair)  # (B, T, K, G, H)
     return tiles.ungroup_heads(out)
 
 
@@ -210,12 +230,34 @@ def _merge(x):
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
+def _pair_xs(plan, pair):
+    """The scanned inputs of two-score attention: far q and k split per chunk, and the near mask
+    split when it is per row (None otherwise: `pair`'s own, shared)."""
+    if pair is None:
+        return None
+    q_far, k_far, near = pair
+    return (
+        _split(plan, q_far),
+        _split(plan, k_far),
+        _split(plan, near) if plan.per_row_near else None,
+    )
+
+
+def _pair_of_chunk(plan, pair, pair_c):
+    """(far q (R, K, G, T, H), far k (R, K, S, H), near (R|1, 1, 1, T, S)) of one chunk."""
+    if pair is None:
+        return None
+    q_far, k_far, near_c = pair_c
+    q_far, k_far, _ = _head_major(q_far, k_far, k_far)
+    return q_far, k_far, near_c if plan.per_row_near else pair[2]
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(plan, q, k, v, bias):
-    return _forward(plan, q, k, v, bias)[0]
+def _attend(plan, q, k, v, bias, pair):
+    return _forward(plan, q, k, v, bias, pair)[0]
 
 
-def _forward(plan, q, k, v, bias):
+def _forward(plan, q, k, v, bias, pair=None):
     """out (B, T, K, G, H) in q's dtype, and the row max m and 1 / row sum, float32 (B, K, G, T).
 
     The backward recomputes P = exp(s - m) / l from these rather than exp(s - lse): it then
@@ -223,24 +265,28 @@ def _forward(plan, q, k, v, bias):
     constant bias shift (zero in exact arithmetic) at the reference's float32 noise level.
     """
 
-    def tile(q_c, k_c, v_c, b):
-        s = tiles.logits(
-            "query_major", q_c, k_c, scale=plan.scale, bias=b, softcap=plan.softcap
+    def tile(q_c, k_c, v_c, b, far):
+        s, _ = tiles.capped_logits(
+            "query_major", q_c, k_c, scale=plan.scale, bias=b, softcap=plan.softcap, far=far
         )  # (R, K, G, t, s)
         state = tiles.softmax_init(s.shape[:-1], v_c.shape[-1])
         state = tiles.online_softmax_step(state, s, v_c)  # the whole row is one key tile
         return tiles.softmax_finish(state, q_c.dtype)  # out, guarded m, 1 / l
 
     def chunk(_, xs):
-        q_c, k_c, v_c, bias_c = xs  # (R, T, K, G, H), (R, S, K, H) x2, (R, K|1, G|1, T, S) or None
+        q_c, k_c, v_c, bias_c, pair_c = xs  # (R, T, K, G, H), (R, S, K, H) x2, (R, K|1, G|1, T, S)
         q_c, k_c, v_c = _head_major(q_c, k_c, v_c)
         b = bias_c if plan.per_row_bias else bias
+        two = _pair_of_chunk(plan, pair, pair_c)
         outs = [
             tile(
                 q_c[:, :, :, a:e],
                 k_c[:, :, st:end],
                 v_c[:, :, st:end],
                 None if b is None else b[..., a:e, st:end],
+                None
+                if two is None
+                else (two[0][:, :, :, a:e], two[1][:, :, st:end], two[2][..., a:e, st:end]),
             )
             for a, e, st, end in plan.tiles
         ]
@@ -252,26 +298,30 @@ def _forward(plan, q, k, v, bias):
         _split(plan, k),
         _split(plan, v),
         _split(plan, bias) if plan.per_row_bias else None,
+        _pair_xs(plan, pair),
     )
     _, (out, m, inv_l) = jax.lax.scan(chunk, None, xs)
     return _merge(out), _merge(m), _merge(inv_l)
 
 
-def _attend_fwd(plan, q, k, v, bias):
-    out, m, inv_l = _forward(plan, q, k, v, bias)
-    return out, (q, k, v, bias, m, inv_l)
+def _attend_fwd(plan, q, k, v, bias, pair):
+    out, m, inv_l = _forward(plan, q, k, v, bias, pair)
+    return out, (q, k, v, bias, pair, m, inv_l)
 
 
 def _attend_bwd(plan, res, d_out):
-    q, k, v, bias, m, inv_l = res
+    q, k, v, bias, pair, m, inv_l = res
     d_out = d_out.astype(q.dtype)
     # Transposed logits [S, G*T] per (row, key head); see the module docstring.
     bias_t = None if bias is None else jnp.moveaxis(bias, -1, 2)  # (B|1, K|1, S, G|1, T)
+    # Two-score attention: the near mask in the same transposed layout, (B|1, 1, S, 1, T).
+    pair_t = None if pair is None else (*pair[:2], jnp.moveaxis(pair[2], -1, 2))
 
-    def tile(q_c, k_c, v_c, do_c, m_c, inv_l_c, b):
-        """One query tile's dq (R, K, H, G, t), dk, dv (R, K, s, H) and dS^T (R, K, s, G, t)."""
+    def tile(q_c, k_c, v_c, do_c, m_c, inv_l_c, b, far):
+        """One query tile's dq (R, K, H, G, t), dk, dv (R, K, s, H) and dS^T (R, K, s, G, t);
+        with `far`, dq and dk are (near, far) pairs (`tiles.tile_grads`)."""
         s_t, slope = tiles.capped_logits(
-            "key_major", q_c, k_c, scale=plan.scale, bias=b, softcap=plan.softcap
+            "key_major", q_c, k_c, scale=plan.scale, bias=b, softcap=plan.softcap, far=far
         )  # (R, K, s, G, t)
         p_t = tiles.probabilities("key_major", s_t, m_c, inv_l_c)  # hidden keys: 0
         return tiles.tile_grads(
@@ -284,15 +334,18 @@ def _attend_bwd(plan, res, d_out):
             delta=None,
             scale=plan.scale,
             cap_slope=slope,
+            far=far,
         )
 
     def chunk(d_bias, xs):
-        q_c, k_c, v_c, do_c, m_c, inv_l_c, bias_c = xs
+        q_c, k_c, v_c, do_c, m_c, inv_l_c, bias_c, pair_c = xs
         q_c, k_c, v_c = _head_major(q_c, k_c, v_c)
         do_c = do_c.transpose(0, 2, 3, 1, 4)  # (R, K, G, T, H)
         b = bias_c if plan.per_row_bias else bias_t
+        two = _pair_of_chunk(plan, pair_t, pair_c)
         R, K, S, H = k_c.shape
-        dk = dv = jnp.zeros((R, K, S, H), f32)
+        zeros = jnp.zeros((R, K, S, H), f32)
+        dk, dv = ((zeros, zeros) if plan.far else zeros), zeros
         dq, ds_rows = [], None
         if plan.bias_grad and plan.per_row_bias:
             ds_rows = jnp.zeros(bias_c.shape, f32)
@@ -305,24 +358,38 @@ def _attend_bwd(plan, res, d_out):
                 m_c[..., a:e],
                 inv_l_c[..., a:e],
                 None if b is None else b[:, :, st:end, :, a:e],
+                None
+                if two is None
+                else (two[0][:, :, :, a:e], two[1][:, :, st:end], two[2][:, :, st:end, :, a:e]),
             )
             dq.append(dq_t)
-            dk, dv = dk.at[:, :, st:end].add(dk_i), dv.at[:, :, st:end].add(dv_i)
+            dk = jax.tree.map(
+                lambda acc, x, keys=slice(st, end): acc.at[:, :, keys].add(x), dk, dk_i
+            )
+            dv = dv.at[:, :, st:end].add(dv_i)
             if ds_rows is not None:
                 ds_rows = ds_rows.at[:, :, st:end, :, a:e].set(tiles.sum_to(ds_t, bias_c.shape))
             elif plan.bias_grad:
                 for r in range(plan.rows):  # unrolled: see the module docstring
                     d_bias = d_bias.at[:, st:end, :, a:e].add(tiles.sum_to(ds_t[r], d_bias.shape))
-        dq = jnp.concatenate(dq, axis=-1).transpose(0, 4, 1, 3, 2)  # (R, T, K, G, H)
-        dk, dv = dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3)  # (R, S, K, H)
-        return d_bias, (dq, dk, dv, ds_rows)
+        dq = jax.tree.map(  # (R, T, K, G, H)
+            lambda *parts: jnp.concatenate(parts, axis=-1).transpose(0, 4, 1, 3, 2), *dq
+        )
+        dk = jax.tree.map(lambda x: x.transpose(0, 2, 1, 3), dk)  # (R, S, K, H)
+        return d_bias, (dq, dk, dv.transpose(0, 2, 1, 3), ds_rows)
 
     per_row = plan.per_row_bias
     xs = tuple(_split(plan, x) for x in (q, k, v, d_out, m, inv_l)) + (
         _split(plan, bias_t) if per_row else None,
+        _pair_xs(plan, pair_t),
     )
     init = jnp.zeros(bias_t.shape[1:], f32) if plan.bias_grad and not per_row else None
     d_bias, (dq, dk, dv, ds_rows) = jax.lax.scan(chunk, init, xs)
+    d_pair = None
+    if plan.far:
+        (dq, dq_far), (dk, dk_far) = dq, dk
+        q_far, k_far, _ = pair
+        d_pair = (_merge(dq_far).astype(q_far.dtype), _merge(dk_far).astype(k_far.dtype), None)
     if bias is None:
         d_bias = None
     elif not plan.bias_grad:
@@ -335,6 +402,7 @@ def _attend_bwd(plan, res, d_out):
         _merge(dk).astype(k.dtype),
         _merge(dv).astype(v.dtype),
         d_bias,
+        d_pair,
     )
 
 
