@@ -432,11 +432,16 @@ def run_window(args):
         f"\nwindow / full causal = {windowed / full:.3f} (goal <= 0.25; tiles visited "
         f"{sum(spans)} / {causal_tiles} = {sum(spans) / causal_tiles:.3f})\n"
     )
-    print("| T | windowed fwd+bwd compiled bytes (args + out + temp) | temp | temp / T |")
+    memory_table("windowed", T, lambda: make_fn("blockwise", "alibi", True, window=w))
+
+
+def memory_table(name, T, make):
+    """The compiled memory of the forward + backward program `make()` at T/4, T/2, T and 2T."""
+    print(f"| T | {name} fwd+bwd compiled bytes (args + out + temp) | temp | temp / T |")
     print("|---|---|---|---|")
     for t in (T // 4, T // 2, T, 2 * T):
         spec = jax.ShapeDtypeStruct((B, t, N, H), jnp.float32)
-        f, params = make_fn("blockwise", "alibi", True, window=w)
+        f, params = make()
         compiled = f.lower(spec, spec, spec, params).compile()
         temp = compiled.memory_analysis().temp_size_in_bytes
         print(f"| {t} | {xla_bytes(compiled)} | {temp} | {temp / t:.0f} |", flush=True)
@@ -459,14 +464,7 @@ def run_far(args):
         print(f"| {name} | {row[0] * 1e3:.0f} | {row[1] * 1e3:.0f} |", flush=True)
     one, two = times.values()
     print(f"\ntwo / one: forward {two[0] / one[0]:.2f}, forward + backward {two[1] / one[1]:.2f}\n")
-    print("| T | two-score fwd+bwd compiled bytes (args + out + temp) | temp | temp / T |")
-    print("|---|---|---|---|")
-    for t in (T // 4, T // 2, T, 2 * T):
-        spec = jax.ShapeDtypeStruct((B, t, N, H), jnp.float32)
-        f, params = make_fn("blockwise", "none", True, far=w)
-        compiled = f.lower(spec, spec, spec, params).compile()
-        temp = compiled.memory_analysis().temp_size_in_bytes
-        print(f"| {t} | {xla_bytes(compiled)} | {temp} | {temp / t:.0f} |", flush=True)
+    memory_table("two-score", T, lambda: make_fn("blockwise", "none", True, far=w))
 
 
 def main():
