@@ -1,7 +1,8 @@
 """Eval-time RoPE remaps (ReRoPE, SelfExtend) against their reference code, transcribed.
 
 The transcriptions below follow, step by step and in float64 numpy, the attention of
-github.com/bojone/rerope (`rerope_patch.py`, `forward_with_rerope`) and of
+github.com/bojone/rerope (`rerope_patch.py`, `forward_with_rerope`; `leaky_rerope_patch.py`,
+`forward_with_leaky_rerope`) and of
 github.com/datamllab/LongLM (`self_extend_patch/Llama.py`: `self_extend_forward` for a prompt,
 `flash_self_extend_forward`'s decode step for one new token), with Hugging Face's `rotate_half`
 rotation: the near and far logit matrices, their selection by the references' own masks, and
@@ -22,9 +23,10 @@ B, T, N, K, H = 2, 40, 4, 2, 8
 BASE = 10000.0
 
 
-def _rot(x, pos, sign=1.0):
-    """HF: x * cos + rotate_half(x) * sign * sin at float positions pos (x [B, N, T, H])."""
-    inv_freq = 1.0 / BASE ** (np.arange(0, H, 2) / H)
+def _rot(x, pos, sign=1.0, scaling=1.0):
+    """HF: x * cos + rotate_half(x) * sign * sin at float positions pos (x [B, N, T, H]), the
+    frequencies divided by `scaling` (HF's LlamaLinearScalingRotaryEmbedding)."""
+    inv_freq = 1.0 / BASE ** (np.arange(0, H, 2) / H) / scaling
     freqs = np.asarray(pos, np.float64)[..., None] * inv_freq  # (T, H/2)
     emb = np.concatenate([freqs, freqs], -1)
     half = np.concatenate([-x[..., H // 2 :], x[..., : H // 2]], -1)
@@ -73,6 +75,38 @@ def rerope_decode(q, k, v, window, training_length=None):
     return _softmax_out(q @ np.swapaxes(k, -1, -2) / np.sqrt(H), _repeat_kv(v))
 
 
+def leaky_rerope_prompt(q, k, v, window, leak, training_length=None):
+    """`forward_with_leaky_rerope`, q_len > 1 (scaling_factor = leak)."""
+    pos = np.arange(q.shape[2])
+    if training_length:
+        q = q * np.clip(np.log(pos + 1) / np.log(training_length), 1, None)[:, None]
+    offset = window * (leak - 1)
+    q1, k1 = _rot(q, pos), _rot(k, pos)
+    q2 = _rot(q, pos + offset, scaling=leak)
+    k2 = _rot(k, pos, scaling=leak)
+    k1, k2, v = _repeat_kv(k1), _repeat_kv(k2), _repeat_kv(v)
+    w1 = q1 @ np.swapaxes(k1, -1, -2) / np.sqrt(H)
+    w2 = q2 @ np.swapaxes(k2, -1, -2) / np.sqrt(H)
+    rectified = np.abs(pos[:, None] - pos[None]) < window
+    return _softmax_out(_causal(np.where(rectified, w1, w2)), v)
+
+
+def leaky_rerope_decode(q, k, v, window, leak, training_length=None):
+    """`forward_with_leaky_rerope`, q_len == 1: keys rotated back by the relative position p
+    from the table cat(cos[:window], cos2[window + offset:]), i.e. p at the plain frequencies
+    below the window and p + offset at the frequencies / leak from it on."""
+    S = k.shape[2]
+    pos = np.arange(S)
+    if training_length:
+        q = q * max(1.0, np.log(S) / np.log(training_length))
+    rel = pos[-1] - pos
+    offset = window * (leak - 1)
+    near = _rot(k, rel, sign=-1.0)
+    far = _rot(k, rel + offset, sign=-1.0, scaling=leak)
+    k = _repeat_kv(np.where((rel < window)[:, None], near, far))
+    return _softmax_out(q @ np.swapaxes(k, -1, -2) / np.sqrt(H), _repeat_kv(v))
+
+
 def self_extend_prompt(q, k, v, group, window, scale_base=-1):
     """`self_extend_forward`, q_len == kv_seq_len."""
     t = q.shape[2]
@@ -117,8 +151,12 @@ def posattn_remap(q, k, v, remap, *, q_offset=0, implementation="reference"):
     if scale is not None:
         q = q * scale[:, None, None]
     far_q, far_k = rotary.remap_positions(remap, q_pos, k_pos)
-    rope = lambda x, p: rotary.apply_rope(x, p, inv_freq, layout="half")  # noqa: E731
-    far = Far(rope(q, far_q), rope(k, far_k), remap["window"])
+    scale = rotary.remap_frequency_scale(remap)
+
+    def rope(x, p, scale=1.0):
+        return rotary.apply_rope(x, p, inv_freq * scale, layout="half")
+
+    far = Far(rope(q, far_q, scale), rope(k, far_k, scale), remap["window"])
     return attention(
         rope(q, q_pos),
         rope(k, k_pos),
@@ -149,6 +187,18 @@ CASES = [
         rerope_prompt,
         rerope_decode,
         lambda r: (r["window"], r["log_scale_base"]),
+    ),
+    (
+        {"type": "rerope", "window": 6, "leak": 4},
+        leaky_rerope_prompt,
+        leaky_rerope_decode,
+        lambda r: (r["window"], r["leak"]),
+    ),
+    (
+        {"type": "rerope", "window": 9, "leak": 16, "log_scale_base": 16},
+        leaky_rerope_prompt,
+        leaky_rerope_decode,
+        lambda r: (r["window"], r["leak"], r["log_scale_base"]),
     ),
     (
         {"type": "self_extend", "window": 8, "group": 4},
@@ -201,6 +251,13 @@ def test_positions_by_hand():
     scale = rotary.remap_query_scale({"type": "rerope", "window": 5, "log_scale_base": 4}, q_pos)
     np.testing.assert_allclose(scale, np.maximum(1, np.log(np.arange(12) + 1) / np.log(4)))
     assert rotary.remap_query_scale({"type": "rerope", "window": 5}, q_pos) is None
+    # Leaky ReRoPE: far queries at i + w (k - 1), keys at j, frequencies / k: far pair (11, 0)
+    # at w + (11 - w) / k = 5 + 6 / 3 = 7
+    leaky = {"type": "rerope", "window": 5, "leak": 3}
+    fq, fk = rotary.remap_positions(leaky, q_pos, k_pos)
+    assert fq.tolist() == [i + 10 for i in range(12)] and fk.tolist() == list(range(12))
+    assert rotary.remap_frequency_scale(leaky) * int(fq[11] - fk[0]) == 7
+    assert rotary.remap_frequency_scale({"type": "rerope", "window": 5}) == 1.0
 
 
 def test_self_extend_with_group_one_and_rerope_past_every_distance_are_plain_rope():
@@ -220,6 +277,8 @@ def test_self_extend_with_group_one_and_rerope_past_every_distance_are_plain_rop
         ({"type": "rerope", "window": 4.0}, "window=4.0 must be an integer >= 1"),
         ({"type": "self_extend", "window": 6, "group": 4}, "group=4 must divide window=6"),
         ({"type": "rerope", "window": 4, "log_scale_base": 1}, "must be an integer >= 2"),
+        ({"type": "rerope", "window": 4, "leak": 1}, "leak=1 must be an integer >= 2"),
+        ({"type": "self_extend", "window": 4, "group": 2, "leak": 2}, "optionally log_scale"),
         ("rerope", "must be None or a dict"),
     ],
 )

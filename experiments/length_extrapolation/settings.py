@@ -243,9 +243,10 @@ ROPE_OPTIONS = {
     "ntk": {},
     "dynamic": {"factor": 2.0},
     "yarn": {"beta_fast": 32.0, "beta_slow": 1.0},
-    # window w = window_multiple x L; group 0: per length, the smallest that keeps the far
-    # distances below L; log_scale 1: queries times max(1, log(i + 1) / log L)
-    "rerope": {"window_multiple": 0.5, "log_scale": 0.0},
+    # window w = window_multiple x L; leak k >= 2: Leaky ReRoPE (0: ReRoPE); group 0: per
+    # length, the smallest that keeps the far distances below L; log_scale 1: queries times
+    # max(1, log(i + 1) / log L)
+    "rerope": {"window_multiple": 0.5, "leak": 0.0, "log_scale": 0.0},
     "self_extend": {"window_multiple": 0.5, "group": 0.0, "log_scale": 0.0},
 }
 

@@ -730,7 +730,8 @@ def rope_decay_bound(offsets: jax.Array, inv_freq: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------------------------
 REMAP_TYPES = ("rerope", "self_extend")
 _REMAP_KEYS = {"rerope": ("window",), "self_extend": ("window", "group")}
-_REMAP_OPTIONAL = ("log_scale_base",)
+_REMAP_OPTIONAL = {"rerope": ("leak", "log_scale_base"), "self_extend": ("log_scale_base",)}
+_REMAP_LEAST = {"log_scale_base": 2, "leak": 2}  # the smallest value of each key (else 1)
 
 
 def validate_rope_remap(remap: Mapping | None) -> dict[str, Any] | None:
@@ -740,7 +741,10 @@ def validate_rope_remap(remap: Mapping | None) -> dict[str, Any] | None:
     a second rotation (`remap_positions`), scored by `posattn.attention.Far`:
 
       {"type": "rerope", "window": w}: ReRoPE (Su 2023, "Rectified Rotary Position Embeddings",
-        github.com/bojone/rerope): every far pair sits at distance w.
+        github.com/bojone/rerope): every far pair sits at distance w. With "leak": k (an
+        integer >= 2), Leaky ReRoPE (the same repository's `leaky_rerope_patch.py`): far pairs
+        at distance w + (i - j - w) / k, the far queries rotated to i + w (k - 1) and the far
+        keys to j, both with the frequencies divided by k (`remap_frequency_scale`).
       {"type": "self_extend", "window": w, "group": g}: SelfExtend (Jin et al. 2024, "LLM Maybe
         LongLM", github.com/datamllab/LongLM): far queries at i // g + w - w / g, far keys at
         j // g. g must divide w: the reference's prefill shifts by w - w / g and its decode step
@@ -762,15 +766,15 @@ def validate_rope_remap(remap: Mapping | None) -> dict[str, Any] | None:
         raise ValueError(
             f"rope remap type {kind!r} is not allowed: use one of {', '.join(REMAP_TYPES)}"
         )
-    want = {"type", *_REMAP_KEYS[kind]}
-    if not want <= set(remap) <= want | set(_REMAP_OPTIONAL):
+    want, optional = {"type", *_REMAP_KEYS[kind]}, _REMAP_OPTIONAL[kind]
+    if not want <= set(remap) <= want | set(optional):
         raise ValueError(
             f"rope remap {dict(remap)!r}: a {kind!r} remap has the keys "
-            f"{', '.join(sorted(want))}, and optionally {', '.join(_REMAP_OPTIONAL)}"
+            f"{', '.join(sorted(want))}, and optionally {', '.join(optional)}"
         )
-    keys = [key for key in (*_REMAP_KEYS[kind], *_REMAP_OPTIONAL) if key in remap]
+    keys = [key for key in (*_REMAP_KEYS[kind], *optional) if key in remap]
     for key in keys:
-        value, least = remap[key], 2 if key == "log_scale_base" else 1
+        value, least = remap[key], _REMAP_LEAST.get(key, 1)
         integral = isinstance(value, numbers.Integral) and not isinstance(value, bool)
         if not (integral and value >= least):
             raise ValueError(f"rope remap {kind!r}: {key}={value!r} must be an integer >= {least}")
@@ -792,17 +796,28 @@ def remap_positions(
     i - j >= window.
 
     ReRoPE rotates far queries to `window` and leaves far keys at 0, so every far pair scores at
-    distance `window`; SelfExtend rotates queries to i // g + w - w / g and keys to j // g, so a
-    far pair's distance is i // g - j // g + w - w / g: the neighbours' window continues into
-    distances shrunk g-fold, and the largest distance at length T is about w + (T - w) / g.
+    distance `window`; Leaky ReRoPE rotates them to i + w (k - 1) and j at frequencies / k
+    (`remap_frequency_scale`), a distance of w + (i - j - w) / k; SelfExtend rotates queries to
+    i // g + w - w / g and keys to j // g, so a far pair's distance is i // g - j // g + w - w / g:
+    the neighbours' window continues into distances shrunk g-fold, and the largest distance at
+    length T is about w + (T - w) / g.
     """
     q_pos = jnp.asarray(q_pos, jnp.int32)
     k_pos = jnp.asarray(k_pos, jnp.int32)
     w = int(remap["window"])
+    if remap["type"] == "rerope" and remap.get("leak"):
+        return q_pos + w * (int(remap["leak"]) - 1), k_pos
     if remap["type"] == "rerope":
         return jnp.full_like(q_pos, w), jnp.zeros_like(k_pos)
     g = int(remap["group"])
     return q_pos // g + (w - w // g), k_pos // g
+
+
+def remap_frequency_scale(remap: Mapping) -> float:
+    """What the far rotations multiply the frequencies by: 1 / k for Leaky ReRoPE (its
+    reference's `LlamaLinearScalingRotaryEmbedding` of factor k), 1 otherwise."""
+    leak = remap.get("leak")
+    return 1.0 / int(leak) if leak else 1.0
 
 
 def remap_query_scale(remap: Mapping, q_pos: jax.Array) -> jax.Array | None:

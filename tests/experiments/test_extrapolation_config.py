@@ -165,7 +165,12 @@ def test_rows_are_built_once_for_any_rope_entry():
 def test_remap_rows_read_rerope_and_self_extend_past_L_and_are_checked_before_compute():
     config = config_lib.load_config(ROOT / "configs" / "extrapolation.py", [])
     config.families = ("rope",)
-    config.rope_scalings = ("rerope", "self_extend", "self_extend:group=4,log_scale=1")
+    config.rope_scalings = (
+        "rerope",
+        "self_extend",
+        "self_extend:group=4,log_scale=1",
+        "rerope:leak=16",
+    )
     config.finetune.enabled = False
     experiment.check_experiment(config)
     rows = experiment.build_rows(config)
@@ -175,6 +180,7 @@ def test_remap_rows_read_rerope_and_self_extend_past_L_and_are_checked_before_co
         "rope+rerope",
         "rope+self_extend",
         "rope+self_extend:group=4,log_scale=1",
+        "rope+rerope:leak=16",
     ]
     assert rows[1].reads(config, L) == rows[0].reads(config, L)  # the trained model up to L
     assert rows[1].reads(config, 2 * L).remap_dict() == {"type": "rerope", "window": 32}
@@ -185,12 +191,15 @@ def test_remap_rows_read_rerope_and_self_extend_past_L_and_are_checked_before_co
     assert groups == [4, 8, 16, 32]
     fixed = rows[3].reads(config, 16 * L).remap_dict()
     assert fixed == {"type": "self_extend", "window": 32, "group": 4, "log_scale_base": 64}
+    assert rows[4].reads(config, 2 * L).remap_dict() == {"type": "rerope", "window": 32, "leak": 16}
     for entries, named in [
         (("rerope:window_multiple=1",), "window of 64 tokens"),
         (("self_extend:group=3",), "group=3.0 must be a positive integer dividing window 32"),
         (("self_extend:window_multiple=0.75",), "no SelfExtend group keeps the far distances"),
-        (("rerope:group=2",), "allowed: window_multiple, log_scale"),
+        (("rerope:group=2",), "allowed: window_multiple, leak, log_scale"),
         (("rerope:log_scale=2",), "log_scale=2.0 must be 0"),
+        (("rerope:leak=1",), "leak=1.0 must be an integer >= 2"),
+        (("self_extend:leak=2",), "allowed: window_multiple, group, log_scale"),
     ]:
         config.rope_scalings = entries
         with pytest.raises(config_lib.ConfigError, match=named):

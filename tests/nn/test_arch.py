@@ -67,7 +67,9 @@ VARIANTS = {
     ),
     # Eval-time RoPE remaps: keys travel and are cached as projected, rotated twice at each use;
     # a sliding-window layer with a remap keeps a full cache.
-    "rerope_scanned": dict(num_kv_heads=2, rope_remap={"type": "rerope", "window": 3}),
+    "leaky_rerope_scanned": dict(
+        num_kv_heads=2, rope_remap={"type": "rerope", "window": 3, "leak": 2}
+    ),
     "self_extend_window_layer": dict(
         rope_remap={"type": "self_extend", "window": 4, "group": 2, "log_scale_base": 3},
         layer_pattern=("rope:window=6", "rope"),

@@ -279,6 +279,7 @@ def rope_remap_row(
     eval_len: int,
     window_multiple: float = 0.5,
     group: float = 0,
+    leak: float = 0,
     log_scale: float = 0,
 ) -> dict[str, Any] | None:
     """The eval-time RoPE remap (`rotary.validate_rope_remap`) of kind "rerope" or "self_extend"
@@ -286,7 +287,8 @@ def rope_remap_row(
     model itself), else the remap with window w = round(window_multiple * L), 1 <= w < L, and
     for SelfExtend the group g: `group` when it is > 0 (it must divide w), else the smallest
     divisor of w that keeps every far distance i // g - j // g + w - w / g below L at T (as
-    SelfExtend's authors pick g for the target length). `log_scale` 1 adds the log-n query
+    SelfExtend's authors pick g for the target length). `leak` k > 0 makes ReRoPE Leaky ReRoPE
+    (an integer >= 2; far distances w + (i - j - w) / k). `log_scale` 1 adds the log-n query
     scale max(1, log(i + 1) / log L) (`log_scale_base` = L). ValueError when no group fits.
     """
     if eval_len <= train_len:
@@ -316,6 +318,12 @@ def rope_remap_row(
         remap["group"] = g
     elif group:
         raise ValueError(f"group={group}: a {kind!r} remap has no group")
+    if leak and kind != "rerope":
+        raise ValueError(f"leak={leak}: a {kind!r} remap has no leak (ReRoPE's option)")
+    if leak:
+        if leak != int(leak) or leak < 2:
+            raise ValueError(f"leak={leak} must be an integer >= 2 (0: plain ReRoPE)")
+        remap["leak"] = int(leak)
     if log_scale not in (0, 1):
         raise ValueError(f"log_scale={log_scale} must be 0 (off) or 1 (log-n query scale, base L)")
     if log_scale:
@@ -370,7 +378,9 @@ class TableRotary(nnx.Module):
         self.layout, self.length = source.layout, int(length)
         self.remap = source.remap  # an eval-time remap (ReRoPE, SelfExtend) stays in the graph
 
-    def __call__(self, x: jax.Array, positions: jax.Array, *, seq_len) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, *, seq_len, frequency_scale: float = 1.0
+    ) -> jax.Array:
         if not isinstance(seq_len, int) or seq_len != self.length:
             raise ValueError(
                 f"this RoPE table was computed for windows of {self.length} tokens and cannot "
@@ -379,7 +389,7 @@ class TableRotary(nnx.Module):
         return rotary.apply_rope(
             x,
             positions,
-            self.inv_freq[...],
+            self.inv_freq[...] * frequency_scale,
             layout=self.layout,
             attention_factor=self.attention_factor[...],
         )

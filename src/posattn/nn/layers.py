@@ -273,20 +273,28 @@ class Rotary(nnx.Module):
         self.remap = settings.remap
 
     def __call__(
-        self, x: jax.Array, positions: jax.Array, *, seq_len: jax.Array | int
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        *,
+        seq_len: jax.Array | int,
+        frequency_scale: float = 1.0,
     ) -> jax.Array:
         """Rotates x[..., T, N, H] at `positions` ([T] or [B, T]).
 
         `seq_len` (int, or int[B] for x[B, T, N, H]: one length per sequence) feeds dynamic NTK
         only:
         each sequence's base comes from its own current length, so a padded row or a row of a KV
-        cache is rotated exactly as if it were alone at that length.
+        cache is rotated exactly as if it were alone at that length. `frequency_scale` (static)
+        multiplies the frequencies (Leaky ReRoPE's far rotation: `rotary.remap_frequency_scale`).
         """
         if self.dynamic and jnp.ndim(seq_len) == 1:
             positions = jnp.broadcast_to(positions, x.shape[:-2])  # (B, T)
-            return jax.vmap(lambda xb, pb, lb: self(xb[None], pb, seq_len=lb)[0])(
-                x, positions, seq_len
-            )
+
+            def one(xb, pb, lb):  # a sequence at its own length
+                return self(xb[None], pb, seq_len=lb, frequency_scale=frequency_scale)[0]
+
+            return jax.vmap(one)(x, positions, seq_len)
         inv_freq = self.inv_freq[...]
         if self.dynamic:
             # Dynamic NTK recomputes the base from the current length (Hugging Face
@@ -294,6 +302,8 @@ class Rotary(nnx.Module):
             inv_freq, _ = rotary.rope_frequencies(
                 self.head_dim, base=self.base, scaling=dict(self.scaling), seq_len=seq_len
             )
+        if frequency_scale != 1.0:
+            inv_freq = inv_freq * frequency_scale
         return rotary.apply_rope(
             x, positions, inv_freq, layout=self.layout, attention_factor=self.attention_factor
         )
@@ -470,13 +480,14 @@ class Attention(nnx.Module):
         if log_n is not None:
             q = (q.astype(jnp.float32) * log_n[..., None, None]).astype(q.dtype)
         far_q_pos, far_k_pos = rotary.remap_positions(remap, positions, k_pos)
+        scale = rotary.remap_frequency_scale(remap)
 
-        def rotated(x, at):
-            return rotary_module(x, at, seq_len=seq_len)
+        def rotated(x, at, frequency_scale=1.0):
+            return rotary_module(x, at, seq_len=seq_len, frequency_scale=frequency_scale)
 
         far = attention_lib.Far(
-            self._temper(rotated(q, far_q_pos), positions, kv_len),
-            rotated(k, far_k_pos),
+            self._temper(rotated(q, far_q_pos, scale), positions, kv_len),
+            rotated(k, far_k_pos, scale),
             remap["window"],
         )
         q = self._temper(rotated(q, positions), positions, kv_len)
