@@ -10,7 +10,7 @@ Run (from the repository root; needs nothing but the project):
     python benchmarks/accelerator.py --smoke              # tiny sizes (automatic on CPU)
     python benchmarks/accelerator.py --lengths 8192 --families alibi fire \
         --implementations cudnn pallas --skip-training              # one goal, quickly
-    python benchmarks/accelerator.py --variants window forget softcap --skip-training  # new terms
+    python benchmarks/accelerator.py --variants window forget softcap far --skip-training  # terms
     python benchmarks/accelerator.py --skip-attention \
         --train-families rope fox "rope:window=256/rope"            # per-layer patterns
 
@@ -20,8 +20,11 @@ kerple_power / fire as `(BiasFn, params)` pairs from `posattn.families` (impleme
 a materialised bias get it materialised by `posattn.attention`), for each of --variants: "causal"
 (the plain causal mask), "window" (causal with a sliding window of --window keys, Hugging Face's
 `sliding_window`), "forget" (causal with FoX's per-row log forget gates, float32[B, T, N]
-log-sigmoid values, differentiated too) and "softcap" (causal with Gemma 2's soft cap of
---softcap on the content logits; not a default variant), for every implementation in
+log-sigmoid values, differentiated too), "softcap" (causal with Gemma 2's soft cap of
+--softcap on the content logits; not a default variant) and "far" (causal two-score attention,
+`far=Far(q_far, k_far, --window)`, the far pair q and k with their head dims reversed, what a
+ReRoPE or SelfExtend remap runs; its TFLOP/s count one pair's products, though it computes two;
+not a default variant), for every implementation in
 --implementations the backend has ("cudnn" only on GPU and only where posattn offers it; "pallas"
 in interpret mode on CPU). Per case: the best of --repeats wall-clock times of the jitted forward
 and of the jitted forward + backward (value_and_grad over q, k, v and the bias parameters, a
@@ -79,7 +82,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 FULL_LENGTHS = (1024, 2048, 4096, 8192, 16384, 65536)
 FAMILIES = ("none", "alibi", "t5", "kerple_power", "fire")
-VARIANTS = ("causal", "window", "forget", "softcap")
+VARIANTS = ("causal", "window", "forget", "softcap", "far")
 IMPLEMENTATIONS = ("xla", "cudnn", "blockwise", "pallas")
 # Dense bfloat16 peak FLOP/s per device kind (vendor datasheets; no sparsity).
 PEAK_BF16 = {
@@ -163,11 +166,25 @@ def visible_pairs(T: int, window: int | None) -> float:
 
 
 def attention_case(
-    impl, family, *, B, T, N, H, repeats, with_error, device, window, forget, softcap=None
+    impl,
+    family,
+    *,
+    B,
+    T,
+    N,
+    H,
+    repeats,
+    with_error,
+    device,
+    window,
+    forget,
+    softcap=None,
+    far_window=None,
 ):
     """One (implementation, family, T, variant) measurement as a dict: `window` None or the
     sliding window, `forget` whether FoX's log forget gates are added, `softcap` None or the soft
-    cap of the content logits."""
+    cap of the content logits, `far_window` None or the window of two-score attention (the far
+    pair: q and k with their head dims reversed)."""
     bias, scale = family_bias(family, N, H)
     limit = memory_limit(device)
     need = materialised_bytes(impl, B, N, T, bias is not None or forget, forget)
@@ -188,6 +205,13 @@ def attention_case(
     )
     fn, params = bias if bias is not None else (None, {})
 
+    def far_of(q, k):
+        return (
+            None
+            if far_window is None
+            else attention_lib.Far(q[..., ::-1], k[..., ::-1], far_window)
+        )
+
     def run(q, k, v, params, log_forget, impl=impl):
         b = None if fn is None else (fn, params)
         return attention_lib.attention(
@@ -200,6 +224,7 @@ def attention_case(
             window=window,
             log_forget=log_forget,
             softcap=softcap,
+            far=far_of(q, k),
             implementation=impl,
         )
 
@@ -257,6 +282,7 @@ def attention_case(
                     window=window,
                     log_forget=log_forget,
                     softcap=softcap,
+                    far=far_of(q, k),
                     implementation="reference",
                 )
                 return jnp.sum(out * d_out), out
@@ -518,6 +544,8 @@ def main(argv=None):
                     reason = available(impl, backend)
                     if variant == "softcap" and impl not in attention_lib.SOFTCAP_IMPLEMENTATIONS:
                         reason = f"{impl!r} does not compute soft-capped logits"
+                    if variant == "far" and impl not in attention_lib.FAR_IMPLEMENTATIONS:
+                        reason = f"{impl!r} does not compute two-score attention"
                     result = (
                         {"skipped": reason}
                         if reason
@@ -534,6 +562,7 @@ def main(argv=None):
                             window=window if variant == "window" else None,
                             forget=variant == "forget",
                             softcap=args.softcap if variant == "softcap" else None,
+                            far_window=window if variant == "far" else None,
                         )
                     )
                     row = {"T": T, "family": family, "variant": variant, "implementation": impl}
