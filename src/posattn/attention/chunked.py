@@ -7,7 +7,9 @@ The fast path at training lengths (T, S up to ~1k) on XLA:CPU. `posattn.attentio
 additive logit bias (the position bias with -inf at hidden keys, `attention_from_bias`) and
 `chunked_attention` only sees arrays. A sliding window is part of those -inf (with a static causal
 offset the query tiles also skip the keys below their window), and the forgetting-attention term
-c_i - c_j is part of the bias, one slice per batch row.
+c_i - c_j is part of the bias, one slice per batch row. Two-score attention (`masks.Far`) comes
+with its near pairs' mask materialised beside the bias; each tile computes both content products
+and selects, and the backward splits dS between the two pairs.
 
 Forward: a `lax.scan` over chunks of R batch rows. Per chunk, in head-major layout,
 `s = scale q k^T + bias` ([R, K, G, T, S]), its row max and sum, `out = softmax(s) v`; the row max
