@@ -191,3 +191,24 @@ def test_auto_takes_chunked_or_blockwise_by_size_on_every_backend():
     for backend in ("cpu", "gpu", "tpu"):
         assert pick(small, small, None, causal=True, backend=backend, far=True) == "chunked"
         assert pick(long, long, None, causal=True, backend=backend, far=True) == "blockwise"
+
+
+@pytest.mark.parametrize("impl", ["chunked", "blockwise"])
+def test_vmap_over_every_array_matches_a_loop(impl):
+    """The public contract: attention keeps working under jax.vmap over its array arguments, the
+    far pair included (the kernels' custom_vjp batched), forward and gradients."""
+    keys = jax.random.split(jax.random.key(9), 5)
+    V, B, T, N, K, H = 3, 2, 24, 4, 2, 8
+    q, q_far = (jax.random.normal(x, (V, B, T, N, H)) for x in keys[:2])
+    k, v, k_far = (jax.random.normal(x, (V, B, T, K, H)) for x in keys[2:])
+
+    def f(q, k, v, q_far, k_far):
+        return attention(q, k, v, causal=True, far=Far(q_far, k_far, 5), implementation=impl)
+
+    grad = jax.grad(lambda *a: f(*a).sum(), argnums=(0, 3, 4))
+    got, got_grads = jax.vmap(f)(q, k, v, q_far, k_far), jax.vmap(grad)(q, k, v, q_far, k_far)
+    for i in range(V):
+        np.testing.assert_allclose(got[i], f(q[i], k[i], v[i], q_far[i], k_far[i]), atol=1e-6)
+        want = grad(q[i], k[i], v[i], q_far[i], k_far[i])
+        for g, w in zip(got_grads, want, strict=True):
+            np.testing.assert_allclose(g[i], w, atol=2e-6)
