@@ -136,7 +136,10 @@ def get_config(arg=None):
     # give the same numbers whatever their count; one process with several XLA threads differs
     # from them in the last bits (experiments/README.md, "Worker processes").
     config.workers = 0
-    config.rope_scalings = ("linear", "ntk", "dynamic", "yarn")  # extra rows rope+<kind>
+    # Extra rows rope+<kind>; also the position remaps 'rerope' and 'self_extend' (with options,
+    # 'rerope:log_scale=1'), not in the default: experiments/README.md, "Position remaps at eval
+    # time".
+    config.rope_scalings = ("linear", "ntk", "dynamic", "yarn")
     # Entries of `families` also read under a sliding window of L at every layer (row
     # <entry>+window: at T > L each query sees the last L keys, the distances of training);
     # e.g. ('nope', 'rope', 't5', 'fire'). The record: experiments/README.md, "A window of L".

@@ -6,7 +6,9 @@
 The checkpoint directory holds config.json, its safetensors weights and tokenizer.json (any
 architecture `posattn.hf` loads: docs/checkpoints.md). Its rows: the checkpoint as it is, and for
 a RoPE checkpoint one row per `rope_scalings` entry (`<name>+yarn`: the eval-time scaling of
-factor T / L put in its config). The held-out text is the byte experiment's (`data.corpus`,
+factor T / L put in its config; add `'rerope:log_scale=1'` or `'self_extend:log_scale=1'` for
+the training-free position remaps, which also take a checkpoint with a rope_scaling of its own:
+docs/rope.md, "Position remaps"). The held-out text is the byte experiment's (`data.corpus`,
 default the Python standard library's held-out files), tokenised file by file with the
 checkpoint's tokenizer; every window starts with BOS when the tokenizer puts one before a text
 (`pretrained.bos`, docs/checkpoints.md has the rule). Losses per token and in bits per byte.
