@@ -180,46 +180,36 @@ def _heads_first(x):  # [B, T, heads, H] -> [B, heads, T, H], float64
     return np.swapaxes(np.asarray(x, np.float64), 1, 2)
 
 
-CASES = [
-    ({"type": "rerope", "window": 12}, rerope_prompt, rerope_decode, lambda r: (r["window"],)),
-    (
-        {"type": "rerope", "window": 7, "log_scale_base": 16},
-        rerope_prompt,
-        rerope_decode,
-        lambda r: (r["window"], r["log_scale_base"]),
-    ),
-    (
-        {"type": "rerope", "window": 6, "leak": 4},
-        leaky_rerope_prompt,
-        leaky_rerope_decode,
-        lambda r: (r["window"], r["leak"]),
-    ),
-    (
-        {"type": "rerope", "window": 9, "leak": 16, "log_scale_base": 16},
-        leaky_rerope_prompt,
-        leaky_rerope_decode,
-        lambda r: (r["window"], r["leak"], r["log_scale_base"]),
-    ),
-    (
-        {"type": "self_extend", "window": 8, "group": 4},
-        self_extend_prompt,
-        self_extend_decode,
-        lambda r: (r["group"], r["window"]),
-    ),
-    (
-        {"type": "self_extend", "window": 6, "group": 3, "log_scale_base": 10},
-        self_extend_prompt,
-        self_extend_decode,
-        lambda r: (r["group"], r["window"], r["log_scale_base"]),
-    ),
+REMAPS = [
+    {"type": "rerope", "window": 12},
+    {"type": "rerope", "window": 7, "log_scale_base": 16},
+    {"type": "rerope", "window": 6, "leak": 4},
+    {"type": "rerope", "window": 9, "leak": 16, "log_scale_base": 16},
+    {"type": "self_extend", "window": 8, "group": 4},
+    {"type": "self_extend", "window": 6, "group": 3, "log_scale_base": 10},
 ]
+IDS = ["-".join(f"{k}={v}" for k, v in r.items()) for r in REMAPS]
 
 
-@pytest.mark.parametrize("remap, prompt, _, args", CASES)
-@pytest.mark.parametrize("implementation", ["reference", "blockwise"])
-def test_a_prompt_matches_the_reference(remap, prompt, _, args, implementation):
+def _reference(remap):
+    """(prompt, decode, keyword arguments) of the transcription of `remap`'s reference, its
+    arguments named as the reference names them."""
+    w, base = remap["window"], remap.get("log_scale_base")
+    if remap["type"] == "self_extend":
+        kw = dict(group=remap["group"], window=w, scale_base=base or -1)
+        return self_extend_prompt, self_extend_decode, kw
+    if remap.get("leak"):
+        kw = dict(window=w, leak=remap["leak"], training_length=base)
+        return leaky_rerope_prompt, leaky_rerope_decode, kw
+    return rerope_prompt, rerope_decode, dict(window=w, training_length=base)
+
+
+@pytest.mark.parametrize("remap", REMAPS, ids=IDS)
+@pytest.mark.parametrize("implementation", ["reference", "chunked", "blockwise"])
+def test_a_prompt_matches_the_reference(remap, implementation):
+    prompt, _, kw = _reference(remap)
     q, k, v = _inputs()
-    want = prompt(*map(_heads_first, (q, k, v)), *args(remap))  # (B, N, T, H)
+    want = prompt(*map(_heads_first, (q, k, v)), **kw)  # (B, N, T, H)
     got = posattn_remap(q, k, v, remap, implementation=implementation)
     np.testing.assert_allclose(_heads_first(got), want, rtol=2e-5, atol=2e-5)
     # the remap matters here: plain RoPE attention is far from it
@@ -227,14 +217,13 @@ def test_a_prompt_matches_the_reference(remap, prompt, _, args, implementation):
     assert np.max(np.abs(_heads_first(plain) - want)) > 0.05
 
 
-@pytest.mark.parametrize("remap, _, decode, args", CASES)
-def test_a_decode_step_matches_the_references_decode_step(remap, _, decode, args):
+@pytest.mark.parametrize("remap", REMAPS, ids=IDS)
+def test_a_decode_step_matches_the_references_decode_step(remap):
+    _, decode, kw = _reference(remap)
     q, k, v = _inputs(1)
     for S in (T, remap["window"] - 1, remap["window"]):  # with far keys, and all neighbours
         q1 = q[:, S - 1 : S]
-        want = decode(
-            _heads_first(q1), _heads_first(k[:, :S]), _heads_first(v[:, :S]), *args(remap)
-        )
+        want = decode(*map(_heads_first, (q1, k[:, :S], v[:, :S])), **kw)
         got = posattn_remap(q1, k[:, :S], v[:, :S], remap, q_offset=S - 1)
         np.testing.assert_allclose(_heads_first(got), want, rtol=2e-5, atol=2e-5, err_msg=str(S))
 

@@ -363,6 +363,16 @@ WINDOW_GRID = [
 ]
 
 
+def grid_case(bias_kind, case, seed):
+    """(q, k, v, d_out), bias, keywords of a point (bias kind, case of CASES or WINDOW_CASES);
+    a case of CASES draws its inputs from key `seed` + its index."""
+    if case in WINDOW_CASES:
+        return window_case(bias_kind, case)
+    K, kw = CASES[case]
+    key = jax.random.key(seed + list(CASES).index(case))
+    return _inputs(K, key), _bias(bias_kind, jax.random.fold_in(key, 1)), dict(kw)
+
+
 def window_case(bias_kind, case, dtype=jnp.float32):
     """(q, k, v, d_out), bias, keywords (log_forget included) of one WINDOW_GRID point."""
     K, t, kw = WINDOW_CASES[case]

@@ -15,14 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_cases import (
-    CASES,
     TILES,
-    WINDOW_CASES,
     _assert_close,
-    _bias,
-    _inputs,
+    grid_case,
     oracle_attention,
-    window_case,
 )
 
 from posattn import attention as attn_lib
@@ -43,11 +39,7 @@ POINTS = [
 
 
 def _case(bias_kind, case):
-    if case in WINDOW_CASES:
-        return window_case(bias_kind, case)
-    K, kw = CASES[case]
-    key = jax.random.key(500 + list(CASES).index(case))
-    return _inputs(K, key), _bias(bias_kind, jax.random.fold_in(key, 1)), dict(kw)
+    return grid_case(bias_kind, case, seed=500)
 
 
 def _far_inputs(q, k, seed=7):

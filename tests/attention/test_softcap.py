@@ -14,13 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_cases import (
-    CASES,
-    WINDOW_CASES,
     _assert_close,
-    _bias,
-    _inputs,
     _value_and_grads,
-    window_case,
+    grid_case,
 )
 
 from posattn import attention as attn_lib
@@ -44,11 +40,7 @@ POINTS = [
 
 
 def _case(bias_kind, case):
-    if case in WINDOW_CASES:
-        return window_case(bias_kind, case)
-    K, kw = CASES[case]
-    key = jax.random.key(300 + list(CASES).index(case))
-    return _inputs(K, key), _bias(bias_kind, jax.random.fold_in(key, 1)), dict(kw)
+    return grid_case(bias_kind, case, seed=300)
 
 
 @pytest.mark.parametrize("bias_kind, case", POINTS)

@@ -386,10 +386,13 @@ class TableRotary(nnx.Module):
                 f"this RoPE table was computed for windows of {self.length} tokens and cannot "
                 f"rotate at seq_len={seq_len!r}; build one for that length (rope_row_model)"
             )
+        inv_freq = self.inv_freq[...]
+        if frequency_scale != 1.0:  # Leaky ReRoPE's far rotation (as `layers.Rotary`)
+            inv_freq = inv_freq * frequency_scale
         return rotary.apply_rope(
             x,
             positions,
-            self.inv_freq[...] * frequency_scale,
+            inv_freq,
             layout=self.layout,
             attention_factor=self.attention_factor[...],
         )
