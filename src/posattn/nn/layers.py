@@ -84,8 +84,10 @@ def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     A > B the backward computes dy^T x and transposes it; an optimization barrier keeps XLA from
     folding the transpose back into the product (and, where the caller transposes the gradient
     itself, as the tied output layer's `table.T` does, from folding that one in). Each element is
-    the same dot product, so the gradients are bitwise JAX's own (tests/nn/test_layers.py). What
-    the step does with them may round differently: XLA fuses the gradient norm's sums differently
+    the same dot product, so the gradients are JAX's own (tests/nn/test_layers.py): the same bits
+    on a Zen 4; on an AVX2 core a square product's last columns can round differently, as JAX's
+    own gradient does there between a jitted and an eager program. What the step does with them
+    may round differently: XLA fuses the gradient norm's sums differently
     around the transposed results, so the norm can differ in its last bit, and a clipped update
     with it. On other backends the backward is JAX's own.
     """
