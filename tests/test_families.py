@@ -32,6 +32,7 @@ def test_registry_lists_every_family():
         "sandwich",
         "fire",
         "fox",
+        "stick_breaking",
     }
 
 
@@ -378,6 +379,7 @@ def test_registry_derives_keys_and_continuous_keys_from_the_settings():
         "fire_norm_cap",
         "kerple_per_layer",
         "sandwich_dim",
+        "stick_breaking_remainder",
     }
     assert set(families.continuous_keys()) == {"rope_base", "alibi_slope_scale", "fire_init_c"}
     assert families.owners("t5_max_distance") == ("t5",)

@@ -37,8 +37,10 @@ __all__ = [
     "ForgetSpec",
     "LearnedSettings",
     "RopeSettings",
+    "NORMALIZERS",
     "SandwichSettings",
     "Settings",
+    "StickBreakingSettings",
     "T5Settings",
     "continuous_keys",
     "get",
@@ -392,6 +394,26 @@ class AlibiSettings(Settings):
 
 
 @dataclasses.dataclass(frozen=True)
+class StickBreakingSettings(Settings):
+    """Stick-breaking attention (Tan et al. 2025): where the stick the keys leave goes."""
+
+    prefix: ClassVar[str] = "stick_breaking_"
+    remainder: str = setting(
+        "current",
+        help="what the keys leave of each query's stick weights: 'current' (its own value, the "
+        "reference tests' o + rem * v: rows sum to 1) or 'none' (dropped)",
+    )
+
+    def validate(self, ctx: Context) -> None:
+        from posattn.attention.stickbreaking import REMAINDERS
+
+        if self.remainder not in REMAINDERS:
+            raise _invalid(
+                self._key("remainder"), self.remainder, f"must be one of {', '.join(REMAINDERS)}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
 class KerpleSettings(Settings):
     """Kerple (Chi et al. 2022): whether each layer learns its own (r1, r2)."""
 
@@ -563,6 +585,10 @@ class Family:
       forget: a data-dependent family: per-head forget gates computed from each layer's input
         (FoX), whose `log f` the attention core accumulates (`attention(..., log_forget=)`);
         the gate module is `posattn.nn.forget.ForgetGate`. Causal models only.
+      normalizer: "softmax", or "stick_breaking": each query breaks a stick over its keys from the
+        nearest back instead of a softmax (`posattn.attention.stick_breaking_attention`); the
+        order of breaking is then the position signal. Causal models only; its settings extend
+        StickBreakingSettings.
     """
 
     name: str
@@ -573,8 +599,10 @@ class Family:
     scale_free: bool = False
     description: str = ""
     forget: ForgetSpec | None = None
+    normalizer: str = "softmax"
 
 
+NORMALIZERS = ("softmax", "stick_breaking")
 _REGISTRY: dict[str, Family] = {}
 
 
@@ -594,6 +622,20 @@ def register(family: Family) -> Family:
         raise ValueError(
             f"family {family.name!r}: a forget family carries no other position signal (FoX "
             "has none); register its bias or embedding as a family of its own"
+        )
+    if family.normalizer not in NORMALIZERS:
+        raise ValueError(
+            f"family {family.name!r}: normalizer must be one of {', '.join(NORMALIZERS)}"
+        )
+    if family.normalizer == "stick_breaking" and (
+        family.bias is not None
+        or family.forget is not None
+        or not issubclass(family.settings, StickBreakingSettings)
+    ):
+        raise ValueError(
+            f"family {family.name!r}: a stick-breaking family takes no bias and no forget gates "
+            "(the stick-breaking kernel adds neither), and its settings extend "
+            "StickBreakingSettings"
         )
     if family.embedding == "learned" and not issubclass(family.settings, LearnedSettings):
         raise ValueError(
@@ -861,5 +903,14 @@ register(
         "fox",
         forget=ForgetSpec(),
         description="FoX forgetting attention: data-dependent forget gates, no other signal",
+    )
+)
+register(
+    Family(
+        "stick_breaking",
+        settings=StickBreakingSettings,
+        normalizer="stick_breaking",
+        description="stick-breaking attention: no softmax, keys weighted nearest first, no other "
+        "signal",
     )
 )

@@ -78,6 +78,18 @@ def test_stats_match_closed_forms(position):
         # RoPE remaps: the far pairs (distance >= 5) score with the far rotations
         ("rope", dict(model__rope_remap={"type": "rerope", "window": 5})),
         ("rope", dict(model__rope_remap={"type": "self_extend", "window": 6, "group": 3})),
+        # stick-breaking weights, the remainder on each query's own key; and a windowed layer
+        # that drops it under a softmax layer
+        ("stick_breaking", {}),
+        (
+            "stick_breaking",
+            dict(
+                model__layer_pattern=(
+                    "stick_breaking:window=5,stick_breaking_remainder=none",
+                    "alibi",
+                )
+            ),
+        ),
     ],
 )
 def test_probabilities_reproduce_each_layers_attention(position, keys):

@@ -611,6 +611,10 @@ def test_a_model_without_a_hugging_face_twin_is_not_saved(tmp_path):
     remapped = llama.replace(rope_remap={"type": "rerope", "window": 4}).validate()
     with pytest.raises(ValueError, match=r"model.rope_remap=.*transformers has no ReRoPE"):
         hf.save_pretrained(TransformerLM(remapped, rngs=nnx.Rngs(0)), tmp_path / "r")
+    # Nor has it stick-breaking attention, on any layer of a Llama otherwise.
+    breaking = llama.replace(layer_pattern=("rope", "stick_breaking")).validate()
+    with pytest.raises(ValueError, match="no stick-breaking attention"):
+        hf.save_pretrained(TransformerLM(breaking, rngs=nnx.Rngs(0)), tmp_path / "s")
     for pattern, named in [
         (("rope", "rope:rope_base=500.0"), "layer 1 has positions of its own"),
         (("rope:attn_scale=0.1",), "layer 0 has positions of its own.*temperature"),

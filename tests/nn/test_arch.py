@@ -74,6 +74,12 @@ VARIANTS = {
         rope_remap={"type": "self_extend", "window": 4, "group": 2, "log_scale_base": 3},
         layer_pattern=("rope:window=6", "rope"),
     ),
+    # Stick-breaking attention: scanned with grouped heads; a windowed stick-breaking layer
+    # (a ring cache) under a global RoPE layer, its remainder dropped.
+    "stick_breaking_scanned": dict(position="stick_breaking", num_kv_heads=2),
+    "stick_breaking_window_layer": dict(
+        layer_pattern=("stick_breaking:window=4,stick_breaking_remainder=none", "rope"),
+    ),
     "gated_alibi": dict(
         position="alibi",
         mlp="gated",
@@ -241,6 +247,16 @@ def test_an_untied_head_is_its_own_parameter_and_head_dim_is_free():
         (dict(head_dim=-2), "model.head_dim=-2"),
         (dict(d_model=30), "model.d_model=30"),
         (dict(init_from="/x"), "model.init_from='/x'"),
+        (
+            dict(position="stick_breaking", attn_logit_softcap=5.0),
+            "stick-breaking attention has no softmax logits to cap, but "
+            "config.model.attn_logit_softcap=5.0",
+        ),
+        (dict(position="stick_breaking", kind="encoder"), "needs a causal model"),
+        (
+            dict(position="stick_breaking", stick_breaking_remainder="value"),
+            "model.stick_breaking_remainder='value'",
+        ),
     ],
 )
 def test_bad_switches_fail_before_compute_naming_the_key(keys, named):

@@ -34,6 +34,8 @@ The package:
   pallas.py     "pallas": the fused Pallas kernel evaluating the bias inside (GPU, TPU; interpret
                 mode on CPU), when present
   partition.py  under a device mesh, every implementation runs per device over the batch
+  stickbreaking.py  `stick_breaking_attention`: no softmax; each query breaks a stick over its
+                keys from the nearest back (Tan et al. 2025), in float32, queries in blocks
 
 "auto" picks per backend by the rule in `choose_implementation`.
 """
@@ -54,11 +56,19 @@ import numpy as np
 from posattn.attention import blockwise, chunked, cudnn, native, partition
 from posattn.attention.masks import Far, materialize_bias, query_positions, visibility_mask
 from posattn.attention.reference import reference_attention, xla_attention
+from posattn.attention.stickbreaking import (
+    REMAINDERS as STICK_BREAKING_REMAINDERS,
+)
+from posattn.attention.stickbreaking import (
+    stick_breaking_attention,
+    stick_breaking_weights,
+)
 
 __all__ = [
     "FAR_IMPLEMENTATIONS",
     "IMPLEMENTATIONS",
     "SOFTCAP_IMPLEMENTATIONS",
+    "STICK_BREAKING_REMAINDERS",
     "Bias",
     "BiasFn",
     "Far",
@@ -67,6 +77,8 @@ __all__ = [
     "materialize_bias",
     "query_positions",
     "reference_attention",
+    "stick_breaking_attention",
+    "stick_breaking_weights",
     "visibility_mask",
     "xla_attention",
 ]

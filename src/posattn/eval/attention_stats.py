@@ -60,8 +60,18 @@ def _probabilities(
 ) -> jax.Array:
     """Reference softmax probabilities float32[B, N, T - start, S] of one layer for the queries
     q[:, start:] (q at positions 0..T-1; its window, FoX's log f [B, S, N] and a RoPE remap's
-    far pairs (`attention.Far`) as the layer's)."""
+    far pairs (`attention.Far`) as the layer's); a stick-breaking layer's weights instead, the
+    remainder on the query's own key where the layer gives it its own value."""
     q = q[:, start:]
+    if attn.stick_breaking is not None:  # the weights its kernel multiplies the values by
+        return attention_lib.stick_breaking_weights(
+            q,
+            k,
+            q_offset=start,
+            scale=attn.scale,
+            window=attn.window,
+            remainder=attn.stick_breaking,
+        )
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     f32 = jnp.float32

@@ -300,6 +300,12 @@ def _shardings(mesh, abstract) -> dict | None:
 
 def model_type_of(cfg: ModelConfig) -> str:
     """The Hugging Face `model_type` that computes what `cfg` computes, or ValueError."""
+    breaking = [spec.position for spec in cfg.layers if spec.family.normalizer != "softmax"]
+    if breaking:
+        raise ValueError(
+            f"model layers of {breaking[0]!r} attention: transformers has no stick-breaking "
+            "attention, so no Hugging Face architecture computes this model"
+        )
     kind = _architecture(cfg)
     if kind == "gemma3_text":
         _gemma3_layers(cfg)

@@ -72,6 +72,10 @@ def dense(x: jax.Array, w: jax.Array) -> jax.Array:
 
 _TN = (((0,), (0,)), ((), ()))  # contract the rows of both operands: a^T b
 
+# A stick-breaking layer reads its queries in blocks of this many once longer (its weights are
+# materialised, [B, N, block, S] at a time): training lengths in one block, 16L in a few.
+STICK_BREAKING_QUERY_CHUNK = 256
+
 
 @jax.custom_vjp
 def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -355,6 +359,7 @@ class Attention(nnx.Module):
         window: int | None = None,
         temperature: nnx.Module | None = None,
         forget: nnx.Module | None = None,
+        stick_breaking: str | None = None,
         head_dim: int | None = None,
         arch: Arch = Arch(),
     ):
@@ -392,8 +397,10 @@ class Attention(nnx.Module):
         self.implementation = implementation
         self.dtype = dtype
         # Per-layer position settings (posattn.nn.pattern): a sliding window, a query temperature
-        # (posattn.nn.temperature), FoX's forget gate (posattn.nn.forget). None: absent.
+        # (posattn.nn.temperature), FoX's forget gate (posattn.nn.forget), stick-breaking
+        # attention instead of a softmax (its remainder, `stick_breaking_attention`). None: absent.
         self.window, self.temperature, self.forget = window, temperature, forget
+        self.stick_breaking = stick_breaking
 
     def _rotary(self, shared) -> Rotary | None:
         return self.rotary if self.rotary is not None or shared is None else shared[0]
@@ -516,6 +523,19 @@ class Attention(nnx.Module):
         bias_module = self._bias(shared)
         bias = bias_module() if bias_module is not None else None
         extra = {} if self.window is None else {"window": self.window}
+        if self.stick_breaking is not None:  # no bias, cap, forget gate or remap (pattern.py)
+            out = attention_lib.stick_breaking_attention(
+                q,
+                k,
+                v,
+                q_offset=q_offset,
+                kv_lengths=kv_lengths,
+                scale=self.scale,
+                remainder=self.stick_breaking,
+                query_chunk=STICK_BREAKING_QUERY_CHUNK,
+                **extra,
+            )  # (B, T, N, H)
+            return self._project_out(out)
         if self.softcap is not None:
             extra["softcap"] = self.softcap
         if log_forget is not None:
@@ -534,6 +554,10 @@ class Attention(nnx.Module):
             implementation=self.implementation,
             **extra,
         )  # (B, T, N, H)
+        return self._project_out(out)
+
+    def _project_out(self, out: jax.Array) -> jax.Array:
+        """The heads out[B, T, N, H] projected back to [B, T, D]."""
         B, T, N, H = out.shape
         out = dense(
             out.reshape(B, T, N * H), self.wo[...].astype(self.dtype).reshape(N * H, -1)

@@ -452,6 +452,8 @@ def _position_layer(cfg: ModelConfig, spec, rngs) -> dict:
             window=spec.window,
             causal=cfg.causal,
         )
+    if spec.family.normalizer == "stick_breaking":
+        out["stick_breaking"] = spec.settings.remainder
     if spec.family.forget is not None:
         out["forget"] = forget_lib.ForgetGate(
             cfg.d_model,

@@ -275,6 +275,17 @@ def validate(cfg) -> None:
                 f"{label}: FoX's forget gates accumulate over earlier positions and need a causal "
                 f"model, but config.model.kind={cfg.kind!r}; set model.kind='decoder'"
             )
+        if family.normalizer == "stick_breaking" and not cfg.causal:
+            raise ValueError(
+                f"{label}: stick-breaking attention breaks each query's stick over the earlier "
+                f"keys and needs a causal model, but config.model.kind={cfg.kind!r}; set "
+                "model.kind='decoder'"
+            )
+        if family.normalizer == "stick_breaking" and cfg.attn_logit_softcap:
+            raise ValueError(
+                f"{label}: stick-breaking attention has no softmax logits to cap, but "
+                f"config.model.attn_logit_softcap={cfg.attn_logit_softcap}; set it to 0"
+            )
         if family.forget is not None and cfg.kv_share != 1:
             raise ValueError(
                 f"{label}: config.model.kv_share={cfg.kv_share} is not supported with FoX (each "

@@ -1,0 +1,152 @@
+"""Stick-breaking attention (Tan et al. 2025, "Scaling Stick-Breaking Attention"): no softmax.
+
+Query i breaks a stick of length 1 over its visible keys from the nearest back: key j takes the
+fraction beta_ij = sigmoid(z_ij) of what the nearer keys left, z_ij = scale * q_i . k_j, so
+
+    A_ij = beta_ij * prod_{j < l < i, l visible} (1 - beta_il)        (j < i, j visible)
+
+in log space, log A_ij = log_sigmoid(z_ij) + sum_{j < l < i} log_sigmoid(-z_il): a suffix sum
+over the keys of the row (the references' `naive_stickbreaking_attn` and `sb_ref.stickbreaking`,
+github.com/shawntan/stickbreaking-attention). Query i does not attend to its own key (the
+references' default, `attend_current=False`), and what the keys leave, the remainder
+r_i = prod_{l visible} (1 - beta_il) = 1 - sum_j A_ij, goes to its own value (`remainder=
+"current"`, the reference tests' `o + rem * v`) or is dropped (`"none"`, flash-linear-attention's
+layer). The recency order is the method's only position signal: there is no position encoding.
+
+Visibility is the softmax core's (`posattn.attention.visibility_mask`) with the diagonal removed:
+key j < i, j < kv_lengths[b], and i - j < window for a sliding window. Queries sit at
+q_offset + t and must lie in [0, S) (the current value is read at that row: self-attention, a
+KV cache). Everything runs in float32 whatever the input dtype; the output keeps q's dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from posattn.attention.masks import query_positions, visibility_mask
+
+__all__ = ["REMAINDERS", "stick_breaking_attention", "stick_breaking_weights"]
+
+REMAINDERS = ("current", "none")
+
+f32 = jnp.float32
+_HI = jax.lax.Precision.HIGHEST
+
+
+def _check(q, k, v, remainder, window, query_chunk):
+    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
+        raise ValueError(
+            f"stick-breaking attention: q must be [B, T, N, H] and k, v [B, S, K, H] alike, got "
+            f"q {q.shape}, k {k.shape}, v {v.shape}"
+        )
+    if q.shape[2] % k.shape[2] or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"stick-breaking attention: q {q.shape} and k {k.shape} must share B and H, and the "
+            "query heads must be a multiple of the key/value heads"
+        )
+    if remainder not in REMAINDERS:
+        raise ValueError(
+            f"stick-breaking attention: remainder={remainder!r}; use one of "
+            f"{', '.join(map(repr, REMAINDERS))}"
+        )
+    for name, value in (("window", window), ("query_chunk", query_chunk)):
+        static_int = isinstance(value, int) and not isinstance(value, bool)
+        if value is not None and not (static_int and value >= 1):
+            raise ValueError(
+                f"stick-breaking attention: {name} must be None or a static int >= 1, got {value!r}"
+            )
+
+
+def stick_breaking_weights(
+    q: jax.Array,
+    k: jax.Array,
+    *,
+    q_offset=0,
+    kv_lengths=None,
+    scale: float | None = None,
+    window: int | None = None,
+    remainder: str = "current",
+) -> jax.Array:
+    """float32[B, N, T, S]: the weights each query puts on each key row, the remainder included
+    (at the query's own row with remainder="current"), so a row sums to 1 ("current") or to
+    1 - r_i ("none"). q[B, T, N, H], k[B, S, K, H]; the other arguments as
+    `stick_breaking_attention`'s."""
+    _check(q, k, k, remainder, window, None)
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    if scale is None:
+        scale = H**-0.5
+    q_pos = query_positions(jnp.asarray(q_offset, jnp.int32), T)  # (B or 1, T)
+    if kv_lengths is not None:
+        kv_lengths = jnp.asarray(kv_lengths, jnp.int32)
+    k_rep = jnp.repeat(k.astype(f32), N // K, axis=2)  # (B, S, N, H)
+    z = jnp.einsum("btnh,bsnh->bnts", q.astype(f32), k_rep, precision=_HI) * scale
+    k_pos = jnp.arange(S, dtype=jnp.int32)
+    # The softmax core's visibility without the diagonal: the stick breaks over j < i.
+    earlier = k_pos[None, None, :] < q_pos[:, :, None]  # (B|1, T, S)
+    visible = visibility_mask(q_pos, S, causal=True, kv_lengths=kv_lengths, window=window)
+    visible = (visible & earlier)[:, None]  # (B|1, 1, T, S)
+    log_keep = jnp.where(visible, jax.nn.log_sigmoid(-z), 0.0)  # log(1 - beta), 0 if hidden
+    # sum over visible l > j of log(1 - beta_il): the suffix sum, less the key's own term
+    after = jnp.flip(jnp.cumsum(jnp.flip(log_keep, -1), axis=-1), -1) - log_keep
+    log_a = jax.nn.log_sigmoid(z) + after
+    weights = jnp.where(visible, jnp.exp(jnp.where(visible, log_a, 0.0)), 0.0)
+    if remainder == "current":
+        # r_i = prod over the visible keys of (1 - beta_il) = exp of the whole row's log_keep
+        rest = jnp.exp(jnp.sum(log_keep, axis=-1, keepdims=True))  # (B, N, T, 1)
+        own = k_pos[None, None, None, :] == q_pos[:, None, :, None]  # (B|1, 1, T, S)
+        weights = weights + jnp.where(own, rest, 0.0)
+    return weights
+
+
+def stick_breaking_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    q_offset=0,
+    kv_lengths=None,
+    scale: float | None = None,
+    window: int | None = None,
+    remainder: str = "current",
+    query_chunk: int | None = None,
+) -> jax.Array:
+    """Causal stick-breaking attention of q[B, T, N, H] over k, v[B, S, K, H] (N % K == 0).
+
+    Args:
+      q_offset: int or int[B], the position of the first query (a KV-cache decode step).
+      kv_lengths: int[B] or None; keys j >= kv_lengths[b] are padding.
+      scale: logit scale, default 1/sqrt(H).
+      window: None, or a static int w: only keys with i - j < w break the stick (Hugging Face's
+        `sliding_window` convention, the current token being the w-th).
+      remainder: "current" (the stick left by the keys weights the query's own value, so every
+        row's weights sum to 1) or "none" (it is dropped).
+      query_chunk: None, or a static int c: the queries in blocks of c (`jax.lax.map`), so that
+        the [B, N, c, S] weights of one block are alive at a time instead of [B, N, T, S].
+
+    Returns:
+      float[B, T, N, H] in q's dtype. A query with no visible key returns its own value
+      ("current") or zeros ("none").
+    """
+    _check(q, k, v, remainder, window, query_chunk)
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    kw = dict(kv_lengths=kv_lengths, scale=scale, window=window, remainder=remainder)
+    v_rep = jnp.repeat(v.astype(f32), N // K, axis=2)  # (B, S, N, H)
+
+    def block(q, offset):
+        w = stick_breaking_weights(q, k, q_offset=offset, **kw)
+        return jnp.einsum("bnts,bsnh->btnh", w, v_rep, precision=_HI)
+
+    if query_chunk is None or T <= query_chunk:
+        return block(q, q_offset).astype(q.dtype)
+    c = query_chunk
+    pad = -T % c
+    qp = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))  # padded queries: read nothing kept
+    blocks = qp.reshape(B, (T + pad) // c, c, N, H).swapaxes(0, 1)  # (T/c, B, c, N, H)
+    offset = jnp.asarray(q_offset, jnp.int32)
+    steps = c * jnp.arange(blocks.shape[0], dtype=jnp.int32)
+    starts = offset[None] + steps[:, None] if offset.ndim == 1 else offset + steps  # (T/c[, B])
+    out = jax.lax.map(lambda a: block(*a), (blocks, starts))  # (T/c, B, c, N, H)
+    return out.swapaxes(0, 1).reshape(B, T + pad, N, H)[:, :T].astype(q.dtype)
