@@ -103,8 +103,9 @@ def test_equals_the_loop_over_each_querys_keys(case, remainder):
     np.testing.assert_allclose(got_w, want_w, rtol=2e-5, atol=1e-7)
     got = stick_breaking_attention(q, k, v, remainder=remainder, **kw)
     np.testing.assert_allclose(got, want_out, rtol=2e-5, atol=2e-6)
+    # query blocks of 3: each reads only the keys it can see (a static offset) or all of them
     chunked = stick_breaking_attention(q, k, v, remainder=remainder, query_chunk=3, **kw)
-    np.testing.assert_allclose(chunked, got, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(chunked, want_out, rtol=2e-5, atol=2e-6)
 
 
 def test_rows_sum_to_one_and_the_first_query_reads_its_own_value():
@@ -165,8 +166,8 @@ def test_gradients_equal_the_product_forms():
         ),
         (0, 1, 2),
     )(q, k, v)
-    for got, ref in zip(chunked, ours, strict=True):
-        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+    for got, ref in zip(chunked, want, strict=True):
+        np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-5)
 
 
 def test_jit_vmap_and_bfloat16():
