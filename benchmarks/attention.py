@@ -13,6 +13,14 @@ Run (from the repository root):
     python benchmarks/attention.py --window 512 --lengths 8192   # sliding window vs full causal
     python benchmarks/attention.py --window 128 --lengths 1024 --smoke  # a run check only
     python benchmarks/attention.py --far 512 --lengths 4096     # two-score attention vs one
+    python benchmarks/attention.py --stick_breaking 256 --lengths 1024  # vs softmax attention
+
+Stick-breaking section (--stick_breaking C): at T = the first --lengths value, causal, no bias,
+`stick_breaking_attention` with queries in blocks of C (`jax.lax.map` over the blocks) and in
+one block, against softmax attention (`attention(..., causal=True)`, "auto": the native
+kernel on CPU), forward and forward + backward, same process, and the ratios; then the blocked
+forward's compiled memory at T/2 .. 4T (its weights are materialised a block at a time,
+[B, N, C, T]: linear in T for a fixed C).
 
 Far section (--far W): blockwise forward and forward + backward at T = the first --lengths
 value, no bias, causal, with two-score attention (`far=Far(q_far, k_far, W)`, the far pair
@@ -467,6 +475,56 @@ def run_far(args):
     memory_table("two-score", T, lambda: make_fn("blockwise", "none", True, far=w))
 
 
+def run_stick_breaking(args):
+    """Stick-breaking attention (queries in blocks of C, and unblocked) against softmax attention
+    ("auto"), forward and forward + backward, same process; the blocked program's memory vs T."""
+    from posattn.attention import attention, stick_breaking_attention
+
+    T, c = args.lengths[0], args.stick_breaking
+    q, k, v = inputs(T)
+    d_out = jax.random.normal(jax.random.key(3), q.shape)
+
+    def program(fn, grad):
+        if not grad:
+            return jax.jit(fn)
+        return jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v) * d_out), (0, 1, 2)))
+
+    rows = {
+        "softmax (auto)": lambda q, k, v: attention(q, k, v, causal=True),
+        f"stick-breaking, blocks of {c}": lambda q, k, v: stick_breaking_attention(
+            q, k, v, query_chunk=c
+        ),
+        "stick-breaking, one block": lambda q, k, v: stick_breaking_attention(q, k, v),
+    }
+    print(f"| causal, T={T}, no bias | fwd ms | fwd+bwd ms | compile s (fwd) |\n|---|---|---|---|")
+    times = {}
+    for name, fn in rows.items():
+        row = []
+        for grad in (False, True):
+            start = time.perf_counter()
+            compiled = program(fn, grad).lower(q, k, v).compile()
+            compile_s = time.perf_counter() - start
+            row.append(best_time(functools.partial(compiled, q, k, v), args.repeats))
+            if not grad:
+                row.append(compile_s)
+        times[name] = row
+        print(f"| {name} | {row[0] * 1e3:.0f} | {row[2] * 1e3:.0f} | {row[1]:.2f} |", flush=True)
+    base, blocked, whole = times.values()
+    print(
+        f"\nblocks / softmax: forward {blocked[0] / base[0]:.1f}, forward + backward "
+        f"{blocked[2] / base[2]:.1f}; one block / blocks: forward {whole[0] / blocked[0]:.2f}, "
+        f"forward + backward {whole[2] / blocked[2]:.2f}\n"
+    )
+    print(f"| T | blocks of {c}: fwd compiled bytes (args + out + temp) | temp | temp / T |")
+    print("|---|---|---|---|")
+    for t in (T // 2, T, 2 * T, 4 * T):
+        spec = jax.ShapeDtypeStruct((B, t, N, H), jnp.float32)
+        compiled = program(rows[f"stick-breaking, blocks of {c}"], False).lower(spec, spec, spec)
+        compiled = compiled.compile()
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        print(f"| {t} | {xla_bytes(compiled)} | {temp} | {temp / t:.0f} |", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
@@ -484,6 +542,9 @@ def main():
     parser.add_argument("--tiles", nargs="+", help="sweep blockwise tile sizes, e.g. 512x256")
     parser.add_argument("--window", type=int, help="sliding-window section with this window")
     parser.add_argument("--far", type=int, help="two-score attention section, far from this")
+    parser.add_argument(
+        "--stick_breaking", type=int, help="stick-breaking section, queries in blocks of this"
+    )
     parser.add_argument("--smoke", action="store_true", help="one repeat (a quick check)")
     parser.add_argument("--_child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -501,6 +562,8 @@ def main():
         return run_window(args)
     if args.far:
         return run_far(args)
+    if args.stick_breaking:
+        return run_stick_breaking(args)
     if args.crossover:
         return run_crossover(args)
     if args.tiles:

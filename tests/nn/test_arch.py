@@ -74,9 +74,10 @@ VARIANTS = {
         rope_remap={"type": "self_extend", "window": 4, "group": 2, "log_scale_base": 3},
         layer_pattern=("rope:window=6", "rope"),
     ),
-    # Stick-breaking attention: scanned with grouped heads; a windowed stick-breaking layer
-    # (a ring cache) under a global RoPE layer, its remainder dropped.
-    "stick_breaking_scanned": dict(position="stick_breaking", num_kv_heads=2),
+    # Stick-breaking attention: scanned with grouped heads and a window (ring caches, the
+    # remainder to the current value); a windowed layer that drops the remainder under a global
+    # RoPE layer. (Without a window: tests/nn/test_decode.py.)
+    "stick_breaking_scanned": dict(layer_pattern=("stick_breaking:window=3",), num_kv_heads=2),
     "stick_breaking_window_layer": dict(
         layer_pattern=("stick_breaking:window=4,stick_breaking_remainder=none", "rope"),
     ),

@@ -122,11 +122,11 @@ def stick_breaking_attention(
         `sliding_window` convention, the current token being the w-th).
       remainder: "current" (the stick left by the keys weights the query's own value, so every
         row's weights sum to 1) or "none" (it is dropped).
-      query_chunk: None, or a static int c: the queries in blocks of c, so that the weights of
-        one block are alive at a time instead of [B, N, T, S]. With a static int q_offset each
-        block reads only the keys it can see (up to its last query, from its first query's
-        window), unrolled block by block; a traced q_offset maps one program over the blocks
-        (`jax.lax.map`) with every key.
+      query_chunk: None, or a static int c: the queries in blocks of c, one program mapped over
+        them (`jax.lax.map`), so that the [B, N, c, S] weights of one block are alive at a time
+        instead of [B, N, T, S]: memory linear in T. (Each block reads every key; blocks
+        unrolled to read only the keys before their last query were faster, but XLA kept every
+        block's buffers alive: memory quadratic in T.)
 
     Returns:
       float[B, T, N, H] in q's dtype. A query with no visible key returns its own value
@@ -145,26 +145,6 @@ def stick_breaking_attention(
     if query_chunk is None or T <= query_chunk:
         return block(q, q_offset).astype(q.dtype)
     c = query_chunk
-    if isinstance(q_offset, int) and not isinstance(q_offset, bool):
-        # A static offset (training, evaluation, a prefill): each block of queries reads only
-        # the keys it can see, [first, last query], so the causal half is never computed.
-        outs = []
-        for start in range(0, T, c):
-            first = q_offset + start
-            lo = 0 if window is None else max(0, first - window + 1)
-            hi = min(k.shape[1], first + min(c, T - start))
-            lengths = None if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32) - lo
-            w = stick_breaking_weights(
-                q[:, start : start + c],
-                k[:, lo:hi],
-                q_offset=first - lo,
-                kv_lengths=lengths,
-                scale=scale,
-                window=window,
-                remainder=remainder,
-            )
-            outs.append(jnp.einsum("bnts,bsnh->btnh", w, v_rep[:, lo:hi], precision=_HI))
-        return jnp.concatenate(outs, axis=1).astype(q.dtype)
     pad = -T % c
     qp = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))  # padded queries: read nothing kept
     blocks = qp.reshape(B, (T + pad) // c, c, N, H).swapaxes(0, 1)  # (T/c, B, c, N, H)
