@@ -380,6 +380,7 @@ def test_registry_derives_keys_and_continuous_keys_from_the_settings():
         "kerple_per_layer",
         "sandwich_dim",
         "stick_breaking_remainder",
+        "stick_breaking_logit_bias",
     }
     assert set(families.continuous_keys()) == {"rope_base", "alibi_slope_scale", "fire_init_c"}
     assert families.owners("t5_max_distance") == ("t5",)

@@ -403,6 +403,11 @@ class StickBreakingSettings(Settings):
         help="what the keys leave of each query's stick weights: 'current' (its own value, the "
         "reference tests' o + rem * v: rows sum to 1) or 'none' (dropped)",
     )
+    logit_bias: float = setting(
+        0.0,
+        help="a constant b added to every logit before the sigmoid (0: the paper's); b < 0 gives "
+        "each key a smaller share at initialisation, so the stick reaches ~1/sigmoid(b) keys back",
+    )
 
     def validate(self, ctx: Context) -> None:
         from posattn.attention.stickbreaking import REMAINDERS
@@ -411,6 +416,9 @@ class StickBreakingSettings(Settings):
             raise _invalid(
                 self._key("remainder"), self.remainder, f"must be one of {', '.join(REMAINDERS)}"
             )
+        bias = self.logit_bias
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise _invalid(self._key("logit_bias"), bias, "must be a finite number")
 
 
 @dataclasses.dataclass(frozen=True)

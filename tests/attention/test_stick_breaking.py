@@ -46,7 +46,7 @@ def reference_matrix_form(q, k, v, remainder):
     return o.transpose(0, 2, 1, 3)
 
 
-def loop_oracle(q, k, v, *, q_offset, kv_lengths, window, remainder):
+def loop_oracle(q, k, v, *, q_offset, kv_lengths, window, remainder, logit_bias=0.0):
     """float64 (out [B, T, N, H], weights [B, N, T, S]) from the definition: query i at
     q_offset + t walks its visible keys (j < i, j < length, i - j < window) from the nearest back,
     each taking sigmoid(z) of the stick left; the rest weights its own value ("current")."""
@@ -64,7 +64,8 @@ def loop_oracle(q, k, v, *, q_offset, kv_lengths, window, remainder):
                 for j in range(i - 1, -1, -1):
                     if j >= lengths[b] or (window is not None and i - j >= window):
                         continue
-                    beta = 1 / (1 + np.exp(-q[b, t, n] @ k[b, j, n * k_ // n_] / np.sqrt(h_)))
+                    z = q[b, t, n] @ k[b, j, n * k_ // n_] / np.sqrt(h_) + logit_bias
+                    beta = 1 / (1 + np.exp(-z))
                     weights[b, n, t, j] = stick * beta
                     stick *= 1 - beta
                 if remainder == "current":
@@ -89,6 +90,7 @@ CASES = {
     "decode_step": dict(q_offset=np.array([12, 6]), kv_lengths=np.array([13, 7]), window=None, T=1),
     "decode_block_window": dict(q_offset=np.array([9, 3]), kv_lengths=None, window=3, T=4),
     "scalar_offset": dict(q_offset=5, kv_lengths=None, window=None, T=8),
+    "logit_bias": dict(q_offset=0, kv_lengths=np.array([13, 9]), window=None, T=T, logit_bias=-3.0),
 }
 
 
@@ -98,6 +100,8 @@ def test_equals_the_loop_over_each_querys_keys(case, remainder):
     c = CASES[case]
     q, k, v = _inputs(seed=1, T=c["T"])
     kw = dict(q_offset=c["q_offset"], kv_lengths=c["kv_lengths"], window=c["window"])
+    if "logit_bias" in c:
+        kw["logit_bias"] = c["logit_bias"]
     want_out, want_w = loop_oracle(q, k, v, remainder=remainder, **kw)
     got_w = stick_breaking_weights(q, k, remainder=remainder, **kw)
     np.testing.assert_allclose(got_w, want_w, rtol=2e-5, atol=1e-7)
@@ -187,6 +191,7 @@ def test_jit_vmap_and_bfloat16():
         (dict(remainder="value"), "remainder"),
         (dict(window=0), "window"),
         (dict(query_chunk=2.5), "query_chunk"),
+        (dict(logit_bias=float("nan")), "logit_bias"),
     ],
 )
 def test_bad_arguments_are_refused(kwargs, match):

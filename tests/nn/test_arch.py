@@ -79,7 +79,10 @@ VARIANTS = {
     # RoPE layer. (Without a window: tests/nn/test_decode.py.)
     "stick_breaking_scanned": dict(layer_pattern=("stick_breaking:window=3",), num_kv_heads=2),
     "stick_breaking_window_layer": dict(
-        layer_pattern=("stick_breaking:window=4,stick_breaking_remainder=none", "rope"),
+        layer_pattern=(
+            "stick_breaking:window=4,stick_breaking_remainder=none,stick_breaking_logit_bias=-2.0",
+            "rope",
+        ),
     ),
     "gated_alibi": dict(
         position="alibi",
@@ -257,6 +260,10 @@ def test_an_untied_head_is_its_own_parameter_and_head_dim_is_free():
         (
             dict(position="stick_breaking", stick_breaking_remainder="value"),
             "model.stick_breaking_remainder='value'",
+        ),
+        (
+            dict(position="stick_breaking", stick_breaking_logit_bias=float("inf")),
+            "model.stick_breaking_logit_bias=inf",
         ),
     ],
 )

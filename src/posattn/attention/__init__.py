@@ -60,6 +60,7 @@ from posattn.attention.stickbreaking import (
     REMAINDERS as STICK_BREAKING_REMAINDERS,
 )
 from posattn.attention.stickbreaking import (
+    StickBreaking,
     stick_breaking_attention,
     stick_breaking_weights,
 )
@@ -69,6 +70,7 @@ __all__ = [
     "IMPLEMENTATIONS",
     "SOFTCAP_IMPLEMENTATIONS",
     "STICK_BREAKING_REMAINDERS",
+    "StickBreaking",
     "Bias",
     "BiasFn",
     "Far",

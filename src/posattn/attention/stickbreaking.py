@@ -21,20 +21,32 @@ KV cache). Everything runs in float32 whatever the input dtype; the output keeps
 
 from __future__ import annotations
 
+import math
+import numbers
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 from posattn.attention.masks import query_positions, visibility_mask
 
-__all__ = ["REMAINDERS", "stick_breaking_attention", "stick_breaking_weights"]
+__all__ = ["REMAINDERS", "StickBreaking", "stick_breaking_attention", "stick_breaking_weights"]
 
 REMAINDERS = ("current", "none")
+
+
+class StickBreaking(NamedTuple):
+    """A stick-breaking layer's settings (the keyword arguments of `stick_breaking_attention`)."""
+
+    remainder: str = "current"
+    logit_bias: float = 0.0
+
 
 f32 = jnp.float32
 _HI = jax.lax.Precision.HIGHEST
 
 
-def _check(q, k, v, remainder, window, query_chunk):
+def _check(q, k, v, remainder, window, query_chunk, logit_bias=0.0):
     if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
         raise ValueError(
             f"stick-breaking attention: q must be [B, T, N, H] and k, v [B, S, K, H] alike, got "
@@ -49,6 +61,10 @@ def _check(q, k, v, remainder, window, query_chunk):
         raise ValueError(
             f"stick-breaking attention: remainder={remainder!r}; use one of "
             f"{', '.join(map(repr, REMAINDERS))}"
+        )
+    if not (isinstance(logit_bias, numbers.Real) and math.isfinite(logit_bias)):
+        raise ValueError(
+            f"stick-breaking attention: logit_bias must be a finite number, got {logit_bias!r}"
         )
     for name, value in (("window", window), ("query_chunk", query_chunk)):
         static_int = isinstance(value, int) and not isinstance(value, bool)
@@ -67,12 +83,13 @@ def stick_breaking_weights(
     scale: float | None = None,
     window: int | None = None,
     remainder: str = "current",
+    logit_bias: float = 0.0,
 ) -> jax.Array:
     """float32[B, N, T, S]: the weights each query puts on each key row, the remainder included
     (at the query's own row with remainder="current"), so a row sums to 1 ("current") or to
     1 - r_i ("none"). q[B, T, N, H], k[B, S, K, H]; the other arguments as
     `stick_breaking_attention`'s."""
-    _check(q, k, k, remainder, window, None)
+    _check(q, k, k, remainder, window, None, logit_bias)
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     if scale is None:
@@ -82,6 +99,8 @@ def stick_breaking_weights(
         kv_lengths = jnp.asarray(kv_lengths, jnp.int32)
     k_rep = jnp.repeat(k.astype(f32), N // K, axis=2)  # (B, S, N, H)
     z = jnp.einsum("btnh,bsnh->bnts", q.astype(f32), k_rep, precision=_HI) * scale
+    if logit_bias:
+        z = z + logit_bias
     k_pos = jnp.arange(S, dtype=jnp.int32)
     # The softmax core's visibility without the diagonal: the stick breaks over j < i.
     earlier = k_pos[None, None, :] < q_pos[:, :, None]  # (B|1, T, S)
@@ -110,6 +129,7 @@ def stick_breaking_attention(
     scale: float | None = None,
     window: int | None = None,
     remainder: str = "current",
+    logit_bias: float = 0.0,
     query_chunk: int | None = None,
 ) -> jax.Array:
     """Causal stick-breaking attention of q[B, T, N, H] over k, v[B, S, K, H] (N % K == 0).
@@ -122,6 +142,9 @@ def stick_breaking_attention(
         `sliding_window` convention, the current token being the w-th).
       remainder: "current" (the stick left by the keys weights the query's own value, so every
         row's weights sum to 1) or "none" (it is dropped).
+      logit_bias: a static number b added to every logit, z = scale * q.k + b (0: the paper's).
+        b < 0 starts every key with a smaller share, sigmoid(b) of what is left, so that at
+        initialisation (z near b) the stick reaches about 1 / sigmoid(b) keys back, not 2.
       query_chunk: None, or a static int c: the queries in blocks of c, one program mapped over
         them (`jax.lax.map`), so that the [B, N, c, S] weights of one block are alive at a time
         instead of [B, N, T, S]: memory linear in T. (Each block reads every key; blocks
@@ -132,10 +155,16 @@ def stick_breaking_attention(
       float[B, T, N, H] in q's dtype. A query with no visible key returns its own value
       ("current") or zeros ("none").
     """
-    _check(q, k, v, remainder, window, query_chunk)
+    _check(q, k, v, remainder, window, query_chunk, logit_bias)
     B, T, N, H = q.shape
     K = k.shape[2]
-    kw = dict(kv_lengths=kv_lengths, scale=scale, window=window, remainder=remainder)
+    kw = dict(
+        kv_lengths=kv_lengths,
+        scale=scale,
+        window=window,
+        remainder=remainder,
+        logit_bias=logit_bias,
+    )
     v_rep = jnp.repeat(v.astype(f32), N // K, axis=2)  # (B, S, N, H)
 
     def block(q, offset):

@@ -70,7 +70,7 @@ def _probabilities(
             q_offset=start,
             scale=attn.scale,
             window=attn.window,
-            remainder=attn.stick_breaking,
+            **attn.stick_breaking._asdict(),
         )
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]

@@ -359,7 +359,7 @@ class Attention(nnx.Module):
         window: int | None = None,
         temperature: nnx.Module | None = None,
         forget: nnx.Module | None = None,
-        stick_breaking: str | None = None,
+        stick_breaking: attention_lib.StickBreaking | None = None,
         head_dim: int | None = None,
         arch: Arch = Arch(),
     ):
@@ -398,7 +398,7 @@ class Attention(nnx.Module):
         self.dtype = dtype
         # Per-layer position settings (posattn.nn.pattern): a sliding window, a query temperature
         # (posattn.nn.temperature), FoX's forget gate (posattn.nn.forget), stick-breaking
-        # attention instead of a softmax (its remainder, `stick_breaking_attention`). None: absent.
+        # attention instead of a softmax (its settings, `attention.StickBreaking`). None: absent.
         self.window, self.temperature, self.forget = window, temperature, forget
         self.stick_breaking = stick_breaking
 
@@ -531,8 +531,8 @@ class Attention(nnx.Module):
                 q_offset=q_offset,
                 kv_lengths=kv_lengths,
                 scale=self.scale,
-                remainder=self.stick_breaking,
                 query_chunk=STICK_BREAKING_QUERY_CHUNK,
+                **self.stick_breaking._asdict(),
                 **extra,
             )  # (B, T, N, H)
             return self._project_out(out)

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from posattn import positions
+from posattn.attention import StickBreaking
 from posattn.nn import forget as forget_lib
 from posattn.nn import layers
 from posattn.nn import temperature as temperature_lib
@@ -453,7 +454,9 @@ def _position_layer(cfg: ModelConfig, spec, rngs) -> dict:
             causal=cfg.causal,
         )
     if spec.family.normalizer == "stick_breaking":
-        out["stick_breaking"] = spec.settings.remainder
+        out["stick_breaking"] = StickBreaking(
+            spec.settings.remainder, float(spec.settings.logit_bias)
+        )
     if spec.family.forget is not None:
         out["forget"] = forget_lib.ForgetGate(
             cfg.d_model,
