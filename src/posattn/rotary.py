@@ -813,6 +813,24 @@ def remap_positions(
     return q_pos // g + (w - w // g), k_pos // g
 
 
+def remap_numbers(remap: Mapping) -> tuple[tuple[int, int, int, int], tuple[float, float]]:
+    """((g, a_q, c_q, a_k), (frequency scale, log base)) of a remap: its far query positions are
+    (i // g) * a_q + c_q and its far keys (j // g) * a_k (`remap_positions`), its far rotations
+    multiply the frequencies by the scale (`remap_frequency_scale`), and its queries are
+    multiplied by max(1, log(i + 1) / log base) (`remap_query_scale`; an infinite base: by 1).
+    The numbers let one program serve every remap of one window (`posattn.eval.lengths`)."""
+    w = int(remap["window"])
+    if remap["type"] == "rerope" and remap.get("leak"):
+        ints = (1, 1, w * (int(remap["leak"]) - 1), 1)
+    elif remap["type"] == "rerope":
+        ints = (1, 0, w, 0)
+    else:
+        g = int(remap["group"])
+        ints = (g, 1, w - w // g, 1)
+    base = remap.get("log_scale_base")
+    return ints, (remap_frequency_scale(remap), math.inf if base is None else math.log(base))
+
+
 def remap_frequency_scale(remap: Mapping) -> float:
     """What the far rotations multiply the frequencies by: 1 / k for Leaky ReRoPE (its
     reference's `LlamaLinearScalingRotaryEmbedding` of factor k), 1 otherwise."""

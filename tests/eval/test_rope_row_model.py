@@ -113,3 +113,31 @@ def test_none_keeps_the_model_s_own_scaling(tokens):
     np.testing.assert_array_equal(_nll(table[0], params, table[1], tokens), expected)
     plain = lengths_lib.rope_row_model(cfg, None, T)
     assert not np.array_equal(_nll(plain[0], params, plain[1], tokens), expected)
+
+
+REMAPS = [
+    {"type": "rerope", "window": 8},
+    {"type": "rerope", "window": 8, "log_scale_base": L},
+    {"type": "rerope", "window": 8, "leak": 3},
+    {"type": "self_extend", "window": 8, "group": 4},
+    {"type": "self_extend", "window": 8, "group": 2, "log_scale_base": L},
+]
+
+
+def test_every_remap_of_one_window_is_one_graph_with_the_same_numbers(tokens):
+    """ReRoPE, Leaky ReRoPE and SelfExtend of one window, with and without the log scale, read
+    at one length: one graph (their numbers as arrays), each with the numbers of the model that
+    holds the remap itself; another window is another graph."""
+    cfg, params = _model()
+    graphdefs = set()
+    for remap in REMAPS:
+        direct = lengths_lib.with_rope_scaling(cfg.replace(rope_remap=remap), None)
+        expected = _nll(direct[0], params, direct[1], tokens)
+        graphdef, constants = lengths_lib.rope_row_model(cfg, None, T, remap)
+        graphdefs.add(graphdef)
+        # the same operations on the same values (bitwise where it was written, an AVX2 EPYC)
+        got = _nll(graphdef, params, constants, tokens)
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+    assert len(graphdefs) == 1
+    other = lengths_lib.rope_row_model(cfg, None, T, {"type": "rerope", "window": 4})[0]
+    assert other not in graphdefs

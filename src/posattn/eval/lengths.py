@@ -376,7 +376,15 @@ class TableRotary(nnx.Module):
         self.inv_freq = layers.Constant(jnp.asarray(inv_freq, jnp.float32))
         self.attention_factor = layers.Constant(jnp.asarray(factor, jnp.float32))
         self.layout, self.length = source.layout, int(length)
-        self.remap = source.remap  # an eval-time remap (ReRoPE, SelfExtend) stays in the graph
+        # An eval-time remap (ReRoPE, SelfExtend): its window stays in the graph (the attention
+        # selects its far pairs by it), its other numbers are arrays (`rotary.remap_numbers`),
+        # so every remap of one window read at one length is one graph too.
+        self.remap = None
+        if source.remap is not None:
+            ints, floats = rotary.remap_numbers(dict(source.remap))
+            self.remap = (("window", source.remap_window),)
+            self.remap_ints = layers.Constant(jnp.asarray(ints, jnp.int32))
+            self.remap_floats = layers.Constant(jnp.asarray(floats, jnp.float32))
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, *, seq_len, frequency_scale: float = 1.0
@@ -387,8 +395,8 @@ class TableRotary(nnx.Module):
                 f"rotate at seq_len={seq_len!r}; build one for that length (rope_row_model)"
             )
         inv_freq = self.inv_freq[...]
-        if frequency_scale != 1.0:  # Leaky ReRoPE's far rotation (as `layers.Rotary`)
-            inv_freq = inv_freq * frequency_scale
+        if not (isinstance(frequency_scale, float) and frequency_scale == 1.0):
+            inv_freq = inv_freq * frequency_scale  # a remap's far rotation (`remap_far`)
         return rotary.apply_rope(
             x,
             positions,
@@ -396,6 +404,22 @@ class TableRotary(nnx.Module):
             layout=self.layout,
             attention_factor=self.attention_factor[...],
         )
+
+    @property
+    def remap_window(self) -> int:
+        return int(dict(self.remap)["window"])
+
+    def remap_far(self, positions: jax.Array, k_pos: jax.Array):
+        """`layers.Rotary.remap_far` from the arrays: the same integers, the same float32
+        frequency scale, and the query scale divided by the same float32 log base (by an
+        infinite one, a scale of exactly 1, where the remap has none)."""
+        g, a_q, c_q, a_k = (self.remap_ints[...][i] for i in range(4))
+        frequency_scale, log_base = self.remap_floats[...][0], self.remap_floats[...][1]
+        q_pos = jnp.asarray(positions, jnp.int32)
+        far_q = (q_pos // g) * a_q + c_q
+        far_k = (jnp.asarray(k_pos, jnp.int32) // g) * a_k
+        scale = jnp.maximum(1.0, jnp.log(q_pos.astype(jnp.float32) + 1.0) / log_base)
+        return far_q, far_k, frequency_scale, scale
 
 
 def _tabulate(model: TransformerLM, base: ModelConfig, length: int) -> TransformerLM:

@@ -314,6 +314,19 @@ class Rotary(nnx.Module):
             x, positions, inv_freq, layout=self.layout, attention_factor=self.attention_factor
         )
 
+    @property
+    def remap_window(self) -> int:
+        """The remap's window (static): pairs at distance >= window take the far rotations."""
+        return int(dict(self.remap)["window"])
+
+    def remap_far(self, positions: jax.Array, k_pos: jax.Array):
+        """(far query positions, far key positions, frequency scale, query scale or None) of the
+        eval-time remap at query `positions` and key positions `k_pos` (`rotary.remap_*`)."""
+        remap = dict(self.remap)
+        far_q, far_k = rotary.remap_positions(remap, positions, k_pos)
+        scale = rotary.remap_query_scale(remap, positions)
+        return far_q, far_k, rotary.remap_frequency_scale(remap), scale
+
 
 class Attention(nnx.Module):
     """Multi-head / grouped-query self-attention with the model's position family.
@@ -483,13 +496,10 @@ class Attention(nnx.Module):
         remap's log-n factor (both references scale q before rotating it) and by the layer's
         temperature."""
         rotary_module = self._rotary(shared)
-        remap = dict(rotary_module.remap)
         k_pos = token_positions(0, k.shape[1])
-        log_n = rotary.remap_query_scale(remap, positions)  # (T,) | (B, T) | None
-        if log_n is not None:
+        far_q_pos, far_k_pos, scale, log_n = rotary_module.remap_far(positions, k_pos)
+        if log_n is not None:  # (T,) | (B, T)
             q = (q.astype(jnp.float32) * log_n[..., None, None]).astype(q.dtype)
-        far_q_pos, far_k_pos = rotary.remap_positions(remap, positions, k_pos)
-        scale = rotary.remap_frequency_scale(remap)
 
         def rotated(x, at, frequency_scale=1.0):
             return rotary_module(x, at, seq_len=seq_len, frequency_scale=frequency_scale)
@@ -497,7 +507,7 @@ class Attention(nnx.Module):
         far = attention_lib.Far(
             self._temper(rotated(q, far_q_pos, scale), positions, kv_len),
             rotated(k, far_k_pos, scale),
-            remap["window"],
+            rotary_module.remap_window,
         )
         q = self._temper(rotated(q, positions), positions, kv_len)
         return q, rotated(k, k_pos), far
