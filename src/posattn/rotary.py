@@ -802,15 +802,16 @@ def remap_positions(
     the neighbours' window continues into distances shrunk g-fold, and the largest distance at
     length T is about w + (T - w) / g.
     """
+    return far_positions(remap_numbers(remap)[0], q_pos, k_pos)
+
+
+def far_positions(ints, q_pos: jax.Array, k_pos: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """((i // g) * a_q + c_q, (j // g) * a_k), int32, for ints = (g, a_q, c_q, a_k) of
+    `remap_numbers`, as Python ints or int32 arrays (`posattn.eval.lengths.TableRotary`)."""
+    g, a_q, c_q, a_k = ints
     q_pos = jnp.asarray(q_pos, jnp.int32)
     k_pos = jnp.asarray(k_pos, jnp.int32)
-    w = int(remap["window"])
-    if remap["type"] == "rerope" and remap.get("leak"):
-        return q_pos + w * (int(remap["leak"]) - 1), k_pos
-    if remap["type"] == "rerope":
-        return jnp.full_like(q_pos, w), jnp.zeros_like(k_pos)
-    g = int(remap["group"])
-    return q_pos // g + (w - w // g), k_pos // g
+    return (q_pos // g) * a_q + c_q, (k_pos // g) * a_k
 
 
 def remap_numbers(remap: Mapping) -> tuple[tuple[int, int, int, int], tuple[float, float]]:
@@ -842,7 +843,10 @@ def remap_query_scale(remap: Mapping, q_pos: jax.Array) -> jax.Array | None:
     """float32 max(1, log(i + 1) / log b) at the query positions (q_pos's shape), the remap's
     log-n query scale, or None when it has no "log_scale_base" b."""
     base = remap.get("log_scale_base")
-    if base is None:
-        return None
-    q_pos = jnp.asarray(q_pos, jnp.float32)
-    return jnp.maximum(1.0, jnp.log(q_pos + 1.0) / math.log(base))
+    return None if base is None else log_n_scale(q_pos, math.log(base))
+
+
+def log_n_scale(q_pos: jax.Array, log_base) -> jax.Array:
+    """float32 max(1, log(i + 1) / log_base) at the query positions; log_base a Python float or
+    a float32 array (an infinite one gives exactly 1)."""
+    return jnp.maximum(1.0, jnp.log(jnp.asarray(q_pos, jnp.float32) + 1.0) / log_base)

@@ -413,13 +413,10 @@ class TableRotary(nnx.Module):
         """`layers.Rotary.remap_far` from the arrays: the same integers, the same float32
         frequency scale, and the query scale divided by the same float32 log base (by an
         infinite one, a scale of exactly 1, where the remap has none)."""
-        g, a_q, c_q, a_k = (self.remap_ints[...][i] for i in range(4))
+        ints = tuple(self.remap_ints[...][i] for i in range(4))
         frequency_scale, log_base = self.remap_floats[...][0], self.remap_floats[...][1]
-        q_pos = jnp.asarray(positions, jnp.int32)
-        far_q = (q_pos // g) * a_q + c_q
-        far_k = (jnp.asarray(k_pos, jnp.int32) // g) * a_k
-        scale = jnp.maximum(1.0, jnp.log(q_pos.astype(jnp.float32) + 1.0) / log_base)
-        return far_q, far_k, frequency_scale, scale
+        far_q, far_k = rotary.far_positions(ints, positions, k_pos)
+        return far_q, far_k, frequency_scale, rotary.log_n_scale(positions, log_base)
 
 
 def _tabulate(model: TransformerLM, base: ModelConfig, length: int) -> TransformerLM:

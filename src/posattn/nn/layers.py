@@ -530,8 +530,6 @@ class Attention(nnx.Module):
         """Attention of q[B, T, N, H] over k, v[B, S, K, H], projected back to [B, T, D]
         (log_forget: FoX's float32[B, S, N] of the keys; far: `posattn.attention.Far`, the
         queries and keys of an eval-time RoPE remap's far pairs)."""
-        bias_module = self._bias(shared)
-        bias = bias_module() if bias_module is not None else None
         extra = {} if self.window is None else {"window": self.window}
         if self.stick_breaking is not None:  # no bias, cap, forget gate or remap (pattern.py)
             out = attention_lib.stick_breaking_attention(
@@ -546,6 +544,8 @@ class Attention(nnx.Module):
                 **extra,
             )  # (B, T, N, H)
             return self._project_out(out)
+        bias_module = self._bias(shared)
+        bias = bias_module() if bias_module is not None else None
         if self.softcap is not None:
             extra["softcap"] = self.softcap
         if log_forget is not None:
