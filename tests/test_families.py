@@ -33,6 +33,7 @@ def test_registry_lists_every_family():
         "fire",
         "fox",
         "stick_breaking",
+        "cope",
     }
 
 
@@ -381,10 +382,24 @@ def test_registry_derives_keys_and_continuous_keys_from_the_settings():
         "sandwich_dim",
         "stick_breaking_remainder",
         "stick_breaking_logit_bias",
+        "cope_positions",
+        "cope_scale_positions",
     }
     assert set(families.continuous_keys()) == {"rope_base", "alibi_slope_scale", "fire_init_c"}
     assert families.owners("t5_max_distance") == ("t5",)
     assert set(families.owners("kerple_per_layer")) == {"kerple_power", "kerple_log"}
+    assert families.owners("max_len") == ("learned", "cope")  # CoPE reads the learned key too
+
+
+def test_cope_settings_size_the_table_from_max_len_and_refuse_bad_values():
+    assert families.CopeSettings(max_len=64).table_size == 65  # the reference's block size + 1
+    assert families.CopeSettings(positions=16, max_len=64).table_size == 16
+    assert families.CopeSettings.from_keys({"max_len": 32, "cope_positions": 0}).table_size == 33
+    for key, bad in (("cope_positions", -1), ("cope_positions", 2.5), ("max_len", 0)):
+        with pytest.raises(ValueError, match=f"config.model.{key}="):
+            families.CopeSettings.from_keys({key: bad}).validate(CTX)
+    with pytest.raises(ValueError, match="cope_scale_positions"):
+        families.CopeSettings(scale_positions="yes").validate(CTX)
 
 
 def test_sandwich_dim_sets_d_bar_and_zero_means_the_head_dim():
@@ -415,6 +430,12 @@ def test_register_refuses_inconsistent_families():
         families.register(families.Family("rot", settings=families.AlibiSettings, rotary=True))
     with pytest.raises(ValueError, match="settings must extend LearnedSettings"):
         families.register(families.Family("table", embedding="learned"))
+    with pytest.raises(ValueError, match="contextual .CoPE. family carries no other"):
+        families.register(
+            families.Family(
+                "cope_abs", settings=families.CopeSettings, contextual=True, embedding="sinusoidal"
+            )
+        )
     with pytest.raises(ValueError, match="already registered"):
         families.register(families.Family("rope"))
-    assert not {"t5_clash", "rot", "table"} & set(families.names())
+    assert not {"t5_clash", "rot", "table", "cope_abs"} & set(families.names())

@@ -41,6 +41,7 @@ __all__ = [
     "SandwichSettings",
     "Settings",
     "StickBreakingSettings",
+    "CopeSettings",
     "T5Settings",
     "continuous_keys",
     "get",
@@ -77,7 +78,14 @@ class Context:
     init_scale: float = 1.0
 
 
-def setting(default: Any, *, help: str, continuous: str | None = None, exclusive: bool = False):
+def setting(
+    default: Any,
+    *,
+    help: str,
+    continuous: str | None = None,
+    exclusive: bool = False,
+    key: str | None = None,
+):
     """A field of a `Settings` class: its default and what the command-line help says about it.
 
     Args:
@@ -88,10 +96,12 @@ def setting(default: Any, *, help: str, continuous: str | None = None, exclusive
         changes shapes or the traced program.
       exclusive: a value other than the default is refused while another family is in use (it
         would be silently ignored, and a user who sets it means this family).
+      key: the config key (under `model.`) when it is not the class's prefix + the field's name:
+        a key another family declares too (`max_len`), read here with the same default.
     """
     return dataclasses.field(
         default=default,
-        metadata={"help": help, "continuous": continuous, "exclusive": exclusive},
+        metadata={"help": help, "continuous": continuous, "exclusive": exclusive, "key": key},
     )
 
 
@@ -103,8 +113,8 @@ def _invalid(key: str, value: Any, allowed: str) -> ValueError:
 class Settings:
     """A family's static settings (hashable: they reach the model's graph, which keys jit caches).
 
-    Field `f` of a subclass is the config key `model.<prefix><f>`. The base class has no fields:
-    the settings of a family that has nothing to set.
+    Field `f` of a subclass is the config key `model.<prefix><f>`, or the key its `setting` names.
+    The base class has no fields: the settings of a family that has nothing to set.
     """
 
     prefix: ClassVar[str] = ""
@@ -112,7 +122,11 @@ class Settings:
     @classmethod
     def keys(cls) -> dict[str, dataclasses.Field]:
         """Config key (under `model.`) -> its dataclass field."""
-        return {cls.prefix + f.name: f for f in dataclasses.fields(cls)}
+        return {cls._field_key(f): f for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def _field_key(cls, f: dataclasses.Field) -> str:
+        return f.metadata.get("key") or cls.prefix + f.name
 
     @classmethod
     def from_keys(cls, values: Mapping[str, Any]) -> Settings:
@@ -142,7 +156,7 @@ class Settings:
 
     # Checks for subclasses' validate.
     def _key(self, name: str) -> str:
-        return self.prefix + name
+        return self._field_key(next(f for f in dataclasses.fields(self) if f.name == name))
 
     def _positive_int(self, name: str) -> None:
         value = getattr(self, name)
@@ -394,6 +408,42 @@ class AlibiSettings(Settings):
 
 
 @dataclasses.dataclass(frozen=True)
+class CopeSettings(Settings):
+    """CoPE (Golovneva et al. 2024): the size of each layer's table of position embeddings and
+    the scale of its logits."""
+
+    prefix: ClassVar[str] = "cope_"
+    positions: int = setting(
+        0,
+        help="P, the position embeddings of each layer's table: contextual positions are clamped "
+        "to P - 1; 0: model.max_len + 1 (the reference's default, the block size + 1)",
+    )
+    scale_positions: bool = setting(
+        True,
+        help="the position logits q.e(p) scaled by 1/sqrt(H) with q.k (True, the reference's "
+        "default) or added unscaled (False, its --cope-nodiv and the paper's listing)",
+    )
+    max_len: int = setting(1024, help="the training length (sets the default P)", key="max_len")
+
+    @property
+    def table_size(self) -> int:
+        """P: `positions`, or max_len + 1."""
+        return self.positions or self.max_len + 1
+
+    def validate(self, ctx: Context) -> None:
+        self._positive_int("max_len")
+        value = self.positions
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            raise _invalid(
+                self._key("positions"), value, "must be an integer >= 0 (0: max_len + 1)"
+            )
+        if not isinstance(self.scale_positions, bool):
+            raise _invalid(
+                self._key("scale_positions"), self.scale_positions, "must be True or False"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
 class StickBreakingSettings(Settings):
     """Stick-breaking attention (Tan et al. 2025): where the stick the keys leave goes."""
 
@@ -597,6 +647,10 @@ class Family:
         nearest back instead of a softmax (`posattn.attention.stick_breaking_attention`); the
         order of breaking is then the position signal. Causal models only; its settings extend
         StickBreakingSettings.
+      contextual: CoPE: each key's position for a query is the count of the gates
+        sigmoid(scale q.k) from it to the query, read from a learned table per layer
+        (`posattn.attention.cope_attention`; the table is `posattn.nn.contextual.CopeTable`).
+        Causal models only; its settings extend CopeSettings; no other signal.
     """
 
     name: str
@@ -608,6 +662,7 @@ class Family:
     description: str = ""
     forget: ForgetSpec | None = None
     normalizer: str = "softmax"
+    contextual: bool = False
 
 
 NORMALIZERS = ("softmax", "stick_breaking")
@@ -644,6 +699,19 @@ def register(family: Family) -> Family:
             f"family {family.name!r}: a stick-breaking family takes no bias and no forget gates "
             "(the stick-breaking kernel adds neither), and its settings extend "
             "StickBreakingSettings"
+        )
+    if family.contextual and (
+        family.bias is not None
+        or family.forget is not None
+        or family.rotary
+        or family.embedding != "none"
+        or family.normalizer != "softmax"
+        or not issubclass(family.settings, CopeSettings)
+    ):
+        raise ValueError(
+            f"family {family.name!r}: a contextual (CoPE) family carries no other position "
+            "signal and a softmax (the CoPE kernel adds no bias, gate or rotation), and its "
+            "settings extend CopeSettings"
         )
     if family.embedding == "learned" and not issubclass(family.settings, LearnedSettings):
         raise ValueError(
@@ -920,5 +988,14 @@ register(
         normalizer="stick_breaking",
         description="stick-breaking attention: no softmax, keys weighted nearest first, no other "
         "signal",
+    )
+)
+register(
+    Family(
+        "cope",
+        settings=CopeSettings,
+        contextual=True,
+        description="CoPE contextual positions: keys at the count of gates sigmoid(q.k) up to the "
+        "query, a learned table per layer, no other signal",
     )
 )

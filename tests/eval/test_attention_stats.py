@@ -90,10 +90,22 @@ def test_stats_match_closed_forms(position):
                 )
             ),
         ),
+        # CoPE's weights, its table drawn at random (zero at initialisation: a plain softmax),
+        # 8 positions for 24 keys (the far ones clamped); a windowed CoPE layer under RoPE
+        ("cope", dict(model__cope_positions=8)),
+        ("cope", dict(model__layer_pattern=("cope:window=6,cope_scale_positions=False", "rope"))),
     ],
 )
 def test_probabilities_reproduce_each_layers_attention(position, keys):
     cfg, graphdef, params, constants = _model(position, model__num_kv_heads=2, **keys)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: (
+            jax.random.normal(jax.random.key(3), x.shape, x.dtype)
+            if "cope" in jax.tree_util.keystr(path)
+            else x
+        ),
+        params,
+    )
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, size=(2, 24)), jnp.int32)
     probs = attention_stats.attention_probabilities(graphdef, params, constants, tokens)
     model = nnx.merge(graphdef, params, constants)

@@ -615,6 +615,9 @@ def test_a_model_without_a_hugging_face_twin_is_not_saved(tmp_path):
     breaking = llama.replace(layer_pattern=("rope", "stick_breaking")).validate()
     with pytest.raises(ValueError, match="no stick-breaking attention"):
         hf.save_pretrained(TransformerLM(breaking, rngs=nnx.Rngs(0)), tmp_path / "s")
+    contextual = llama.replace(layer_pattern=("cope", "rope")).validate()
+    with pytest.raises(ValueError, match="no contextual position encoding"):
+        hf.save_pretrained(TransformerLM(contextual, rngs=nnx.Rngs(0)), tmp_path / "c")
     for pattern, named in [
         (("rope", "rope:rope_base=500.0"), "layer 1 has positions of its own"),
         (("rope:attn_scale=0.1",), "layer 0 has positions of its own.*temperature"),

@@ -84,6 +84,12 @@ VARIANTS = {
             "rope",
         ),
     ),
+    # CoPE: scanned with grouped heads, a window (ring caches) and a table of 4 positions (the
+    # far keys clamped); a windowed layer whose position logits are not scaled, under RoPE.
+    "cope_scanned": dict(layer_pattern=("cope:window=4",), num_kv_heads=2, cope_positions=4),
+    "cope_window_layer": dict(
+        layer_pattern=("cope:window=5,cope_scale_positions=False", "rope"), max_len=6
+    ),
     "gated_alibi": dict(
         position="alibi",
         mlp="gated",
@@ -257,6 +263,9 @@ def test_an_untied_head_is_its_own_parameter_and_head_dim_is_free():
             "config.model.attn_logit_softcap=5.0",
         ),
         (dict(position="stick_breaking", kind="encoder"), "needs a causal model"),
+        (dict(position="cope", attn_logit_softcap=5.0), "the CoPE kernel has no logit soft cap"),
+        (dict(position="cope", kind="encoder"), "CoPE counts each query's gates"),
+        (dict(position="cope", cope_positions=-3), "model.cope_positions=-3"),
         (
             dict(position="stick_breaking", stick_breaking_remainder="value"),
             "model.stick_breaking_remainder='value'",

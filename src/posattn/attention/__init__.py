@@ -34,8 +34,11 @@ The package:
   pallas.py     "pallas": the fused Pallas kernel evaluating the bias inside (GPU, TPU; interpret
                 mode on CPU), when present
   partition.py  under a device mesh, every implementation runs per device over the batch
+  rowwise.py    what the two below share: queries mapped in blocks over materialised weights
   stickbreaking.py  `stick_breaking_attention`: no softmax; each query breaks a stick over its
                 keys from the nearest back (Tan et al. 2025), in float32, queries in blocks
+  cope.py       `cope_attention`: contextual positions (CoPE, Golovneva et al. 2024), keys at
+                the count of gates sigmoid(q.k) up to the query, read from a learned table
 
 "auto" picks per backend by the rule in `choose_implementation`.
 """
@@ -54,6 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from posattn.attention import blockwise, chunked, cudnn, native, partition
+from posattn.attention.cope import cope_attention, cope_positions, cope_weights
 from posattn.attention.masks import Far, materialize_bias, query_positions, visibility_mask
 from posattn.attention.reference import reference_attention, xla_attention
 from posattn.attention.stickbreaking import (
@@ -75,6 +79,9 @@ __all__ = [
     "BiasFn",
     "Far",
     "attention",
+    "cope_attention",
+    "cope_positions",
+    "cope_weights",
     "choose_implementation",
     "materialize_bias",
     "query_positions",

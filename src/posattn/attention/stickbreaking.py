@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from posattn.attention.masks import query_positions, visibility_mask
+from posattn.attention.rowwise import check_qkv, check_static, map_query_blocks
 
 __all__ = ["REMAINDERS", "StickBreaking", "stick_breaking_attention", "stick_breaking_weights"]
 
@@ -47,16 +48,7 @@ _HI = jax.lax.Precision.HIGHEST
 
 
 def _check(q, k, v, remainder, window, query_chunk, logit_bias=0.0):
-    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
-        raise ValueError(
-            f"stick-breaking attention: q must be [B, T, N, H] and k, v [B, S, K, H] alike, got "
-            f"q {q.shape}, k {k.shape}, v {v.shape}"
-        )
-    if q.shape[2] % k.shape[2] or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError(
-            f"stick-breaking attention: q {q.shape} and k {k.shape} must share B and H, and the "
-            "query heads must be a multiple of the key/value heads"
-        )
+    check_qkv("stick-breaking attention", q, k, v)
     if remainder not in REMAINDERS:
         raise ValueError(
             f"stick-breaking attention: remainder={remainder!r}; use one of "
@@ -66,12 +58,7 @@ def _check(q, k, v, remainder, window, query_chunk, logit_bias=0.0):
         raise ValueError(
             f"stick-breaking attention: logit_bias must be a finite number, got {logit_bias!r}"
         )
-    for name, value in (("window", window), ("query_chunk", query_chunk)):
-        static_int = isinstance(value, int) and not isinstance(value, bool)
-        if value is not None and not (static_int and value >= 1):
-            raise ValueError(
-                f"stick-breaking attention: {name} must be None or a static int >= 1, got {value!r}"
-            )
+    check_static("stick-breaking attention", window=window, query_chunk=query_chunk)
 
 
 def stick_breaking_weights(
@@ -146,10 +133,8 @@ def stick_breaking_attention(
         b < 0 starts every key with a smaller share, sigmoid(b) of what is left, so that at
         initialisation (z near b) the stick reaches about 1 / sigmoid(b) keys back, not 2.
       query_chunk: None, or a static int c: the queries in blocks of c, one program mapped over
-        them (`jax.lax.map`), so that the [B, N, c, S] weights of one block are alive at a time
-        instead of [B, N, T, S]: memory linear in T. (Each block reads every key; blocks
-        unrolled to read only the keys before their last query were faster, but XLA kept every
-        block's buffers alive: memory quadratic in T.)
+        them (`rowwise.map_query_blocks`), so that the [B, N, c, S] weights of one block are
+        alive at a time instead of [B, N, T, S]: memory linear in T.
 
     Returns:
       float[B, T, N, H] in q's dtype. A query with no visible key returns its own value
@@ -171,14 +156,4 @@ def stick_breaking_attention(
         w = stick_breaking_weights(q, k, q_offset=offset, **kw)
         return jnp.einsum("bnts,bsnh->btnh", w, v_rep, precision=_HI)
 
-    if query_chunk is None or T <= query_chunk:
-        return block(q, q_offset).astype(q.dtype)
-    c = query_chunk
-    pad = -T % c
-    qp = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))  # padded queries: read nothing kept
-    blocks = qp.reshape(B, (T + pad) // c, c, N, H).swapaxes(0, 1)  # (T/c, B, c, N, H)
-    offset = jnp.asarray(q_offset, jnp.int32)
-    steps = c * jnp.arange(blocks.shape[0], dtype=jnp.int32)
-    starts = offset[None] + steps[:, None] if offset.ndim == 1 else offset + steps  # (T/c[, B])
-    out = jax.lax.map(lambda a: block(*a), (blocks, starts))  # (T/c, B, c, N, H)
-    return out.swapaxes(0, 1).reshape(B, T + pad, N, H)[:, :T].astype(q.dtype)
+    return map_query_blocks(block, q, q_offset, query_chunk)

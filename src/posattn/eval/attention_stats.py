@@ -61,7 +61,8 @@ def _probabilities(
     """Reference softmax probabilities float32[B, N, T - start, S] of one layer for the queries
     q[:, start:] (q at positions 0..T-1; its window, FoX's log f [B, S, N] and a RoPE remap's
     far pairs (`attention.Far`) as the layer's); a stick-breaking layer's weights instead, the
-    remainder on the query's own key where the layer gives it its own value."""
+    remainder on the query's own key where the layer gives it its own value; a CoPE layer's
+    softmax weights with its contextual positions."""
     q = q[:, start:]
     if attn.stick_breaking is not None:  # the weights its kernel multiplies the values by
         return attention_lib.stick_breaking_weights(
@@ -71,6 +72,16 @@ def _probabilities(
             scale=attn.scale,
             window=attn.window,
             **attn.stick_breaking._asdict(),
+        )
+    if attn.cope is not None:  # CoPE's softmax weights, its positions read from the table
+        return attention_lib.cope_weights(
+            q,
+            k,
+            attn.cope.table[...],
+            q_offset=start,
+            scale=attn.scale,
+            window=attn.window,
+            scale_positions=attn.cope.scale_positions,
         )
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]

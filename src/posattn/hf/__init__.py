@@ -306,6 +306,12 @@ def model_type_of(cfg: ModelConfig) -> str:
             f"model layers of {breaking[0]!r} attention: transformers has no stick-breaking "
             "attention, so no Hugging Face architecture computes this model"
         )
+    contextual = [spec.position for spec in cfg.layers if spec.family.contextual]
+    if contextual:
+        raise ValueError(
+            f"model layers of {contextual[0]!r}: transformers has no contextual position encoding "
+            "(CoPE), so no Hugging Face architecture computes this model"
+        )
     kind = _architecture(cfg)
     if kind == "gemma3_text":
         _gemma3_layers(cfg)

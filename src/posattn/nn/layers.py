@@ -72,9 +72,10 @@ def dense(x: jax.Array, w: jax.Array) -> jax.Array:
 
 _TN = (((0,), (0,)), ((), ()))  # contract the rows of both operands: a^T b
 
-# A stick-breaking layer reads its queries in blocks of this many once longer (its weights are
-# materialised, [B, N, block, S] at a time): training lengths in one block, 16L in a few.
-STICK_BREAKING_QUERY_CHUNK = 256
+# A stick-breaking or CoPE layer reads its queries in blocks of this many once longer (its
+# weights are materialised, [B, N, block, S] at a time): training lengths in one block, 16L in a
+# few.
+ROWWISE_QUERY_CHUNK = 256
 
 
 @jax.custom_vjp
@@ -373,6 +374,7 @@ class Attention(nnx.Module):
         temperature: nnx.Module | None = None,
         forget: nnx.Module | None = None,
         stick_breaking: attention_lib.StickBreaking | None = None,
+        cope: nnx.Module | None = None,
         head_dim: int | None = None,
         arch: Arch = Arch(),
     ):
@@ -411,9 +413,10 @@ class Attention(nnx.Module):
         self.dtype = dtype
         # Per-layer position settings (posattn.nn.pattern): a sliding window, a query temperature
         # (posattn.nn.temperature), FoX's forget gate (posattn.nn.forget), stick-breaking
-        # attention instead of a softmax (its settings, `attention.StickBreaking`). None: absent.
+        # attention instead of a softmax (its settings, `attention.StickBreaking`), CoPE's table
+        # of position embeddings (posattn.nn.contextual). None: absent.
         self.window, self.temperature, self.forget = window, temperature, forget
-        self.stick_breaking = stick_breaking
+        self.stick_breaking, self.cope = stick_breaking, cope
 
     def _rotary(self, shared) -> Rotary | None:
         return self.rotary if self.rotary is not None or shared is None else shared[0]
@@ -539,8 +542,22 @@ class Attention(nnx.Module):
                 q_offset=q_offset,
                 kv_lengths=kv_lengths,
                 scale=self.scale,
-                query_chunk=STICK_BREAKING_QUERY_CHUNK,
+                query_chunk=ROWWISE_QUERY_CHUNK,
                 **self.stick_breaking._asdict(),
+                **extra,
+            )  # (B, T, N, H)
+            return self._project_out(out)
+        if self.cope is not None:  # no bias, cap, forget gate or remap either (pattern.py)
+            out = attention_lib.cope_attention(
+                q,
+                k,
+                v,
+                self.cope.table[...],
+                q_offset=q_offset,
+                kv_lengths=kv_lengths,
+                scale=self.scale,
+                scale_positions=self.cope.scale_positions,
+                query_chunk=ROWWISE_QUERY_CHUNK,
                 **extra,
             )  # (B, T, N, H)
             return self._project_out(out)

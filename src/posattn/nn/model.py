@@ -41,8 +41,8 @@ from flax import nnx
 
 from posattn import positions
 from posattn.attention import StickBreaking
+from posattn.nn import contextual, layers
 from posattn.nn import forget as forget_lib
-from posattn.nn import layers
 from posattn.nn import temperature as temperature_lib
 from posattn.nn.config import ModelConfig
 
@@ -456,6 +456,13 @@ def _position_layer(cfg: ModelConfig, spec, rngs) -> dict:
     if spec.family.normalizer == "stick_breaking":
         out["stick_breaking"] = StickBreaking(
             spec.settings.remainder, float(spec.settings.logit_bias)
+        )
+    if spec.family.contextual:
+        out["cope"] = contextual.CopeTable(
+            cfg.head_dim,
+            spec.settings.table_size,
+            scale_positions=spec.settings.scale_positions,
+            param_dtype=layers.compute_dtype(cfg.param_dtype),
         )
     if spec.family.forget is not None:
         out["forget"] = forget_lib.ForgetGate(

@@ -286,6 +286,16 @@ def validate(cfg) -> None:
                 f"{label}: stick-breaking attention has no softmax logits to cap, but "
                 f"config.model.attn_logit_softcap={cfg.attn_logit_softcap}; set it to 0"
             )
+        if family.contextual and not cfg.causal:
+            raise ValueError(
+                f"{label}: CoPE counts each query's gates over the keys up to it and needs a "
+                f"causal model, but config.model.kind={cfg.kind!r}; set model.kind='decoder'"
+            )
+        if family.contextual and cfg.attn_logit_softcap:
+            raise ValueError(
+                f"{label}: the CoPE kernel has no logit soft cap, but "
+                f"config.model.attn_logit_softcap={cfg.attn_logit_softcap}; set it to 0"
+            )
         if family.forget is not None and cfg.kv_share != 1:
             raise ValueError(
                 f"{label}: config.model.kv_share={cfg.kv_share} is not supported with FoX (each "

@@ -1,0 +1,172 @@
+"""Contextual position encoding, CoPE (Golovneva et al. 2024, "Contextual Position Encoding:
+Learning to Count What's Important"): positions counted by the content.
+
+Query i gates each visible key l by g_il = sigmoid(z_il), z_il = scale * q_i . k_l, and key j
+sits at the contextual position
+
+    p_ij = sum over the visible l with j <= l <= i of g_il          (the key's own gate included)
+
+a suffix sum over the row, clamped to P - 1 for a table e of P position embeddings [H, P]. As p
+is fractional, the position logit interpolates the two integers around it,
+`q_i . e[floor p] * (1 - w) + q_i . e[ceil p] * w`, w = p - floor p (the gradient reaches p
+through w, none through the integers), and the logits are
+
+    scale * (q_i . k_j + q_i . e(p_ij))       scale_positions=True (the reference's default)
+    scale * q_i . k_j + q_i . e(p_ij)         scale_positions=False (`--cope-nodiv`, and the
+                                                paper's listing)
+
+then a softmax over the visible keys. This is facebookresearch/RAM `projects/cope`
+(`ContextPosSelfAttn`, gates from the keys: `gate_logits = query @ key^T`,
+`gates = sigmoid(gate_logits / sqrt(head_dim)) * attn_mask`, `positions = gates.flip(-1)
+.cumsum(-1).flip(-1).clamp(max=npos - 1)`, one [head_dim, npos] table per layer shared by its
+heads, zero at initialisation, npos = block size + 1 by default). A hidden key's gate is 0, so
+padding and keys outside a sliding window count for nothing.
+
+Visibility is the softmax core's (`posattn.attention.visibility_mask`, causal): key j <= i,
+j < kv_lengths[b], i - j < window. Queries sit at q_offset + t (a KV-cache decode step). Everything
+runs in float32 whatever the input dtype; the output keeps q's dtype; a query that sees no key
+returns zeros.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from posattn.attention.masks import query_positions, visibility_mask
+from posattn.attention.rowwise import check_qkv, check_static, map_query_blocks
+
+__all__ = ["cope_attention", "cope_positions", "cope_weights"]
+
+f32 = jnp.float32
+_HI = jax.lax.Precision.HIGHEST
+_NAME = "CoPE attention"
+
+
+def _check_table(q, table):
+    if table.ndim != 2 or table.shape[0] != q.shape[-1] or table.shape[1] < 1:
+        raise ValueError(
+            f"{_NAME}: the position table must be [H, P] with H = {q.shape[-1]} (the head dim) "
+            f"and P >= 1 positions, got {table.shape}"
+        )
+
+
+def _logits_and_visible(q, k, *, q_offset, kv_lengths, scale, window):
+    """(scale * q.k float32[B, N, T, S], visible bool[B|1, 1, T, S])."""
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    scale = H**-0.5 if scale is None else scale
+    q_pos = query_positions(jnp.asarray(q_offset, jnp.int32), T)  # (B|1, T)
+    if kv_lengths is not None:
+        kv_lengths = jnp.asarray(kv_lengths, jnp.int32)
+    k_rep = jnp.repeat(k.astype(f32), N // K, axis=2)  # (B, S, N, H)
+    z = jnp.einsum("btnh,bsnh->bnts", q.astype(f32), k_rep, precision=_HI) * scale
+    visible = visibility_mask(q_pos, S, causal=True, kv_lengths=kv_lengths, window=window)
+    return z, visible[:, None], scale
+
+
+def cope_positions(
+    q: jax.Array, k: jax.Array, *, q_offset=0, kv_lengths=None, scale=None, window=None
+) -> jax.Array:
+    """float32[B, N, T, S]: the contextual position p_ij of each key for each query (unclamped;
+    0 at hidden keys). q[B, T, N, H], k[B, S, K, H]; the arguments as `cope_attention`'s."""
+    check_qkv(_NAME, q, k, k)
+    check_static(_NAME, window=window)
+    z, visible, _ = _logits_and_visible(
+        q, k, q_offset=q_offset, kv_lengths=kv_lengths, scale=scale, window=window
+    )
+    return jnp.where(visible, _suffix_count(z, visible), 0.0)
+
+
+def _suffix_count(z, visible):
+    gates = jnp.where(visible, jax.nn.sigmoid(z), 0.0)
+    return jax.lax.cumsum(gates, axis=3, reverse=True)
+
+
+def cope_weights(
+    q: jax.Array,
+    k: jax.Array,
+    table: jax.Array,
+    *,
+    q_offset=0,
+    kv_lengths=None,
+    scale: float | None = None,
+    window: int | None = None,
+    scale_positions: bool = True,
+) -> jax.Array:
+    """float32[B, N, T, S]: the softmax weights each query puts on each key (rows that see no
+    key are zeros). q[B, T, N, H], k[B, S, K, H], table[H, P]; the other arguments as
+    `cope_attention`'s."""
+    check_qkv(_NAME, q, k, k)
+    check_static(_NAME, window=window)
+    _check_table(q, table)
+    z, visible, scale = _logits_and_visible(
+        q, k, q_offset=q_offset, kv_lengths=kv_lengths, scale=scale, window=window
+    )
+    P = table.shape[1]
+    p = jnp.minimum(_suffix_count(z, visible), P - 1)
+    below = jnp.floor(p)
+    w = p - below  # the gradient reaches p here only
+    # q_i . e[n] for every integer n < P, then read at floor p and ceil p
+    at_int = jnp.einsum("btnh,hp->bntp", q.astype(f32), table.astype(f32), precision=_HI)
+    lo = jnp.take_along_axis(at_int, below.astype(jnp.int32), axis=3)
+    hi = jnp.take_along_axis(at_int, jnp.ceil(p).astype(jnp.int32), axis=3)
+    position_logits = hi * w + lo * (1.0 - w)
+    logits = z + (scale * position_logits if scale_positions else position_logits)
+    logits = jnp.where(visible, logits, -jnp.inf)
+    top = jax.lax.stop_gradient(jnp.max(logits, axis=3, keepdims=True))
+    e = jnp.where(visible, jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+    total = jnp.sum(e, axis=3, keepdims=True)
+    return e / jnp.where(total > 0, total, 1.0)
+
+
+def cope_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    table: jax.Array,
+    *,
+    q_offset=0,
+    kv_lengths=None,
+    scale: float | None = None,
+    window: int | None = None,
+    scale_positions: bool = True,
+    query_chunk: int | None = None,
+) -> jax.Array:
+    """Causal attention of q[B, T, N, H] over k, v[B, S, K, H] (N % K == 0) with contextual
+    positions read from table[H, P] (one layer's position embeddings, shared by its heads).
+
+    Args:
+      q_offset: int or int[B], the position of the first query (a KV-cache decode step).
+      kv_lengths: int[B] or None; keys j >= kv_lengths[b] are padding (their gates are 0).
+      scale: the logit scale, default 1/sqrt(H); the gates are sigmoid(scale * q.k).
+      window: None, or a static int w: only keys with i - j < w are seen or counted (Hugging
+        Face's `sliding_window` convention).
+      scale_positions: the position logits q.e(p) multiplied by `scale` as q.k is (True, the
+        reference's default) or added as they are (False).
+      query_chunk: None, or a static int c: the queries in blocks of c, one program mapped over
+        them (`rowwise.map_query_blocks`): memory linear in T.
+
+    Returns:
+      float[B, T, N, H] in q's dtype.
+    """
+    check_qkv(_NAME, q, k, v)
+    check_static(_NAME, window=window, query_chunk=query_chunk)
+    _check_table(q, table)
+    B, T, N, H = q.shape
+    v_rep = jnp.repeat(v.astype(f32), N // k.shape[2], axis=2)  # (B, S, N, H)
+
+    def block(q, offset):
+        w = cope_weights(
+            q,
+            k,
+            table,
+            q_offset=offset,
+            kv_lengths=kv_lengths,
+            scale=scale,
+            window=window,
+            scale_positions=scale_positions,
+        )
+        return jnp.einsum("bnts,bsnh->btnh", w, v_rep, precision=_HI)
+
+    return map_query_blocks(block, q, q_offset, query_chunk)

@@ -1,0 +1,31 @@
+"""CoPE's table of position embeddings (Golovneva et al. 2024): the module a layer owns.
+
+One [H, P] table per layer, shared by its heads and zero at initialisation, as the reference
+(facebookresearch/RAM `projects/cope`, `ContextPosSelfAttn.pos_emb`, a zero
+[1, head_dim, npos] parameter); the attention core reads it at each key's contextual position
+(`posattn.attention.cope_attention`). With a zero table a CoPE layer starts as NoPE.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+__all__ = ["CopeTable"]
+
+
+class CopeTable(nnx.Module):
+    """A layer's CoPE position embeddings.
+
+    Args:
+      head_dim: H.
+      positions: P (contextual positions are clamped to P - 1).
+      scale_positions: the position logits scaled with q.k (the core's `scale_positions`).
+      param_dtype: storage dtype of the table.
+    """
+
+    def __init__(
+        self, head_dim: int, positions: int, *, scale_positions: bool, param_dtype=jnp.float32
+    ):
+        self.table = nnx.Param(jnp.zeros((head_dim, positions), param_dtype))
+        self.scale_positions = scale_positions
