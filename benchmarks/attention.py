@@ -14,13 +14,16 @@ Run (from the repository root):
     python benchmarks/attention.py --window 128 --lengths 1024 --smoke  # a run check only
     python benchmarks/attention.py --far 512 --lengths 4096     # two-score attention vs one
     python benchmarks/attention.py --stick_breaking 256 --lengths 1024  # vs softmax attention
+    python benchmarks/attention.py --cope 256 --lengths 1024            # the same for CoPE
 
 Stick-breaking section (--stick_breaking C): at T = the first --lengths value, causal, no bias,
 `stick_breaking_attention` with queries in blocks of C (`jax.lax.map` over the blocks) and in
 one block, against softmax attention (`attention(..., causal=True)`, "auto": the native
 kernel on CPU), forward and forward + backward, same process, and the ratios; then the blocked
 forward's compiled memory at T/2 .. 4T (its weights are materialised a block at a time,
-[B, N, C, T]: linear in T for a fixed C).
+[B, N, C, T]: linear in T for a fixed C). The CoPE section (--cope C) is the same for
+`cope_attention` with a table of T + 1 positions (the reference's default at a block of T): the
+memory table's programs hold the table of the first length.
 
 Far section (--far W): blockwise forward and forward + backward at T = the first --lengths
 value, no bias, causal, with two-score attention (`far=Far(q_far, k_far, W)`, the far pair
@@ -475,14 +478,27 @@ def run_far(args):
     memory_table("two-score", T, lambda: make_fn("blockwise", "none", True, far=w))
 
 
-def run_stick_breaking(args):
-    """Stick-breaking attention (queries in blocks of C, and unblocked) against softmax attention
-    ("auto"), forward and forward + backward, same process; the blocked program's memory vs T."""
-    from posattn.attention import attention, stick_breaking_attention
+def run_rowwise(args):
+    """Stick-breaking attention or CoPE (queries in blocks of C, and unblocked) against softmax
+    attention ("auto"), forward and forward + backward, same process; the blocked program's
+    memory vs T."""
+    from posattn.attention import attention, cope_attention, stick_breaking_attention
 
-    T, c = args.lengths[0], args.stick_breaking
+    T = args.lengths[0]
     q, k, v = inputs(T)
     d_out = jax.random.normal(jax.random.key(3), q.shape)
+    if args.stick_breaking:
+        c, name = args.stick_breaking, "stick-breaking"
+
+        def rowwise(q, k, v, chunk=None):
+            return stick_breaking_attention(q, k, v, query_chunk=chunk)
+
+    else:
+        c, name = args.cope, f"CoPE (P = {T + 1})"
+        table = 0.1 * jax.random.normal(jax.random.key(4), (H, T + 1))  # the reference's T + 1
+
+        def rowwise(q, k, v, chunk=None):
+            return cope_attention(q, k, v, table, query_chunk=chunk)
 
     def program(fn, grad):
         if not grad:
@@ -491,14 +507,12 @@ def run_stick_breaking(args):
 
     rows = {
         "softmax (auto)": lambda q, k, v: attention(q, k, v, causal=True),
-        f"stick-breaking, blocks of {c}": lambda q, k, v: stick_breaking_attention(
-            q, k, v, query_chunk=c
-        ),
-        "stick-breaking, one block": lambda q, k, v: stick_breaking_attention(q, k, v),
+        f"{name}, blocks of {c}": functools.partial(rowwise, chunk=c),
+        f"{name}, one block": rowwise,
     }
     print(f"| causal, T={T}, no bias | fwd ms | fwd+bwd ms | compile s (fwd) |\n|---|---|---|---|")
     times = {}
-    for name, fn in rows.items():
+    for label, fn in rows.items():
         row = []
         for grad in (False, True):
             start = time.perf_counter()
@@ -507,8 +521,8 @@ def run_stick_breaking(args):
             row.append(best_time(functools.partial(compiled, q, k, v), args.repeats))
             if not grad:
                 row.append(compile_s)
-        times[name] = row
-        print(f"| {name} | {row[0] * 1e3:.0f} | {row[2] * 1e3:.0f} | {row[1]:.2f} |", flush=True)
+        times[label] = row
+        print(f"| {label} | {row[0] * 1e3:.0f} | {row[2] * 1e3:.0f} | {row[1]:.2f} |", flush=True)
     base, blocked, whole = times.values()
     print(
         f"\nblocks / softmax: forward {blocked[0] / base[0]:.1f}, forward + backward "
@@ -519,7 +533,7 @@ def run_stick_breaking(args):
     print("|---|---|---|---|")
     for t in (T // 2, T, 2 * T, 4 * T):
         spec = jax.ShapeDtypeStruct((B, t, N, H), jnp.float32)
-        compiled = program(rows[f"stick-breaking, blocks of {c}"], False).lower(spec, spec, spec)
+        compiled = program(rows[f"{name}, blocks of {c}"], False).lower(spec, spec, spec)
         compiled = compiled.compile()
         temp = compiled.memory_analysis().temp_size_in_bytes
         print(f"| {t} | {xla_bytes(compiled)} | {temp} | {temp / t:.0f} |", flush=True)
@@ -545,6 +559,7 @@ def main():
     parser.add_argument(
         "--stick_breaking", type=int, help="stick-breaking section, queries in blocks of this"
     )
+    parser.add_argument("--cope", type=int, help="CoPE section, queries in blocks of this")
     parser.add_argument("--smoke", action="store_true", help="one repeat (a quick check)")
     parser.add_argument("--_child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -562,8 +577,8 @@ def main():
         return run_window(args)
     if args.far:
         return run_far(args)
-    if args.stick_breaking:
-        return run_stick_breaking(args)
+    if args.stick_breaking or args.cope:
+        return run_rowwise(args)
     if args.crossover:
         return run_crossover(args)
     if args.tiles:

@@ -107,10 +107,14 @@ def cope_weights(
     p = jnp.minimum(_suffix_count(z, visible), P - 1)
     below = jnp.floor(p)
     w = p - below  # the gradient reaches p here only
-    # q_i . e[n] for every integer n < P, then read at floor p and ceil p
+    # q_i . e[n] for every integer n < P, then read at floor p and ceil p: one flat gather
+    # (`take_along_axis`'s batched gather ran 2.6x slower forward and backward on a CPU)
     at_int = jnp.einsum("btnh,hp->bntp", q.astype(f32), table.astype(f32), precision=_HI)
-    lo = jnp.take_along_axis(at_int, below.astype(jnp.int32), axis=3)
-    hi = jnp.take_along_axis(at_int, jnp.ceil(p).astype(jnp.int32), axis=3)
+    B, N, T = at_int.shape[:3]
+    rows = P * jnp.arange(B * N * T, dtype=jnp.int32).reshape(B, N, T, 1)
+    flat = at_int.reshape(-1)
+    lo = jnp.take(flat, rows + below.astype(jnp.int32), mode="clip")
+    hi = jnp.take(flat, rows + jnp.ceil(p).astype(jnp.int32), mode="clip")
     position_logits = hi * w + lo * (1.0 - w)
     logits = z + (scale * position_logits if scale_positions else position_logits)
     logits = jnp.where(visible, logits, -jnp.inf)
