@@ -107,8 +107,8 @@ def cope_weights(
     p = jnp.minimum(_suffix_count(z, visible), P - 1)
     below = jnp.floor(p)
     w = p - below  # the gradient reaches p here only
-    # q_i . e[n] for every integer n < P, then read at floor p and ceil p: one flat gather
-    # (`take_along_axis`'s batched gather ran 2.6x slower forward and backward on a CPU)
+    # q_i . e[n] for every integer n < P, then read at floor p and ceil p by a flat gather (on
+    # CPU, XLA's batched gather, what take_along_axis compiles to, was the slower)
     at_int = jnp.einsum("btnh,hp->bntp", q.astype(f32), table.astype(f32), precision=_HI)
     B, N, T = at_int.shape[:3]
     rows = P * jnp.arange(B * N * T, dtype=jnp.int32).reshape(B, N, T, 1)
