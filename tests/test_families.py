@@ -384,6 +384,7 @@ def test_registry_derives_keys_and_continuous_keys_from_the_settings():
         "stick_breaking_logit_bias",
         "cope_positions",
         "cope_scale_positions",
+        "cope_gates",
     }
     assert set(families.continuous_keys()) == {"rope_base", "alibi_slope_scale", "fire_init_c"}
     assert families.owners("t5_max_distance") == ("t5",)
@@ -400,6 +401,8 @@ def test_cope_settings_size_the_table_from_max_len_and_refuse_bad_values():
             families.CopeSettings.from_keys({key: bad}).validate(CTX)
     with pytest.raises(ValueError, match="cope_scale_positions"):
         families.CopeSettings(scale_positions="yes").validate(CTX)
+    with pytest.raises(ValueError, match="config.model.cope_gates='queries'.*'keys', 'values'"):
+        families.CopeSettings(gates="queries").validate(CTX)
 
 
 def test_sandwich_dim_sets_d_bar_and_zero_means_the_head_dim():

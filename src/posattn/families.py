@@ -407,6 +407,9 @@ class AlibiSettings(Settings):
         self._positive_number("slope_scale")
 
 
+COPE_GATES = ("keys", "values")
+
+
 @dataclasses.dataclass(frozen=True)
 class CopeSettings(Settings):
     """CoPE (Golovneva et al. 2024): the size of each layer's table of position embeddings and
@@ -423,6 +426,11 @@ class CopeSettings(Settings):
         help="the position logits q.e(p) scaled by 1/sqrt(H) with q.k (True, the reference's "
         "default) or added unscaled (False, its --cope-nodiv and the paper's listing)",
     )
+    gates: str = setting(
+        "keys",
+        help="what each query's gates read: 'keys' (sigmoid(q.k / sqrt(H)), the reference's "
+        "default) or 'values' (sigmoid(q.v / sqrt(H)), its --cope-val-gates)",
+    )
     max_len: int = setting(1024, help="the training length (sets the default P)", key="max_len")
 
     @property
@@ -436,6 +444,10 @@ class CopeSettings(Settings):
         if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
             raise _invalid(
                 self._key("positions"), value, "must be an integer >= 0 (0: max_len + 1)"
+            )
+        if self.gates not in COPE_GATES:
+            raise _invalid(
+                self._key("gates"), self.gates, f"must be one of {', '.join(map(repr, COPE_GATES))}"
             )
         if not isinstance(self.scale_positions, bool):
             raise _invalid(

@@ -4,7 +4,8 @@ sigmoid(q k^T / sqrt(d)) times the mask, positions by flip-cumsum-flip clamped t
 table's logits gathered at ceil and floor and mixed by p - floor p, then divided by sqrt(d) with
 q k^T or added after it, `--cope-nodiv`), a float64 loop over each query's keys written from
 the definition (offsets, padding, windows, grouped heads, decode steps), and autodiff of a
-second formulation of the interpolation (hat functions over the integer positions)."""
+second formulation of the interpolation (hat functions over the integer positions); gates from
+the keys (the reference's default) and from the values (its `--cope-val-gates`)."""
 
 import jax
 import jax.numpy as jnp
@@ -34,9 +35,10 @@ def _sigmoid(x):
     return 1 / (1 + np.exp(-x))
 
 
-def reference_form(q, k, v, table, *, nodiv):
+def reference_form(q, k, v, table, *, nodiv, val_gates=False):
     """The reference layer's causal forward in float64, heads folded into the batch as it does
-    (T == S, no offset, no padding)."""
+    (T == S, no offset, no padding); `val_gates`: its `--cope-val-gates` (gates from q v^T, the
+    logits from q k^T)."""
     q, k, v = (np.asarray(a, np.float64).transpose(0, 2, 1, 3) for a in (q, k, v))  # (B, h, T, H)
     k, v = (np.repeat(a, q.shape[1] // a.shape[1], axis=1) for a in (k, v))
     q, k, v = (a.reshape(-1, *a.shape[2:]) for a in (q, k, v))  # (B h, T, H)
@@ -44,7 +46,7 @@ def reference_form(q, k, v, table, *, nodiv):
     npos = table.shape[1]
     pos_emb = np.asarray(table, np.float64)[None]  # (1, H, npos)
     mask = np.tril(np.ones((q.shape[1],) * 2))[None]
-    gate_logits = q @ k.transpose(0, 2, 1)
+    gate_logits = q @ (v if val_gates else k).transpose(0, 2, 1)
     gates = _sigmoid(gate_logits / np.sqrt(d)) * mask
     positions = np.flip(np.cumsum(np.flip(gates, -1), -1), -1)
     positions = np.minimum(positions, npos - 1)
@@ -54,7 +56,7 @@ def reference_form(q, k, v, table, *, nodiv):
     pos_floor = np.take_along_axis(pos_logits_fixed, floor, -1)
     w = positions - floor
     pos_logits = pos_ceil * w + pos_floor * (1 - w)
-    attn_logits = gate_logits.copy()
+    attn_logits = q @ k.transpose(0, 2, 1) if val_gates else gate_logits.copy()
     if nodiv:
         attn_logits = attn_logits / np.sqrt(d) + pos_logits
     else:
@@ -112,12 +114,14 @@ def loop_oracle(q, k, v, table, *, q_offset, kv_lengths, window, scale_positions
 @pytest.mark.parametrize("nodiv", [False, True])
 @pytest.mark.parametrize("kv_heads", [K, N])
 @pytest.mark.parametrize("positions", [P, T + 1])
-def test_equals_the_reference_layer(nodiv, kv_heads, positions):
+@pytest.mark.parametrize("val_gates", [False, True])
+def test_equals_the_reference_layer(nodiv, kv_heads, positions, val_gates):
     """P = 6 clamps the far keys' positions; P = T + 1 (the reference's default, block size + 1)
     never clamps."""
     q, k, v, table = _inputs(K=kv_heads, positions=positions)
-    got = cope_attention(q, k, v, table, scale_positions=not nodiv)
-    want = reference_form(q, k, v, table, nodiv=nodiv)
+    gate_keys = v if val_gates else None
+    got = cope_attention(q, k, v, table, scale_positions=not nodiv, gate_keys=gate_keys)
+    want = reference_form(q, k, v, table, nodiv=nodiv, val_gates=val_gates)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-5)
 
 
@@ -166,12 +170,13 @@ def test_gradients_equal_the_hat_function_form():
     lengths = CASES["padded"]["kv_lengths"]
     d_out = jax.random.normal(jax.random.key(9), q.shape)
 
-    def hat_form(q, k, v, table):
+    def hat_form(q, k, v, table, val_gates=False):
         k_rep, v_rep = (jnp.repeat(a, N // K, axis=2) for a in (k, v))
         z = jnp.einsum("btnh,bsnh->bnts", q, k_rep, precision="highest") / np.sqrt(H)
+        gate_z = jnp.einsum("btnh,bsnh->bnts", q, v_rep, precision="highest") / np.sqrt(H)
         i, j = np.arange(T)[:, None], np.arange(S)[None, :]
         visible = (j <= i)[None, None] & (j < lengths[:, None, None, None])
-        gates = jnp.where(visible, jax.nn.sigmoid(z), 0.0)
+        gates = jnp.where(visible, jax.nn.sigmoid(gate_z if val_gates else z), 0.0)
         upper = np.triu(np.ones((S, S)))  # p_j = sum over l >= j
         p = jnp.minimum(jnp.einsum("bntl,jl->bntj", gates, upper, precision="highest"), P - 1)
         hats = jnp.maximum(0.0, 1.0 - jnp.abs(p[..., None] - jnp.arange(P)))  # (B, N, T, S, P)
@@ -183,12 +188,18 @@ def test_gradients_equal_the_hat_function_form():
     def loss(fn, *a):
         return jnp.sum(fn(*a) * d_out)
 
-    want = jax.grad(lambda *a: loss(hat_form, *a), (0, 1, 2, 3))(q, k, v, table)
-    for chunk in (None, 4):
+    for val_gates, chunk in ((False, None), (False, 4), (True, 4)):
 
-        def ours_fn(q, k, v, e, chunk=chunk):
-            return cope_attention(q, k, v, e, kv_lengths=lengths, query_chunk=chunk)
+        def want_fn(q, k, v, e, val_gates=val_gates):
+            return hat_form(q, k, v, e, val_gates)
 
+        def ours_fn(q, k, v, e, val_gates=val_gates, chunk=chunk):
+            gate_keys = v if val_gates else None
+            return cope_attention(
+                q, k, v, e, kv_lengths=lengths, query_chunk=chunk, gate_keys=gate_keys
+            )
+
+        want = jax.grad(lambda *a: loss(want_fn, *a), (0, 1, 2, 3))(q, k, v, table)
         ours = jax.grad(lambda *a: loss(ours_fn, *a), (0, 1, 2, 3))(q, k, v, table)
         for got, ref in zip(ours, want, strict=True):
             np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-5)
@@ -215,6 +226,7 @@ def test_jit_vmap_bfloat16_and_a_row_that_sees_nothing():
         (dict(query_chunk=2.5), "query_chunk"),
         (dict(table=jnp.zeros((H + 1, P))), "table"),
         (dict(table=jnp.zeros((H,))), "table"),
+        (dict(gate_keys=jnp.zeros((B, S, K, H + 1))), "alike"),
     ],
 )
 def test_bad_arguments_are_refused(kwargs, match):

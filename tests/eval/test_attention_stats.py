@@ -93,7 +93,15 @@ def test_stats_match_closed_forms(position):
         # CoPE's weights, its table drawn at random (zero at initialisation: a plain softmax),
         # 8 positions for 24 keys (the far ones clamped); a windowed CoPE layer under RoPE
         ("cope", dict(model__cope_positions=8)),
-        ("cope", dict(model__layer_pattern=("cope:window=6,cope_scale_positions=False", "rope"))),
+        (
+            "cope",
+            dict(
+                model__layer_pattern=(
+                    "cope:window=6,cope_scale_positions=False,cope_gates=values",
+                    "rope",
+                )
+            ),
+        ),
     ],
 )
 def test_probabilities_reproduce_each_layers_attention(position, keys):

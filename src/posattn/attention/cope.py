@@ -1,7 +1,8 @@
 """Contextual position encoding, CoPE (Golovneva et al. 2024, "Contextual Position Encoding:
 Learning to Count What's Important"): positions counted by the content.
 
-Query i gates each visible key l by g_il = sigmoid(z_il), z_il = scale * q_i . k_l, and key j
+Query i gates each visible key l by g_il = sigmoid(z_il), z_il = scale * q_i . k_l (or
+scale * q_i . g_l for other gate keys g: the values, or a key projection of their own), and key j
 sits at the contextual position
 
     p_ij = sum over the visible l with j <= l <= i of g_il          (the key's own gate included)
@@ -51,31 +52,31 @@ def _check_table(q, table):
         )
 
 
-def _logits_and_visible(q, k, *, q_offset, kv_lengths, scale, window):
-    """(scale * q.k float32[B, N, T, S], visible bool[B|1, 1, T, S])."""
-    B, T, N, H = q.shape
-    S, K = k.shape[1], k.shape[2]
-    scale = H**-0.5 if scale is None else scale
-    q_pos = query_positions(jnp.asarray(q_offset, jnp.int32), T)  # (B|1, T)
+def _content(q, k, scale):
+    """scale * q.k float32[B, N, T, S] of q[B, T, N, H] and k[B, S, K, H]."""
+    k_rep = jnp.repeat(k.astype(f32), q.shape[2] // k.shape[2], axis=2)  # (B, S, N, H)
+    return jnp.einsum("btnh,bsnh->bnts", q.astype(f32), k_rep, precision=_HI) * scale
+
+
+def _visible(q, S, *, q_offset, kv_lengths, window):
+    """bool[B|1, 1, T, S]: the softmax core's causal visibility."""
+    q_pos = query_positions(jnp.asarray(q_offset, jnp.int32), q.shape[1])  # (B|1, T)
     if kv_lengths is not None:
         kv_lengths = jnp.asarray(kv_lengths, jnp.int32)
-    k_rep = jnp.repeat(k.astype(f32), N // K, axis=2)  # (B, S, N, H)
-    z = jnp.einsum("btnh,bsnh->bnts", q.astype(f32), k_rep, precision=_HI) * scale
-    visible = visibility_mask(q_pos, S, causal=True, kv_lengths=kv_lengths, window=window)
-    return z, visible[:, None], scale
+    return visibility_mask(q_pos, S, causal=True, kv_lengths=kv_lengths, window=window)[:, None]
 
 
 def cope_positions(
     q: jax.Array, k: jax.Array, *, q_offset=0, kv_lengths=None, scale=None, window=None
 ) -> jax.Array:
     """float32[B, N, T, S]: the contextual position p_ij of each key for each query (unclamped;
-    0 at hidden keys). q[B, T, N, H], k[B, S, K, H]; the arguments as `cope_attention`'s."""
+    0 at hidden keys). q[B, T, N, H], k[B, S, K, H] the keys that gate (the attention's keys,
+    or its `gate_keys`); the other arguments as `cope_attention`'s."""
     check_qkv(_NAME, q, k, k)
     check_static(_NAME, window=window)
-    z, visible, _ = _logits_and_visible(
-        q, k, q_offset=q_offset, kv_lengths=kv_lengths, scale=scale, window=window
-    )
-    return jnp.where(visible, _suffix_count(z, visible), 0.0)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    visible = _visible(q, k.shape[1], q_offset=q_offset, kv_lengths=kv_lengths, window=window)
+    return jnp.where(visible, _suffix_count(_content(q, k, scale), visible), 0.0)
 
 
 def _suffix_count(z, visible):
@@ -93,18 +94,20 @@ def cope_weights(
     scale: float | None = None,
     window: int | None = None,
     scale_positions: bool = True,
+    gate_keys: jax.Array | None = None,
 ) -> jax.Array:
     """float32[B, N, T, S]: the softmax weights each query puts on each key (rows that see no
     key are zeros). q[B, T, N, H], k[B, S, K, H], table[H, P]; the other arguments as
     `cope_attention`'s."""
-    check_qkv(_NAME, q, k, k)
+    check_qkv(_NAME, q, k, k if gate_keys is None else gate_keys)
     check_static(_NAME, window=window)
     _check_table(q, table)
-    z, visible, scale = _logits_and_visible(
-        q, k, q_offset=q_offset, kv_lengths=kv_lengths, scale=scale, window=window
-    )
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    visible = _visible(q, k.shape[1], q_offset=q_offset, kv_lengths=kv_lengths, window=window)
+    z = _content(q, k, scale)
+    gate_z = z if gate_keys is None else _content(q, gate_keys, scale)
     P = table.shape[1]
-    p = jnp.minimum(_suffix_count(z, visible), P - 1)
+    p = jnp.minimum(_suffix_count(gate_z, visible), P - 1)
     below = jnp.floor(p)
     w = p - below  # the gradient reaches p here only
     # q_i . e[n] for every integer n < P, then read at floor p and ceil p by a flat gather (on
@@ -135,6 +138,7 @@ def cope_attention(
     scale: float | None = None,
     window: int | None = None,
     scale_positions: bool = True,
+    gate_keys: jax.Array | None = None,
     query_chunk: int | None = None,
 ) -> jax.Array:
     """Causal attention of q[B, T, N, H] over k, v[B, S, K, H] (N % K == 0) with contextual
@@ -148,6 +152,9 @@ def cope_attention(
         Face's `sliding_window` convention).
       scale_positions: the position logits q.e(p) multiplied by `scale` as q.k is (True, the
         reference's default) or added as they are (False).
+      gate_keys: None (the gates are sigmoid(scale q.k), the reference's default), or
+        [B, S, K, H] the gates are computed from instead, sigmoid(scale q.g): the values
+        (the reference's `--cope-val-gates`) or a separate key projection (`--cope-sep-key`).
       query_chunk: None, or a static int c: the queries in blocks of c, one program mapped over
         them (`rowwise.map_query_blocks`): memory linear in T.
 
@@ -155,6 +162,8 @@ def cope_attention(
       float[B, T, N, H] in q's dtype.
     """
     check_qkv(_NAME, q, k, v)
+    if gate_keys is not None:
+        check_qkv(_NAME, q, k, gate_keys)
     check_static(_NAME, window=window, query_chunk=query_chunk)
     _check_table(q, table)
     B, T, N, H = q.shape
@@ -170,6 +179,7 @@ def cope_attention(
             scale=scale,
             window=window,
             scale_positions=scale_positions,
+            gate_keys=gate_keys,
         )
         return jnp.einsum("bnts,bsnh->btnh", w, v_rep, precision=_HI)
 

@@ -21,11 +21,27 @@ class CopeTable(nnx.Module):
       head_dim: H.
       positions: P (contextual positions are clamped to P - 1).
       scale_positions: the position logits scaled with q.k (the core's `scale_positions`).
+      gates: "keys" (sigmoid(scale q.k), the reference's default) or "values" (sigmoid(scale
+        q.v), its `--cope-val-gates`).
       param_dtype: storage dtype of the table.
     """
 
     def __init__(
-        self, head_dim: int, positions: int, *, scale_positions: bool, param_dtype=jnp.float32
+        self,
+        head_dim: int,
+        positions: int,
+        *,
+        scale_positions: bool,
+        gates: str = "keys",
+        param_dtype=jnp.float32,
     ):
         self.table = nnx.Param(jnp.zeros((head_dim, positions), param_dtype))
-        self.scale_positions = scale_positions
+        self.scale_positions, self.gates = scale_positions, gates
+
+    def settings(self, v) -> dict:
+        """The keyword arguments of `cope_attention` / `cope_weights` besides the table, for a
+        layer whose values are v[B, S, K, H]."""
+        return {
+            "scale_positions": self.scale_positions,
+            "gate_keys": v if self.gates == "values" else None,
+        }

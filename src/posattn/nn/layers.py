@@ -556,8 +556,8 @@ class Attention(nnx.Module):
                 q_offset=q_offset,
                 kv_lengths=kv_lengths,
                 scale=self.scale,
-                scale_positions=self.cope.scale_positions,
                 query_chunk=ROWWISE_QUERY_CHUNK,
+                **self.cope.settings(v),
                 **extra,
             )  # (B, T, N, H)
             return self._project_out(out)

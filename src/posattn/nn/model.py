@@ -462,6 +462,7 @@ def _position_layer(cfg: ModelConfig, spec, rngs) -> dict:
             cfg.head_dim,
             spec.settings.table_size,
             scale_positions=spec.settings.scale_positions,
+            gates=spec.settings.gates,
             param_dtype=layers.compute_dtype(cfg.param_dtype),
         )
     if spec.family.forget is not None:
