@@ -534,33 +534,27 @@ class Attention(nnx.Module):
         (log_forget: FoX's float32[B, S, N] of the keys; far: `posattn.attention.Far`, the
         queries and keys of an eval-time RoPE remap's far pairs)."""
         extra = {} if self.window is None else {"window": self.window}
-        if self.stick_breaking is not None:  # no bias, cap, forget gate or remap (pattern.py)
-            out = attention_lib.stick_breaking_attention(
-                q,
-                k,
-                v,
-                q_offset=q_offset,
-                kv_lengths=kv_lengths,
-                scale=self.scale,
-                query_chunk=ROWWISE_QUERY_CHUNK,
-                **self.stick_breaking._asdict(),
-                **extra,
-            )  # (B, T, N, H)
-            return self._project_out(out)
-        if self.cope is not None:  # no bias, cap, forget gate or remap either (pattern.py)
-            out = attention_lib.cope_attention(
-                q,
-                k,
-                v,
-                self.cope.table[...],
-                q_offset=q_offset,
-                kv_lengths=kv_lengths,
-                scale=self.scale,
-                query_chunk=ROWWISE_QUERY_CHUNK,
-                **self.cope.settings(v),
-                **extra,
-            )  # (B, T, N, H)
-            return self._project_out(out)
+        # Stick-breaking and CoPE: their own functions, with no bias, cap, forget gate or remap
+        # (families.register and pattern.py keep them out), queries in blocks.
+        rowwise = dict(
+            q_offset=q_offset,
+            kv_lengths=kv_lengths,
+            scale=self.scale,
+            query_chunk=ROWWISE_QUERY_CHUNK,
+            **extra,
+        )
+        if self.stick_breaking is not None:
+            return self._project_out(
+                attention_lib.stick_breaking_attention(
+                    q, k, v, **rowwise, **self.stick_breaking._asdict()
+                )
+            )
+        if self.cope is not None:
+            return self._project_out(
+                attention_lib.cope_attention(
+                    q, k, v, self.cope.table[...], **rowwise, **self.cope.settings(v)
+                )
+            )
         bias_module = self._bias(shared)
         bias = bias_module() if bias_module is not None else None
         if self.softcap is not None:
