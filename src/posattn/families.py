@@ -347,7 +347,11 @@ class RopeSettings(Settings):
 class LearnedSettings(Settings):
     """Learned absolute embeddings: a table of `max_len` rows, and nothing past it."""
 
-    max_len: int = setting(1024, help="the learned position table's size (longest sequence)")
+    max_len: int = setting(
+        1024,
+        help="the longest sequence: the learned position table's size (and CoPE's default table, "
+        "max_len + 1 positions)",
+    )
 
     def validate(self, ctx: Context) -> None:
         self._positive_int("max_len")
