@@ -411,7 +411,7 @@ class AlibiSettings(Settings):
         self._positive_number("slope_scale")
 
 
-COPE_GATES = ("keys", "values")
+COPE_GATES = ("keys", "values", "separate")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -433,7 +433,8 @@ class CopeSettings(Settings):
     gates: str = setting(
         "keys",
         help="what each query's gates read: 'keys' (sigmoid(q.k / sqrt(H)), the reference's "
-        "default) or 'values' (sigmoid(q.v / sqrt(H)), its --cope-val-gates)",
+        "default), 'values' (sigmoid(q.v / sqrt(H)), its --cope-val-gates) or 'separate' (a key "
+        "projection of their own, its --cope-sep-key)",
     )
     max_len: int = setting(1024, help="the training length (sets the default P)", key="max_len")
 

@@ -5,7 +5,8 @@ table's logits gathered at ceil and floor and mixed by p - floor p, then divided
 q k^T or added after it, `--cope-nodiv`), a float64 loop over each query's keys written from
 the definition (offsets, padding, windows, grouped heads, decode steps), and autodiff of a
 second formulation of the interpolation (hat functions over the integer positions); gates from
-the keys (the reference's default) and from the values (its `--cope-val-gates`)."""
+the keys (the reference's default), from the values (its `--cope-val-gates`) and from keys of
+their own (its `--cope-sep-key`)."""
 
 import jax
 import jax.numpy as jnp
@@ -35,20 +36,24 @@ def _sigmoid(x):
     return 1 / (1 + np.exp(-x))
 
 
-def reference_form(q, k, v, table, *, nodiv, val_gates=False):
+def reference_form(q, k, v, table, *, nodiv, gates="keys", key_cope=None):
     """The reference layer's causal forward in float64, heads folded into the batch as it does
-    (T == S, no offset, no padding); `val_gates`: its `--cope-val-gates` (gates from q v^T, the
-    logits from q k^T)."""
-    q, k, v = (np.asarray(a, np.float64).transpose(0, 2, 1, 3) for a in (q, k, v))  # (B, h, T, H)
-    k, v = (np.repeat(a, q.shape[1] // a.shape[1], axis=1) for a in (k, v))
-    q, k, v = (a.reshape(-1, *a.shape[2:]) for a in (q, k, v))  # (B h, T, H)
+    (T == S, no offset, no padding). `gates`: "keys" (its default), "values" (its
+    `--cope-val-gates`: gates from q v^T) or "separate" (its `--cope-sep-key`: gates from q
+    key_cope^T), the logits from q k^T in the last two."""
+    key_cope = k if key_cope is None else key_cope
+    q, k, v, key_cope = (
+        np.asarray(a, np.float64).transpose(0, 2, 1, 3) for a in (q, k, v, key_cope)
+    )  # (B, h, T, H)
+    k, v, key_cope = (np.repeat(a, q.shape[1] // a.shape[1], axis=1) for a in (k, v, key_cope))
+    q, k, v, key_cope = (a.reshape(-1, *a.shape[2:]) for a in (q, k, v, key_cope))  # (B h, T, H)
     d = q.shape[-1]
     npos = table.shape[1]
     pos_emb = np.asarray(table, np.float64)[None]  # (1, H, npos)
     mask = np.tril(np.ones((q.shape[1],) * 2))[None]
-    gate_logits = q @ (v if val_gates else k).transpose(0, 2, 1)
-    gates = _sigmoid(gate_logits / np.sqrt(d)) * mask
-    positions = np.flip(np.cumsum(np.flip(gates, -1), -1), -1)
+    gate_logits = q @ {"keys": k, "values": v, "separate": key_cope}[gates].transpose(0, 2, 1)
+    gate_values = _sigmoid(gate_logits / np.sqrt(d)) * mask
+    positions = np.flip(np.cumsum(np.flip(gate_values, -1), -1), -1)
     positions = np.minimum(positions, npos - 1)
     pos_logits_fixed = q @ pos_emb  # (B h, T, npos)
     ceil, floor = np.ceil(positions).astype(int), np.floor(positions).astype(int)
@@ -56,7 +61,7 @@ def reference_form(q, k, v, table, *, nodiv, val_gates=False):
     pos_floor = np.take_along_axis(pos_logits_fixed, floor, -1)
     w = positions - floor
     pos_logits = pos_ceil * w + pos_floor * (1 - w)
-    attn_logits = q @ k.transpose(0, 2, 1) if val_gates else gate_logits.copy()
+    attn_logits = gate_logits.copy() if gates == "keys" else q @ k.transpose(0, 2, 1)
     if nodiv:
         attn_logits = attn_logits / np.sqrt(d) + pos_logits
     else:
@@ -114,14 +119,15 @@ def loop_oracle(q, k, v, table, *, q_offset, kv_lengths, window, scale_positions
 @pytest.mark.parametrize("nodiv", [False, True])
 @pytest.mark.parametrize("kv_heads", [K, N])
 @pytest.mark.parametrize("positions", [P, T + 1])
-@pytest.mark.parametrize("val_gates", [False, True])
-def test_equals_the_reference_layer(nodiv, kv_heads, positions, val_gates):
+@pytest.mark.parametrize("gates", ["keys", "values", "separate"])
+def test_equals_the_reference_layer(nodiv, kv_heads, positions, gates):
     """P = 6 clamps the far keys' positions; P = T + 1 (the reference's default, block size + 1)
     never clamps."""
     q, k, v, table = _inputs(K=kv_heads, positions=positions)
-    gate_keys = v if val_gates else None
+    key_cope = 1.5 * jax.random.normal(jax.random.key(7), k.shape)
+    gate_keys = {"keys": None, "values": v, "separate": key_cope}[gates]
     got = cope_attention(q, k, v, table, scale_positions=not nodiv, gate_keys=gate_keys)
-    want = reference_form(q, k, v, table, nodiv=nodiv, val_gates=val_gates)
+    want = reference_form(q, k, v, table, nodiv=nodiv, gates=gates, key_cope=key_cope)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-5)
 
 

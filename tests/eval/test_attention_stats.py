@@ -91,8 +91,9 @@ def test_stats_match_closed_forms(position):
             ),
         ),
         # CoPE's weights, its table drawn at random (zero at initialisation: a plain softmax),
-        # 8 positions for 24 keys (the far ones clamped); a windowed CoPE layer under RoPE
-        ("cope", dict(model__cope_positions=8)),
+        # 8 positions for 24 keys (the far ones clamped), gate keys of its own; a windowed CoPE
+        # layer under RoPE, its gates from the values
+        ("cope", dict(model__cope_positions=8, model__cope_gates="separate")),
         (
             "cope",
             dict(

@@ -84,10 +84,12 @@ VARIANTS = {
             "rope",
         ),
     ),
-    # CoPE: scanned with grouped heads, a window (ring caches) and a table of 4 positions (the
-    # far keys clamped); a windowed layer whose position logits are not scaled and whose gates
-    # read the values, under RoPE.
-    "cope_scanned": dict(layer_pattern=("cope:window=4",), num_kv_heads=2, cope_positions=4),
+    # CoPE: scanned with grouped heads, a window (ring caches), a table of 4 positions (the far
+    # keys clamped) and gate keys of its own (cached beside k and v); a windowed layer whose
+    # position logits are not scaled and whose gates read the values, under RoPE.
+    "cope_scanned": dict(
+        layer_pattern=("cope:window=4,cope_gates=separate",), num_kv_heads=2, cope_positions=4
+    ),
     "cope_window_layer": dict(
         layer_pattern=("cope:window=5,cope_scale_positions=False,cope_gates=values", "rope"),
         max_len=6,

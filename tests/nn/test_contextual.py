@@ -15,9 +15,8 @@ from posattn.nn.model import TransformerLM
 
 
 def _model(**keys):
-    cfg = ModelConfig.from_keys(
-        dict(position="cope", d_model=32, num_heads=4, num_kv_heads=2, num_layers=1, **keys)
-    ).validate()
+    base = dict(position="cope", d_model=32, num_heads=4, num_kv_heads=2, num_layers=1)
+    cfg = ModelConfig.from_keys({**base, **keys}).validate()
     return TransformerLM(cfg, rngs=nnx.Rngs(0))
 
 
@@ -28,25 +27,35 @@ def test_the_table_is_zero_and_sized_by_max_len_or_cope_positions():
     assert _model(max_len=24, cope_positions=7).blocks[0].attn.cope.table.shape == (8, 7)
 
 
-@pytest.mark.parametrize("gates", ["keys", "values"])
+@pytest.mark.parametrize("gates", ["keys", "values", "separate"])
 @pytest.mark.parametrize("scale_positions", [True, False])
 def test_the_layer_computes_cope_with_its_settings(gates, scale_positions):
     model = _model(max_len=8, cope_gates=gates, cope_scale_positions=scale_positions)
     attn = model.blocks[0].attn
+    assert hasattr(attn, "wg") == (gates == "separate")  # a key projection of their own
     attn.cope.table[...] = jax.random.normal(jax.random.key(1), attn.cope.table.shape)
     x = jax.random.normal(jax.random.key(2), (2, 11, 32))
     got, _ = attn(x)
     q, k, v = attn.project_qkv(x, layers.token_positions(0, 11), seq_len=11)
+    g = x @ attn.wg[...].reshape(32, -1) if gates == "separate" else None
     table = attn.cope.table[...]
 
-    def out(**kw):
-        o = cope_attention(q, k, v, table, scale=attn.scale, **kw)
+    def out(gate_keys, scale_positions):
+        o = cope_attention(
+            q, k, v, table, scale=attn.scale, gate_keys=gate_keys, scale_positions=scale_positions
+        )
         return layers.dense(o.reshape(2, 11, -1), attn.wo[...].reshape(-1, 32))
 
-    kw = dict(scale_positions=scale_positions)
-    want = out(gate_keys=v if gates == "values" else None, **kw)
+    choices = {"keys": None, "values": v, "separate": None if g is None else g.reshape(k.shape)}
+    want = out(choices[gates], scale_positions)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    other = out(gate_keys=None if gates == "values" else v, **kw)
-    assert float(jnp.abs(got - other).max()) > 1e-3  # the setting is not ignored
-    flipped = out(gate_keys=v if gates == "values" else None, scale_positions=not scale_positions)
+    for other in ("keys", "values"):  # the setting is not ignored
+        if other != gates:
+            assert float(jnp.abs(got - out(choices[other], scale_positions)).max()) > 1e-3
+    flipped = out(choices[gates], not scale_positions)
     assert float(jnp.abs(got - flipped).max()) > 1e-3
+
+
+def test_separate_gate_keys_refuse_kv_sharing():
+    with pytest.raises(ValueError, match="kv_share=2 is not supported with CoPE's separate"):
+        _model(num_layers=2, kv_share=2, cope_gates="separate")

@@ -338,6 +338,16 @@ def test_cache_bytes_shrink_with_grouped_heads_and_kv_sharing():
     )
 
 
+def test_copes_separate_gate_keys_are_cached_and_counted():
+    """A third [B, S, K, H] tensor per layer: a third more bytes than the keys and values."""
+    cfg = make_cfg("cope", num_kv_heads=2, cope_gates="separate")
+    cache = decode.init_cache(cfg, batch_size=3, capacity=20)
+    assert [g.shape for g in cache.gate_keys] == [(3, 20, 2, 4)] * 2 and cache.log_forget is None
+    assert all(len(entry) == 3 for entry in cache.entries())
+    keys_only = decode.cache_bytes(make_cfg("cope", num_kv_heads=2), batch_size=3, capacity=20)
+    assert cache.nbytes == decode.cache_bytes(cfg, batch_size=3, capacity=20) == keys_only * 3 // 2
+
+
 def test_learned_positions_past_the_table_raise_instead_of_clamping():
     cfg = make_cfg("learned", max_len=40)
     graphdef, _, _ = model_parts(cfg)

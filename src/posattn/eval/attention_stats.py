@@ -63,13 +63,14 @@ def _probabilities(
     log_forget=None,
     far=None,
     v=None,
+    gate_keys=None,
 ) -> jax.Array:
     """Reference softmax probabilities float32[B, N, T - start, S] of one layer for the queries
     q[:, start:] (q at positions 0..T-1; its window, FoX's log f [B, S, N] and a RoPE remap's
     far pairs (`attention.Far`) as the layer's); a stick-breaking layer's weights instead, the
     remainder on the query's own key where the layer gives it its own value; a CoPE layer's
-    softmax weights with its contextual positions (its gates from the values v [B, S, K, H]
-    where the layer's are)."""
+    softmax weights with its contextual positions (its gates from the values v [B, S, K, H] or
+    its separate `gate_keys` where the layer's are)."""
     q = q[:, start:]
     if attn.stick_breaking is not None:  # the weights its kernel multiplies the values by
         return attention_lib.stick_breaking_weights(
@@ -88,7 +89,7 @@ def _probabilities(
             q_offset=start,
             scale=attn.scale,
             window=attn.window,
-            **attn.cope.settings(v),
+            **attn.cope.settings(v, gate_keys),
         )
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
@@ -148,7 +149,10 @@ def _per_layer(graphdef, params, constants, tokens, *, start: int, reduce) -> li
         else:
             q = attn._temper(q, positions, T)
         log_forget = None if attn.forget is None else attn.forget(h)  # (B, T, N)
-        out.append(reduce(_probabilities(attn, q, k, start, log_forget, far, v=own[1])))
+        gates = attn.project_gate_keys(h)  # CoPE's separate gate keys, or None
+        out.append(
+            reduce(_probabilities(attn, q, k, start, log_forget, far, v=own[1], gate_keys=gates))
+        )
         x, kv = block(x, kv=kv)
     return out
 

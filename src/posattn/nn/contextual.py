@@ -21,8 +21,9 @@ class CopeTable(nnx.Module):
       head_dim: H.
       positions: P (contextual positions are clamped to P - 1).
       scale_positions: the position logits scaled with q.k (the core's `scale_positions`).
-      gates: "keys" (sigmoid(scale q.k), the reference's default) or "values" (sigmoid(scale
-        q.v), its `--cope-val-gates`).
+      gates: "keys" (sigmoid(scale q.k), the reference's default), "values" (sigmoid(scale
+        q.v), its `--cope-val-gates`) or "separate" (sigmoid(scale q.g), g from a key projection
+        of the layer's own, `Attention.wg`: its `--cope-sep-key`).
       param_dtype: storage dtype of the table.
     """
 
@@ -38,10 +39,11 @@ class CopeTable(nnx.Module):
         self.table = nnx.Param(jnp.zeros((head_dim, positions), param_dtype))
         self.scale_positions, self.gates = scale_positions, gates
 
-    def settings(self, v) -> dict:
+    def settings(self, v, g=None) -> dict:
         """The keyword arguments of `cope_attention` / `cope_weights` besides the table, for a
-        layer whose values are v[B, S, K, H]."""
-        return {
-            "scale_positions": self.scale_positions,
-            "gate_keys": v if self.gates == "values" else None,
-        }
+        layer whose values are v[B, S, K, H] and whose separate gate keys (gates="separate")
+        are g[B, S, K, H]."""
+        gate_keys = {"keys": None, "values": v, "separate": g}[self.gates]
+        if self.gates == "separate" and g is None:
+            raise ValueError("a CoPE layer with separate gate keys needs them (g)")
+        return {"scale_positions": self.scale_positions, "gate_keys": gate_keys}

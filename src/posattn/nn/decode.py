@@ -68,7 +68,7 @@ DYNAMIC_NTK_MODES = ("exact", "rerotate", "hf")
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=("k", "v", "lengths", "tokens", "log_forget"),
+    data_fields=("k", "v", "lengths", "tokens", "log_forget", "gate_keys"),
     meta_fields=("keys_rotated", "recompute_past", "size"),
 )
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +87,8 @@ class KVCache:
         `tokens` (m_l for dynamic NTK "exact"); None never.
       log_forget: per layer, FoX's log f of the cached keys float32[B, rows, N], or None (a
         layer without forget gates); None for a model without FoX layers.
+      gate_keys: per layer, CoPE's separate gate keys [B, rows, K, H] (`model.cope_gates=
+        "separate"`), or None (another layer); None for a model without such layers.
       size: static, the capacity S (a sliding-window layer's ring holds fewer rows); None: the
         rows of the first layer.
     """
@@ -99,6 +101,7 @@ class KVCache:
     recompute_past: int | None = None
     log_forget: tuple[jax.Array | None, ...] | None = None
     size: int | None = None
+    gate_keys: tuple[jax.Array | None, ...] | None = None
 
     @property
     def capacity(self) -> int:
@@ -106,16 +109,25 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the keys and values (and FoX's log f: what grows with batch and context)."""
-        arrays = self.k + self.v + tuple(f for f in self.log_forget or () if f is not None)
+        """Bytes of the keys and values (and FoX's log f, CoPE's gate keys: what grows with
+        batch and context)."""
+        extra = (*(self.log_forget or ()), *(self.gate_keys or ()))
+        arrays = self.k + self.v + tuple(a for a in extra if a is not None)
         return sum(x.size * x.dtype.itemsize for x in arrays)
 
-    def entries(self) -> tuple[tuple[jax.Array, ...], ...]:
-        """Per owning layer, what `TransformerLM.extend` takes: (k, v) or (k, v, log f)."""
+    def _extras(self) -> tuple[jax.Array | None, ...]:
+        """Per owning layer, its third cached tensor (FoX's log f or CoPE's gate keys; a layer
+        has at most one) or None."""
         forget = self.log_forget or (None,) * len(self.k)
+        gates = self.gate_keys or (None,) * len(self.k)
+        return tuple(f if f is not None else g for f, g in zip(forget, gates, strict=True))
+
+    def entries(self) -> tuple[tuple[jax.Array, ...], ...]:
+        """Per owning layer, what `TransformerLM.extend` takes: (k, v), (k, v, log f) or
+        (k, v, gate keys)."""
         return tuple(
-            (k, v) if f is None else (k, v, f)
-            for k, v, f in zip(self.k, self.v, forget, strict=True)
+            (k, v) if e is None else (k, v, e)
+            for k, v, e in zip(self.k, self.v, self._extras(), strict=True)
         )
 
 
@@ -202,6 +214,10 @@ def init_cache(
         jnp.zeros((batch_size, r, cfg.num_heads), jnp.float32) if s.family.forget else None
         for s, r in zip(owners, rows, strict=True)
     )
+    gates = tuple(
+        jnp.zeros_like(z) if _separate_gates(s) else None
+        for s, z in zip(owners, zeros, strict=True)
+    )
     keys_rotated, recompute_past = _dynamic_layout(cfg, dynamic_ntk)
     tokens = None if recompute_past is None else jnp.zeros((batch_size, capacity), jnp.int32)
     return KVCache(
@@ -213,12 +229,19 @@ def init_cache(
         recompute_past=recompute_past,
         log_forget=forget if any(f is not None for f in forget) else None,
         size=capacity,
+        gate_keys=gates if any(g is not None for g in gates) else None,
     )
+
+
+def _separate_gates(spec) -> bool:
+    """Whether a layer caches CoPE's separate gate keys."""
+    return spec.family.contextual and spec.settings.gates == "separate"
 
 
 def cache_bytes(cfg: ModelConfig, *, batch_size: int, capacity: int) -> int:
     """Bytes of a cache (no allocation): 2 B S_l K H itemsize per owning layer, S_l its rows
-    (the capacity, or a sliding window's ring), plus 4 B S_l N for a FoX layer's log f."""
+    (the capacity, or a sliding window's ring), plus 4 B S_l N for a FoX layer's log f and
+    B S_l K H itemsize for CoPE's separate gate keys."""
     itemsize = jnp.dtype(_dtype(cfg)).itemsize
     total = 0
     for spec in (cfg.layers[i] for i in range(0, cfg.num_layers, cfg.kv_share)):
@@ -226,6 +249,8 @@ def cache_bytes(cfg: ModelConfig, *, batch_size: int, capacity: int) -> int:
         total += 2 * batch_size * rows * cfg.num_kv_heads * cfg.head_dim * itemsize
         if spec.family.forget is not None:
             total += batch_size * rows * cfg.num_heads * 4
+        if _separate_gates(spec):
+            total += batch_size * rows * cfg.num_kv_heads * cfg.head_dim * itemsize
     return total
 
 
@@ -347,10 +372,18 @@ def _cached_step(
 def _replace(cache: KVCache, kvs, lengths, tokens) -> KVCache:
     k = tuple(entry[0] for entry in kvs)
     v = tuple(entry[1] for entry in kvs)
-    forget = None
+    forget = gates = None  # each layer's third entry goes back where it came from
     if cache.log_forget is not None:
-        forget = tuple(entry[2] if len(entry) > 2 else None for entry in kvs)
-    return dataclasses.replace(cache, k=k, v=v, lengths=lengths, tokens=tokens, log_forget=forget)
+        forget = tuple(
+            e[2] if f is not None else None for e, f in zip(kvs, cache.log_forget, strict=True)
+        )
+    if cache.gate_keys is not None:
+        gates = tuple(
+            e[2] if g is not None else None for e, g in zip(kvs, cache.gate_keys, strict=True)
+        )
+    return dataclasses.replace(
+        cache, k=k, v=v, lengths=lengths, tokens=tokens, log_forget=forget, gate_keys=gates
+    )
 
 
 def sample(

@@ -391,12 +391,19 @@ class Attention(nnx.Module):
         self.wo = nnx.Param(
             _normal(rngs, (N, H, D), init_scale / math.sqrt(N * H * 2 * num_layers), pdt)
         )
+        # CoPE's separate gate keys (the reference's --cope-sep-key): a key projection of their
+        # own, drawn after the layer's other projections.
+        separate = cope is not None and cope.gates == "separate"
+        if separate and owns_kv:
+            self.wg = nnx.Param(_normal(rngs, (D, K, H), std, pdt))
         # Biases (arch.bias), zero at initialisation as in GPT-2 and Qwen2.
         if arch.bias in ("qkv", "all"):
             self.bq = nnx.Param(jnp.zeros((N * H,), pdt))
             if owns_kv:
                 self.bk = nnx.Param(jnp.zeros((K * H,), pdt))
                 self.bv = nnx.Param(jnp.zeros((K * H,), pdt))
+                if separate:
+                    self.bg = nnx.Param(jnp.zeros((K * H,), pdt))
         if arch.bias == "all":
             self.bo = nnx.Param(jnp.zeros((D,), pdt))
         if arch.qk_norm:  # over each head's H features (Gemma 3, Qwen3)
@@ -425,7 +432,8 @@ class Attention(nnx.Module):
         return self.bias if self.bias is not None or shared is None else shared[1]
 
     def _projections(self, x: jax.Array, names: str) -> list[jax.Array]:
-        """x[B, T, D] through the projections `names` (of "q", "k", "v"), [B, T, heads, H] each,
+        """x[B, T, D] through the projections `names` (of "q", "k", "v", and "g": CoPE's separate
+        gate keys), [B, T, heads, H] each,
         plus their biases, by one matrix product.
 
         The weights are concatenated into one [D, sum of heads x H] matrix for the product (the
@@ -448,6 +456,11 @@ class Attention(nnx.Module):
             getattr(self, f"{n}_norm")(o) if hasattr(self, f"{n}_norm") else o
             for o, n in zip(out, names, strict=True)
         ]
+
+    def project_gate_keys(self, x: jax.Array) -> jax.Array | None:
+        """CoPE's separate gate keys [B, S, K, H] of x[B, S, D] (`model.cope_gates="separate"`),
+        or None for a layer without them."""
+        return self._projections(x, "g")[0] if hasattr(self, "wg") else None
 
     def project_kv(
         self, x: jax.Array, positions: jax.Array, *, seq_len, rotate: bool = True, shared=None
@@ -529,10 +542,12 @@ class Attention(nnx.Module):
         shared=None,
         log_forget=None,
         far=None,
+        gate_keys=None,
     ) -> jax.Array:
         """Attention of q[B, T, N, H] over k, v[B, S, K, H], projected back to [B, T, D]
         (log_forget: FoX's float32[B, S, N] of the keys; far: `posattn.attention.Far`, the
-        queries and keys of an eval-time RoPE remap's far pairs)."""
+        queries and keys of an eval-time RoPE remap's far pairs; gate_keys: CoPE's separate gate
+        keys [B, S, K, H])."""
         extra = {} if self.window is None else {"window": self.window}
         # Stick-breaking and CoPE: their own functions, with no bias, cap, forget gate or remap
         # (families.register and pattern.py keep them out), queries in blocks.
@@ -552,7 +567,7 @@ class Attention(nnx.Module):
         if self.cope is not None:
             return self._project_out(
                 attention_lib.cope_attention(
-                    q, k, v, self.cope.table[...], **rowwise, **self.cope.settings(v)
+                    q, k, v, self.cope.table[...], **rowwise, **self.cope.settings(v, gate_keys)
                 )
             )
         bias_module = self._bias(shared)
@@ -611,7 +626,8 @@ class Attention(nnx.Module):
           kv: without a cache, the keys/values of a lower layer, for a layer that does not own
             its own (cross-layer sharing); None otherwise.
           cache: None (nothing kept), or this layer group's cache (k, v), [B, S, K, H] each,
-            plus FoX's log f [B, S, N] for a layer with forget gates. A layer that owns its
+            plus FoX's log f [B, S, N] for a layer with forget gates, or CoPE's separate gate
+            keys [B, S, K, H]. A layer that owns its
             keys/values first writes the chunk's into rows q_offset + t (rows past S are
             dropped, never clamped: the caller checks capacity); a sharing layer reads what its
             owner wrote. A sliding-window layer's cache may be a ring buffer of `window` rows
@@ -668,6 +684,8 @@ class Attention(nnx.Module):
             new = tuple(new)
             if self.forget is not None:
                 new = (*new, self.forget(x))  # (k, v, log f [B, T, N])
+            elif hasattr(self, "wg"):
+                new = (*new, self.project_gate_keys(x))  # (k, v, CoPE's gate keys)
         else:
             q = self.project_q(x, positions, seq_len=seq_len, rotate=remap is None, shared=shared)
         offset, lengths = q_offset, kv_lengths
@@ -713,6 +731,7 @@ class Attention(nnx.Module):
             shared=shared,
             log_forget=log_forget,
             far=far,
+            gate_keys=read[2] if hasattr(self, "wg") else None,
         )
         return out, kv
 

@@ -291,6 +291,12 @@ def validate(cfg) -> None:
                 f"{label}: CoPE counts each query's gates over the keys up to it and needs a "
                 f"causal model, but config.model.kind={cfg.kind!r}; set model.kind='decoder'"
             )
+        if family.contextual and spec.settings.gates == "separate" and cfg.kv_share != 1:
+            raise ValueError(
+                f"{label}: config.model.kv_share={cfg.kv_share} is not supported with CoPE's "
+                "separate gate keys (each layer's gate keys belong to its own keys); set "
+                "model.kv_share=1 or model.cope_gates='keys'"
+            )
         if family.contextual and cfg.attn_logit_softcap:
             raise ValueError(
                 f"{label}: the CoPE kernel has no logit soft cap, but "
