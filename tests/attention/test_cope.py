@@ -211,6 +211,23 @@ def test_gradients_equal_the_hat_function_form():
             np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-5)
 
 
+def test_the_batched_gather_past_int32_reads_the_same(monkeypatch):
+    """Past int32's range the table is read by `take_along_axis`: the same weights, gradients
+    and all (the limit lowered here to take that path at test sizes)."""
+    from posattn.attention import cope as cope_lib
+
+    q, k, v, table = _inputs(seed=5)
+
+    def run(q, k, v, table):
+        return cope_attention(q, k, v, table, kv_lengths=jnp.array([13, 9]))
+
+    flat = (run(q, k, v, table), jax.grad(lambda t: run(q, k, v, t).sum())(table))
+    monkeypatch.setattr(cope_lib, "_FLAT_LIMIT", 0)
+    batched = (run(q, k, v, table), jax.grad(lambda t: run(q, k, v, t).sum())(table))
+    np.testing.assert_array_equal(batched[0], flat[0])
+    np.testing.assert_allclose(batched[1], flat[1], rtol=1e-5, atol=1e-6)
+
+
 def test_jit_vmap_bfloat16_and_a_row_that_sees_nothing():
     q, k, v, table = _inputs(seed=4)
     fn = jax.jit(lambda q, k, v: cope_attention(q, k, v, table, window=5))

@@ -84,6 +84,23 @@ def _suffix_count(z, visible):
     return jax.lax.cumsum(gates, axis=3, reverse=True)
 
 
+# The most elements `_read` indexes flat (int32 indices); past it, a batched gather.
+_FLAT_LIMIT = 2**31 - 1
+
+
+def _read(at_int: jax.Array, index: jax.Array) -> jax.Array:
+    """at_int[b, n, t, index[b, n, t, s]]: float32[B, N, T, S] from at_int[B, N, T, P].
+
+    One gather over the flattened array, each element's own index, while its B N T P elements
+    fit int32; `take_along_axis` (a batched gather, the same values) beyond.
+    """
+    B, N, T, P = at_int.shape
+    if B * N * T * P > _FLAT_LIMIT:
+        return jnp.take_along_axis(at_int, index, axis=3)
+    rows = P * jnp.arange(B * N * T, dtype=jnp.int32).reshape(B, N, T, 1)
+    return jnp.take(at_int.reshape(-1), rows + index, mode="clip")
+
+
 def cope_weights(
     q: jax.Array,
     k: jax.Array,
@@ -110,14 +127,10 @@ def cope_weights(
     p = jnp.minimum(_suffix_count(gate_z, visible), P - 1)
     below = jnp.floor(p)
     w = p - below  # the gradient reaches p here only
-    # q_i . e[n] for every integer n < P, then read at floor p and ceil p by a flat gather (on
-    # CPU, XLA's batched gather, what take_along_axis compiles to, was the slower)
+    # q_i . e[n] for every integer n < P, then read at floor p and ceil p
     at_int = jnp.einsum("btnh,hp->bntp", q.astype(f32), table.astype(f32), precision=_HI)
-    B, N, T = at_int.shape[:3]
-    rows = P * jnp.arange(B * N * T, dtype=jnp.int32).reshape(B, N, T, 1)
-    flat = at_int.reshape(-1)
-    lo = jnp.take(flat, rows + below.astype(jnp.int32), mode="clip")
-    hi = jnp.take(flat, rows + jnp.ceil(p).astype(jnp.int32), mode="clip")
+    lo = _read(at_int, below.astype(jnp.int32))
+    hi = _read(at_int, jnp.ceil(p).astype(jnp.int32))
     position_logits = hi * w + lo * (1.0 - w)
     logits = z + (scale * position_logits if scale_positions else position_logits)
     logits = jnp.where(visible, logits, -jnp.inf)
