@@ -15,6 +15,7 @@ Run (from the repository root):
     python benchmarks/attention.py --far 512 --lengths 4096     # two-score attention vs one
     python benchmarks/attention.py --stick_breaking 256 --lengths 1024  # vs softmax attention
     python benchmarks/attention.py --cope 256 --lengths 1024            # the same for CoPE
+    python benchmarks/attention.py --path --lengths 256 --repeats 5     # PaTH vs softmax
 
 Stick-breaking section (--stick_breaking C): at T = the first --lengths value, causal, no bias,
 `stick_breaking_attention` with queries in blocks of C (`jax.lax.map` over the blocks) and in
@@ -24,6 +25,12 @@ forward's compiled memory at T/2 .. 4T (its weights are materialised a block at 
 [B, N, C, T]: linear in T for a fixed C). The CoPE section (--cope C) is the same for
 `cope_attention` with a table of T + 1 positions (the reference's default at a block of T): the
 memory table's programs hold the table of the first length.
+
+PaTH section (--path): `path_attention` (one scan over the key positions, each step a reflection
+of every key before it; unit w, beta in (0, 2)) against softmax attention at T = the first
+--lengths value, forward and forward + backward, same process, and the ratios; then the compiled
+temporary memory of both PaTH programs at T/2, T and 2T (the scores are materialised and the
+backward keeps each step's keys: quadratic in T).
 
 Far section (--far W): blockwise forward and forward + backward at T = the first --lengths
 value, no bias, causal, with two-score attention (`far=Far(q_far, k_far, W)`, the far pair
@@ -539,6 +546,64 @@ def run_rowwise(args):
         print(f"| {t} | {xla_bytes(compiled)} | {temp} | {temp / t:.0f} |", flush=True)
 
 
+def run_path(args):
+    """PaTH attention against softmax attention ("auto"): forward and forward + backward, same
+    process; the compiled memory of both PaTH programs vs T."""
+    from posattn.attention import attention, path_attention
+
+    def reflections(t):
+        kw, kb = jax.random.split(jax.random.key(5))
+        w = jax.random.normal(kw, (B, t, N, H))
+        w = w / jnp.linalg.norm(w, axis=-1, keepdims=True)
+        return w, 2 * jax.nn.sigmoid(jax.random.normal(kb, (B, t, N)))
+
+    T = args.lengths[0]
+    q, k, v = inputs(T)
+    w, beta = reflections(T)
+    d_out = jax.random.normal(jax.random.key(3), q.shape)
+
+    def program(fn, grad, weigh=True):
+        if not grad:
+            return jax.jit(fn)
+        return jax.jit(
+            jax.grad(lambda *a: jnp.sum(fn(*a) * (d_out if weigh else 1.0)), (0, 1, 2, 3, 4))
+        )
+
+    rows = {
+        "softmax (auto)": lambda q, k, v, w, beta: attention(q, k, v, causal=True),
+        "PaTH": path_attention,
+    }
+    print(f"| causal, T={T}, no bias | fwd ms | fwd+bwd ms | compile s (fwd) |\n|---|---|---|---|")
+    times = {}
+    for label, fn in rows.items():
+        row = []
+        for grad in (False, True):
+            start = time.perf_counter()
+            compiled = program(fn, grad).lower(q, k, v, w, beta).compile()
+            compile_s = time.perf_counter() - start
+            row.append(best_time(functools.partial(compiled, q, k, v, w, beta), args.repeats))
+            if not grad:
+                row.append(compile_s)
+        times[label] = row
+        print(f"| {label} | {row[0] * 1e3:.1f} | {row[2] * 1e3:.1f} | {row[1]:.2f} |", flush=True)
+    base, path = times.values()
+    print(
+        f"\nPaTH / softmax: forward {path[0] / base[0]:.1f}, forward + backward "
+        f"{path[2] / base[2]:.1f}\n"
+    )
+    print("| T | PaTH fwd temp bytes | fwd + bwd temp bytes | fwd + bwd temp / T^2 |")
+    print("|---|---|---|---|")
+    for t in (T // 2, T, 2 * T):
+        spec = jax.ShapeDtypeStruct((B, t, N, H), jnp.float32)
+        beta_spec = jax.ShapeDtypeStruct((B, t, N), jnp.float32)
+        temps = []
+        for grad in (False, True):
+            compiled = program(path_attention, grad, weigh=False)
+            compiled = compiled.lower(spec, spec, spec, spec, beta_spec)
+            temps.append(compiled.compile().memory_analysis().temp_size_in_bytes)
+        print(f"| {t} | {temps[0]} | {temps[1]} | {temps[1] / t**2:.0f} |", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
@@ -560,6 +625,7 @@ def main():
         "--stick_breaking", type=int, help="stick-breaking section, queries in blocks of this"
     )
     parser.add_argument("--cope", type=int, help="CoPE section, queries in blocks of this")
+    parser.add_argument("--path", action="store_true", help="PaTH section")
     parser.add_argument("--smoke", action="store_true", help="one repeat (a quick check)")
     parser.add_argument("--_child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -579,6 +645,8 @@ def main():
         return run_far(args)
     if args.stick_breaking or args.cope:
         return run_rowwise(args)
+    if args.path:
+        return run_path(args)
     if args.crossover:
         return run_crossover(args)
     if args.tiles:

@@ -1,0 +1,310 @@
+"""PaTH attention (`posattn.attention.path_attention`) against two float64 forms of the
+reference: a transcription of the chunked algorithm that fla-org/flash-linear-attention's tests
+check their kernel against (`tests/ops/test_path_attn.py::naive_path_attn`: a UT transform per
+chunk, queries carried back chunk by chunk), and the definition itself (each key moved through
+the reflections H_{j+1} .. H_i one by one). Then the masks, the decode identity (a cache of keys
+moved on by one reflection per step, read by the softmax core), gradients against autodiff of
+the definition, and the refusals."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from posattn.attention import attention, path_attention, path_keys, path_update_keys, path_weights
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def _inputs(B=2, T=9, N=4, K=2, H=8, seed=0, forget=False):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, T, N, H))
+    k = rng.standard_normal((B, T, K, H))
+    v = rng.standard_normal((B, T, K, H))
+    w = rng.standard_normal((B, T, K, H))
+    w /= np.linalg.norm(w, axis=-1, keepdims=True)
+    beta = rng.uniform(0.2, 1.9, (B, T, K))
+    g = np.log(rng.uniform(0.8, 1.0, (B, T, N))) if forget else np.zeros((B, T, N))
+    return q, k, v, w, beta, g
+
+
+def naive_chunked(q, k, v, w, beta, g, scale, BT):
+    """float64 transcription of fla's `naive_path_attn` (its tests' reference): [B, T, HQ, D]."""
+    HQ, Hk = q.shape[2], k.shape[2]
+    G = HQ // Hk
+
+    def heads(x, rep):  # [B, T, h, ...] -> [B, h * rep, T, ...]
+        x = np.moveaxis(x, 2, 1)
+        return np.repeat(x, rep, axis=1)
+
+    q, k, v, w = heads(q, 1), heads(k, G), heads(v, G), heads(w, G)
+    beta = np.repeat(np.moveaxis(beta, 2, 1), G, axis=1)
+    g_cum = np.cumsum(np.moveaxis(g, 2, 1), axis=-1)  # (B, HQ, T)
+    b, h, length, d = q.shape
+    pad = -length % BT
+    q, k, w = (np.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))) for x in (q, k, w))
+    beta = np.pad(beta, ((0, 0), (0, 0), (0, pad)))
+    L = q.shape[2]
+    n = L // BT
+    wb = w * beta[..., None]
+
+    def chunks(x):
+        return x.reshape(b, h, n, BT, d)
+
+    q, k, w, wb = chunks(q), chunks(k), chunks(w), chunks(wb)
+    upper = np.triu(np.ones((BT, BT), bool))  # on and above the diagonal
+    T_ = -np.where(upper, 0.0, wb @ np.swapaxes(w, -1, -2))
+    for i in range(1, BT):
+        T_[..., i, :i] = T_[..., i, :i] + (T_[..., i, :, None] * T_[..., :, :i]).sum(-2)
+    T_ = T_ + np.eye(BT)
+    Twbk = T_ @ np.where(upper, 0.0, wb @ np.swapaxes(k, -1, -2))
+    qw = np.tril(q @ np.swapaxes(w, -1, -2))
+    Twb = T_ @ wb
+    A_local = np.tril(q @ np.swapaxes(k, -1, -2)) - qw @ Twbk
+    q = q - qw @ Twb
+    k = k - np.swapaxes(Twbk, -1, -2) @ w
+    Hc = np.swapaxes(w, -1, -2) @ Twb  # (b, h, n, d, d)
+    A = np.zeros((b, h, L, L))
+    q, k = q.reshape(b, h, L, d), k.reshape(b, h, L, d)
+    for i in range(0, L, BT):
+        q_i = q[:, :, i : i + BT].copy()
+        for j in range(i - BT, -BT, -BT):
+            A[:, :, i : i + BT, j : j + BT] = q_i @ np.swapaxes(k[:, :, j : j + BT], -1, -2)
+            q_i = q_i - q_i @ Hc[:, :, j // BT]
+    for c in range(n):
+        A[:, :, c * BT : (c + 1) * BT, c * BT : (c + 1) * BT] = A_local[:, :, c]
+    A = np.where(np.tril(np.ones((L, L), bool)), A, -np.inf)[:, :, :length, :length]
+    A = A + g_cum[..., None] - g_cum[..., None, :]
+    A = A * scale
+    A = np.exp(A - A.max(-1, keepdims=True))
+    A = A / A.sum(-1, keepdims=True)
+    return np.moveaxis(A @ v, 1, 2)  # (B, T, HQ, D)
+
+
+def definition_logits(q, k, w, beta, g, scale, q_offset=0, length=None):
+    """float64[B, N, T, S]: scale (q_i . H_i ... H_{j+1} k_j + c_i - c_j), every pair, by moving
+    each key through the reflections one at a time (NaN above the diagonal); a padded position's
+    reflection (s >= length) is not applied, as documented."""
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    G = N // K
+    c = np.cumsum(g, axis=1)
+    out = np.full((B, N, T, S), np.nan)
+    for b in range(B):
+        for n in range(N):
+            kh = n // G
+            for t in range(T):
+                i = q_offset + t
+                for j in range(min(i, S - 1) + 1):
+                    x = k[b, j, kh].copy()
+                    for s in range(j + 1, min(i + 1, length or S)):
+                        x = x - beta[b, s, kh] * (w[b, s, kh] @ x) * w[b, s, kh]
+                    out[b, n, t, j] = scale * (q[b, t, n] @ x + c[b, i, n] - c[b, j, n])
+    return out
+
+
+def _softmax_rows(logits, visible):
+    z = np.where(visible, logits, -np.inf)
+    top = np.max(z, axis=-1, keepdims=True)
+    e = np.where(visible, np.exp(z - np.where(np.isfinite(top), top, 0.0)), 0.0)
+    total = e.sum(-1, keepdims=True)
+    return e / np.where(total > 0, total, 1.0)
+
+
+def _f32(*xs):
+    return [jnp.asarray(x, jnp.float32) for x in xs]
+
+
+@pytest.mark.parametrize(
+    "shape, forget, chunk, ours",
+    [
+        (dict(B=2, T=9, N=4, K=2, H=8), False, 4, 64),  # GQA, a ragged last chunk; ours: one
+        (dict(B=2, T=9, N=4, K=2, H=8), False, 4, 2),  # ours in five chunks, the last padded
+        (dict(B=1, T=12, N=2, K=2, H=16), True, 4, 4),  # PaTH-FoX, both in three chunks
+        (dict(B=2, T=7, N=3, K=1, H=8), True, 8, 3),  # MQA
+    ],
+)
+def test_equals_the_references_chunked_naive_form(shape, forget, chunk, ours):
+    q, k, v, w, beta, g = _inputs(**shape, forget=forget)
+    scale = shape["H"] ** -0.5
+    want = naive_chunked(q, k, v, w, beta, g, scale, chunk)
+    got = path_attention(
+        *_f32(q, k, v, w, beta), log_forget=jnp.asarray(g, jnp.float32), chunk=ours
+    )
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+
+
+def test_the_chunked_form_and_the_definition_agree_in_float64():
+    """The two float64 references are one function (a check of the transcription itself)."""
+    q, k, v, w, beta, g = _inputs(B=1, T=10, N=2, K=1, H=4, seed=3, forget=True)
+    scale = 0.5
+    logits = definition_logits(q, k, w, beta, g, scale)
+    T = q.shape[1]
+    weights = _softmax_rows(logits, np.tril(np.ones((T, T), bool)))
+    want = np.einsum("bnts,bsnh->btnh", weights, np.repeat(v, 2, axis=2))
+    np.testing.assert_allclose(naive_chunked(q, k, v, w, beta, g, scale, 4), want, atol=1e-12)
+
+
+CASES = {
+    "offset_window": dict(T=5, S=11, q_offset=6, kv_lengths=None, window=4),
+    "padding": dict(T=9, S=9, q_offset=0, kv_lengths=[9, 5], window=None),
+    "per_row_offset": dict(T=3, S=10, q_offset=[7, 2], kv_lengths=[10, 6], window=3),
+    "decode_row": dict(T=1, S=8, q_offset=[7, 4], kv_lengths=[8, 5], window=None),
+}
+
+
+@pytest.mark.parametrize("chunk", [64, 3])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_weights_equal_the_definition_with_offsets_padding_and_windows(case, chunk):
+    c = CASES[case]
+    B, N, K, H = 2, 4, 2, 8
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((B, c["T"], N, H))
+    _, k, _, w, beta, g = _inputs(B=B, T=c["S"], N=N, K=K, H=H, seed=8, forget=True)
+    scale = 0.3
+    lengths = None if c["kv_lengths"] is None else np.asarray(c["kv_lengths"])
+    offset = np.broadcast_to(np.asarray(c["q_offset"]), (B,))
+    got = path_weights(
+        *_f32(q, k, w, beta),
+        q_offset=jnp.asarray(c["q_offset"]),
+        kv_lengths=None if lengths is None else jnp.asarray(lengths),
+        scale=scale,
+        window=c["window"],
+        log_forget=jnp.asarray(g, jnp.float32),
+        chunk=chunk,
+    )
+    for b in range(B):
+        logits = definition_logits(q[b : b + 1], k[b : b + 1], w[b : b + 1], beta[b : b + 1],
+                                   g[b : b + 1], scale, q_offset=int(offset[b]),
+                                   length=None if lengths is None else int(lengths[b]))  # fmt: skip
+        i = offset[b] + np.arange(c["T"])[:, None]
+        j = np.arange(c["S"])[None, :]
+        visible = j <= i
+        if lengths is not None:
+            visible &= j < lengths[b]
+        if c["window"] is not None:
+            visible &= i - j < c["window"]
+        want = _softmax_rows(np.nan_to_num(logits[0]), visible[None])
+        np.testing.assert_allclose(np.asarray(got[b]), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_padded_rows_reflections_are_not_applied():
+    """Valid queries of a padded row equal the same row unpadded (cut to its length), and the
+    keys `path_keys` leaves are those of the unpadded row's last position."""
+    q, k, v, w, beta, _ = _f32(*_inputs(B=2, T=10, N=2, K=2, H=8, seed=4))
+    lengths = jnp.asarray([10, 6])
+    full = path_attention(q, k, v, w, beta, kv_lengths=lengths)
+    alone = path_attention(q[1:, :6], k[1:, :6], v[1:, :6], w[1:, :6], beta[1:, :6])
+    np.testing.assert_allclose(np.asarray(full[1, :6]), np.asarray(alone[0]), atol=2e-6)
+    keys = path_keys(k, w, beta, kv_lengths=lengths)
+    keys_alone = path_keys(k[1:, :6], w[1:, :6], beta[1:, :6])
+    np.testing.assert_allclose(np.asarray(keys[1, :6]), np.asarray(keys_alone[0]), atol=2e-6)
+    np.testing.assert_array_equal(np.asarray(keys[1, 6:]), np.asarray(k[1, 6:]))
+
+
+@pytest.mark.parametrize("prefill", [0, 5])
+def test_decoding_by_a_moved_key_cache_and_the_softmax_core_is_the_full_forward(prefill):
+    """The cache route: keys as seen from position p - 1 (`path_keys` after a prefill), moved on
+    by H_p (`path_update_keys`), key p written, read by `attention` with the forget term scaled:
+    every step equals the full forward's row p."""
+    B, S, N, K, H = 2, 11, 4, 2, 8
+    q, k, v, w, beta, g = _f32(*_inputs(B=B, T=S, N=N, K=K, H=H, seed=5, forget=True))
+    scale = H**-0.5
+    full = path_attention(q, k, v, w, beta, log_forget=g, window=6)
+    cache = jnp.zeros_like(k)
+    if prefill:
+        cache = cache.at[:, :prefill].set(
+            path_keys(k[:, :prefill], w[:, :prefill], beta[:, :prefill])
+        )
+    for p in range(prefill, S):
+        cache = path_update_keys(cache, w[:, p], beta[:, p], p).at[:, p].set(k[:, p])
+        out = attention(
+            q[:, p : p + 1],
+            cache,
+            v,
+            causal=True,
+            q_offset=p,
+            kv_lengths=jnp.full((B,), p + 1),
+            log_forget=scale * g,
+            window=6,
+            implementation="reference",
+        )
+        np.testing.assert_allclose(np.asarray(out[:, 0]), np.asarray(full[:, p]), atol=3e-6)
+
+
+def test_per_row_decode_positions_move_only_each_rows_earlier_keys():
+    _, k, _, w, beta, _ = _f32(*_inputs(B=2, T=6, N=2, K=2, H=4, seed=6))
+    moved = path_update_keys(k, w[:, 0], beta[:, 0], jnp.asarray([4, 1]))
+    np.testing.assert_array_equal(np.asarray(moved[0, 4:]), np.asarray(k[0, 4:]))
+    np.testing.assert_array_equal(np.asarray(moved[1, 1:]), np.asarray(k[1, 1:]))
+    assert not np.allclose(np.asarray(moved[0, :4]), np.asarray(k[0, :4]))
+
+
+def test_no_reflection_is_nope_attention_and_a_reflection_changes_the_scores():
+    q, k, v, w, beta, _ = _f32(*_inputs(B=1, T=8, N=2, K=2, H=8, seed=9))
+    nope = attention(q, k, v, causal=True, implementation="reference")
+    none = path_attention(q, k, v, w, jnp.zeros_like(beta))
+    np.testing.assert_allclose(np.asarray(none), np.asarray(nope), atol=2e-6)
+    assert not np.allclose(np.asarray(path_attention(q, k, v, w, beta)), np.asarray(nope))
+
+
+def _definition_jnp(q, k, v, w, beta, g, scale):
+    """The definition in jnp, unrolled (a second formulation for the gradients)."""
+    B, T, N, H = q.shape
+    G = N // k.shape[2]
+    c = jnp.cumsum(g, axis=1)
+    rows = []
+    for i in range(T):
+        cols = []
+        for j in range(T):
+            if j > i:
+                cols.append(jnp.full((B, N), -jnp.inf))
+                continue
+            x = jnp.repeat(k[:, j], G, axis=1)  # (B, N, H)
+            for s in range(j + 1, i + 1):
+                ws, bs = jnp.repeat(w[:, s], G, axis=1), jnp.repeat(beta[:, s], G, axis=1)
+                x = x - (bs * jnp.sum(ws * x, -1))[..., None] * ws
+            cols.append(scale * (jnp.sum(q[:, i] * x, -1) + c[:, i] - c[:, j]))
+        rows.append(jnp.stack(cols, -1))  # (B, N, S)
+    weights = jax.nn.softmax(jnp.stack(rows, 2), axis=-1)  # (B, N, T, S)
+    return jnp.einsum("bnts,bsnh->btnh", weights, jnp.repeat(v, G, axis=2))
+
+
+@pytest.mark.parametrize("chunk", [64, 2])
+def test_gradients_of_every_input_equal_autodiff_of_the_definition(chunk):
+    q, k, v, w, beta, g = _f32(*_inputs(B=1, T=7, N=4, K=2, H=4, seed=11, forget=True))
+    ct = jax.random.normal(jax.random.key(0), q.shape)
+
+    def loss(fn):
+        return lambda *a: jnp.sum(fn(*a) * ct)
+
+    args = (q, k, v, w, beta, g)
+    ours = lambda *a: path_attention(*a[:5], log_forget=a[5], chunk=chunk)  # noqa: E731
+    got = jax.grad(loss(ours), range(6))(*args)
+    want = jax.grad(loss(lambda *a: _definition_jnp(*a, 0.5)), range(6))(*args)
+    for name, x, y in zip("q k v w beta log_forget".split(), got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_jit_vmap_and_bfloat16():
+    q, k, v, w, beta, _ = _f32(*_inputs(B=2, T=7, N=2, K=1, H=8, seed=12))
+    want = path_attention(q, k, v, w, beta)
+    jitted = jax.jit(path_attention, static_argnames="window")(q, k, v, w, beta)
+    np.testing.assert_allclose(np.asarray(jitted), np.asarray(want), atol=1e-6)
+    mapped = jax.vmap(lambda *a: path_attention(*(x[None] for x in a))[0])(q, k, v, w, beta)
+    np.testing.assert_allclose(np.asarray(mapped), np.asarray(want), atol=1e-6)
+    low = path_attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)), w, beta)
+    assert low.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(low, np.float32), np.asarray(want), atol=0.1)
+
+
+def test_bad_shapes_are_refused_with_what_they_must_be():
+    q, k, v, w, beta, _ = _f32(*_inputs(B=1, T=4, N=2, K=1, H=4))
+    with pytest.raises(ValueError, match="beta"):
+        path_attention(q, k, v, w, beta[..., None])
+    with pytest.raises(ValueError, match="log_forget"):
+        path_attention(q, k, v, w, beta, log_forget=jnp.zeros((1, 4, 1)))
+    with pytest.raises(ValueError, match="window"):
+        path_attention(q, k, v, w, beta, window=0)
+    with pytest.raises(ValueError, match="decode step"):
+        path_update_keys(k, w, beta[:, 0], 2)
