@@ -20,19 +20,25 @@ beta, g, scale)`, and the naive chunked form its tests check the kernel against)
 with SiLU and an L2 norm per head, beta = 2 sigmoid(x W_beta + b) (eigenvalues 1 - beta in
 (-1, 1): negative ones allowed), and g = log_sigmoid(x W_g + b_g) per query head.
 
-How it is computed here: one scan over the key positions s = 0 .. S-1 carries every key as seen
-from position s (`path_keys`: H_s applied to the keys before it, key s itself as projected), and
-the query at position s is scored against that carry. Exact, float32 throughout, O(S^2 H (K + N))
-work in S sequential steps; the scores are materialised ([B, N, T, S], as the reference
-implementation's), and training keeps each step's carry for the backward pass (O(S^2 K H)).
+How it is computed here: by chunks of C positions (`chunk`, 64 by default, the reference kernel's
+block), as the reference's chunked form does (`_chunk_scores`): within a chunk, a unit lower
+triangular solve gives every key moved to the chunk's end, every query moved back to the chunk's
+start and the chunk's whole product of reflections as one [H, H] matrix; one scan over the
+distance between chunks then scores every query chunk against every earlier key chunk at once.
+Float32 throughout, O(S^2 H (1 + H / C)) work per head in S / C sequential steps; the scores
+are materialised ([B, N, T, S], as the reference implementation's), so memory is quadratic in S.
+The keys are repeated over the query heads of their group before the chunks are formed.
+`path_keys` (a prefill's cache) runs one scan over the positions instead, each step one
+reflection of the keys before it.
+
 Decoding needs no scan: a cache of the keys as seen from the last position moves one position on
 by one reflection (`path_update_keys`), and the query then reads it with the ordinary softmax core
 (`attention(q, keys, v, q_offset=p, log_forget=scale * log_forget)`), which is exactly this
 function's row p (tests/attention/test_path.py checks it).
 
 Visibility is the softmax core's, causal: key j <= i, j < kv_lengths[b], i - j < window. A
-padded position's reflection (s >= kv_lengths[b]) is not applied, so the carry at the end is the
-keys as seen from each row's last valid position. Queries sit at q_offset + t (int or int[B]),
+padded position's reflection (s >= kv_lengths[b]) is not applied, so `path_keys` leaves the keys
+as seen from each row's last valid position. Queries sit at q_offset + t (int or int[B]),
 keys at 0 .. S-1; the output keeps q's dtype; a query that sees no key returns zeros.
 """
 
@@ -121,12 +127,43 @@ def path_update_keys(keys: jax.Array, w: jax.Array, beta: jax.Array, position) -
     return _reflect(keys.astype(f32), w.astype(f32), beta.astype(f32), active).astype(keys.dtype)
 
 
+@jax.custom_vjp
+def _inverse(unit_lower):
+    """(I + L)^-1 of L strictly lower [..., C, C], by forward substitution, one row a step (row i
+    is e_i - L[i] X: the rows before i are final, those after still e_s, where L[i] is 0). Its
+    gradient is the inverse's, -X^T g X^T below the diagonal, two products instead of the loop's
+    reverse (XLA:CPU's batched `triangular_solve` deadlocked here in some gradients on two cores,
+    jax 0.10.2)."""
+    C = unit_lower.shape[-1]
+    eye = jnp.eye(C, dtype=unit_lower.dtype)
+
+    def row(i, X):
+        new = eye[i] - jnp.einsum("...s,...sc->...c", unit_lower[..., i, :], X, precision=_HI)
+        return X.at[..., i, :].set(new)
+
+    return jax.lax.fori_loop(1, C, row, jnp.broadcast_to(eye, unit_lower.shape))
+
+
+def _inverse_fwd(unit_lower):
+    X = _inverse(unit_lower)
+    return X, X
+
+
+def _inverse_bwd(X, g):
+    Xt = jnp.swapaxes(X, -1, -2)
+    grad = -jnp.einsum("...ij,...jk,...kl->...il", Xt, g, Xt, precision=_HI)
+    return (jnp.tril(grad, -1),)
+
+
+_inverse.defvjp(_inverse_fwd, _inverse_bwd)
+
+
 def _solve(unit_lower, rhs, *, left: bool):
     """(I + L)^-1 rhs (left) or rhs (I + L)^-1 (right), L strictly lower [..., C, C]."""
-    eye = jnp.eye(unit_lower.shape[-1], dtype=unit_lower.dtype)
-    return jax.lax.linalg.triangular_solve(
-        unit_lower + eye, rhs, left_side=left, lower=True, unit_diagonal=True
-    )
+    X = _inverse(unit_lower)
+    if left:
+        return jnp.einsum("...ij,...jk->...ik", X, rhs, precision=_HI)
+    return jnp.einsum("...ij,...jk->...ik", rhs, X, precision=_HI)
 
 
 def _chunk_scores(q, k, w, beta, chunk):
@@ -170,18 +207,23 @@ def _chunk_scores(q, k, w, beta, chunk):
     V = _solve(jnp.where(below, b[..., :, None] * ww, 0.0), qw, left=False)
     moved_q = Q - jnp.einsum("...im,...mh->...ih", V, bw, precision=_HI)
     G = jnp.eye(H, dtype=f32) - jnp.einsum("...mh,...mg->...hg", bw, Z, precision=_HI)
-    stacked = local[:, :, None]  # (B, N, n_d, n, C, C): [d, c] chunk c's queries, c - d's keys
+    # blocks[d][:, :, j]: the query chunk j + d against the key chunk j. The carry Y[j] holds the
+    # queries of chunk j + d moved back through G_{j+d-1} ... G_{j+1}; the next distance's is
+    # Y[j + 1] G_{j+1}: static shifts along the chunks, no gather
+    blocks = local[:, :, None]  # (B, N, n_d, n, C, C)
     if n > 1:
 
-        def step(Y, d):
-            keys, through = jnp.roll(moved_k, d, axis=2), jnp.roll(G, d, axis=2)
-            scores = mm(Y, keys)
-            return jnp.einsum("...ih,...hg->...ig", Y, through, precision=_HI), scores
+        def ahead(x):  # x[j + 1] at j, zeros past the last chunk
+            return jnp.concatenate([x[:, :, 1:], jnp.zeros_like(x[:, :, :1])], axis=2)
 
-        far = jax.lax.scan(step, moved_q, jnp.arange(1, n))[1]  # (n - 1, B, N, n, C, C)
-        stacked = jnp.concatenate([stacked, jnp.moveaxis(far, 0, 2)], axis=2)
+        def step(Y, _):
+            scores = mm(Y, moved_k)
+            return ahead(jnp.einsum("...ih,...hg->...ig", Y, G, precision=_HI)), scores
+
+        far = jax.lax.scan(step, ahead(moved_q), None, length=n - 1)[1]  # (n - 1, B, N, n, ..)
+        blocks = jnp.concatenate([blocks, jnp.moveaxis(far, 0, 2)], axis=2)
     ci, cj = np.meshgrid(np.arange(n), np.arange(n), indexing="ij")
-    full = stacked[:, :, np.clip(ci - cj, 0, n - 1), ci]  # (B, N, n, n, C, C)
+    full = blocks[:, :, np.clip(ci - cj, 0, n - 1), cj]  # (B, N, n, n, C, C)
     return jnp.swapaxes(full, 3, 4).reshape(B, N, S, S)
 
 
