@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from posattn.attention.masks import query_positions, visibility_mask
-from posattn.attention.rowwise import check_qkv, check_static, map_query_blocks
+from posattn.attention.rowwise import check_qkv, check_static, map_query_blocks, masked_softmax
 
 __all__ = ["cope_attention", "cope_positions", "cope_weights"]
 
@@ -133,11 +133,7 @@ def cope_weights(
     hi = _read(at_int, jnp.ceil(p).astype(jnp.int32))
     position_logits = hi * w + lo * (1.0 - w)
     logits = z + (scale * position_logits if scale_positions else position_logits)
-    logits = jnp.where(visible, logits, -jnp.inf)
-    top = jax.lax.stop_gradient(jnp.max(logits, axis=3, keepdims=True))
-    e = jnp.where(visible, jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
-    total = jnp.sum(e, axis=3, keepdims=True)
-    return e / jnp.where(total > 0, total, 1.0)
+    return masked_softmax(logits, visible)
 
 
 def cope_attention(

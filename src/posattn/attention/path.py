@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from posattn.attention.masks import query_positions, visibility_mask
-from posattn.attention.rowwise import check_qkv, check_static
+from posattn.attention.rowwise import check_qkv, check_static, masked_softmax
 
 __all__ = ["path_attention", "path_keys", "path_update_keys", "path_weights"]
 
@@ -258,8 +258,7 @@ def path_weights(
     pad = -S % C
 
     def heads(x):  # [B, S, h, ...] -> [B, N, S + pad, ...], key/value heads repeated
-        x = jnp.repeat(x.astype(f32), N // x.shape[2], axis=2) if x.shape[2] != N else x
-        x = jnp.moveaxis(x.astype(f32), 2, 1)
+        x = jnp.moveaxis(jnp.repeat(x.astype(f32), N // x.shape[2], axis=2), 2, 1)
         return jnp.pad(x, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 3))
 
     scores = _chunk_scores(heads(placed), heads(k), heads(w), heads(beta), C)[:, :, :S, :S]
@@ -274,11 +273,7 @@ def path_weights(
         q_pos, S, causal=True, kv_lengths=None if kv_lengths is None else lengths, window=window
     )
     visible = visible[:, None] & (q_pos < S)[:, None, :, None]  # (B, 1, T, S)
-    logits = jnp.where(visible, logits, -jnp.inf)
-    top = jax.lax.stop_gradient(jnp.max(logits, axis=3, keepdims=True))
-    e = jnp.where(visible, jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
-    total = jnp.sum(e, axis=3, keepdims=True)
-    return e / jnp.where(total > 0, total, 1.0)
+    return masked_softmax(logits, visible)
 
 
 def path_attention(

@@ -1,7 +1,8 @@
 """Attention computed from materialised weights, query rows at a time: what stick-breaking
 attention (`stickbreaking.py`) and CoPE (`cope.py`) share. Neither fits the online-softmax tiles
 (each row's weights need the whole row before any is known), so each computes a block of
-queries' [B, N, c, S] weights at once and maps one program over the blocks.
+queries' [B, N, c, S] weights at once and maps one program over the blocks. PaTH (`path.py`)
+uses the argument checks and the masked softmax.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-__all__ = ["check_qkv", "check_static", "map_query_blocks"]
+__all__ = ["check_qkv", "check_static", "map_query_blocks", "masked_softmax"]
 
 
 def check_qkv(name: str, q, k, v) -> None:
@@ -34,6 +35,16 @@ def check_static(name: str, **values) -> None:
         static_int = isinstance(value, int) and not isinstance(value, bool)
         if value is not None and not (static_int and value >= 1):
             raise ValueError(f"{name}: {key} must be None or a static int >= 1, got {value!r}")
+
+
+def masked_softmax(logits: jax.Array, visible: jax.Array) -> jax.Array:
+    """Softmax over the last axis of float32 logits where `visible` (broadcast), zero elsewhere; a
+    row with nothing visible is all zeros, never NaN."""
+    logits = jnp.where(visible, logits, -jnp.inf)
+    top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    e = jnp.where(visible, jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    return e / jnp.where(total > 0, total, 1.0)
 
 
 def map_query_blocks(
