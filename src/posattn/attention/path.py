@@ -87,9 +87,9 @@ def _lengths(kv_lengths, B, S):
     return jnp.broadcast_to(jnp.asarray(kv_lengths, jnp.int32), (B,))
 
 
-def _scan(k, w, beta, kv_lengths, score=None):
-    """The carry of keys as seen from each position s (see the module docstring), scored by
-    `score(keys, s)` at every step; returns (the last carry, the stacked scores or None)."""
+def _scan(k, w, beta, kv_lengths):
+    """The keys as seen from the last position: one scan over the positions s, each step H_s
+    applied to the keys before s (padded positions skipped)."""
     B, S = k.shape[:2]
     rows = jnp.arange(S, dtype=jnp.int32)
     lengths = _lengths(kv_lengths, B, S)
@@ -97,10 +97,9 @@ def _scan(k, w, beta, kv_lengths, score=None):
 
     def step(keys, s):
         active = (rows[None, :] < s) & (s < lengths)[:, None]  # (B, S): the keys before s
-        keys = _reflect(keys, w[:, s], beta[:, s], active)
-        return keys, (None if score is None else score(keys, s))
+        return _reflect(keys, w[:, s], beta[:, s], active), None
 
-    return jax.lax.scan(step, k.astype(f32), rows)
+    return jax.lax.scan(step, k.astype(f32), rows)[0]
 
 
 def path_keys(k: jax.Array, w: jax.Array, beta: jax.Array, *, kv_lengths=None) -> jax.Array:
@@ -109,7 +108,7 @@ def path_keys(k: jax.Array, w: jax.Array, beta: jax.Array, *, kv_lengths=None) -
     from (`path_update_keys`). Rows at or past L are the keys as projected."""
     check_qkv(_NAME, k, k, k)
     _check_reflections(k, w, beta)
-    return _scan(k, w, beta, kv_lengths)[0]
+    return _scan(k, w, beta, kv_lengths)
 
 
 def path_update_keys(keys: jax.Array, w: jax.Array, beta: jax.Array, position) -> jax.Array:
