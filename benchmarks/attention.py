@@ -485,6 +485,27 @@ def run_far(args):
     memory_table("two-score", T, lambda: make_fn("blockwise", "none", True, far=w))
 
 
+def fwd_bwd_table(T, rows, program, arrays, repeats, *, digits):
+    """Prints each row's forward and forward + backward time (best of `repeats`) and its forward's
+    compile time, as a markdown table; returns {label: [fwd s, compile s, fwd + bwd s]}.
+    `program(fn, grad)` is the jitted function of `arrays`."""
+    print(f"| causal, T={T}, no bias | fwd ms | fwd+bwd ms | compile s (fwd) |\n|---|---|---|---|")
+    times = {}
+    for label, fn in rows.items():
+        row = []
+        for grad in (False, True):
+            start = time.perf_counter()
+            compiled = program(fn, grad).lower(*arrays).compile()
+            compile_s = time.perf_counter() - start
+            row.append(best_time(functools.partial(compiled, *arrays), repeats))
+            if not grad:
+                row.append(compile_s)
+        times[label] = row
+        fwd, both = f"{row[0] * 1e3:.{digits}f}", f"{row[2] * 1e3:.{digits}f}"
+        print(f"| {label} | {fwd} | {both} | {row[1]:.2f} |", flush=True)
+    return times
+
+
 def run_rowwise(args):
     """Stick-breaking attention or CoPE (queries in blocks of C, and unblocked) against softmax
     attention ("auto"), forward and forward + backward, same process; the blocked program's
@@ -517,19 +538,7 @@ def run_rowwise(args):
         f"{name}, blocks of {c}": functools.partial(rowwise, chunk=c),
         f"{name}, one block": rowwise,
     }
-    print(f"| causal, T={T}, no bias | fwd ms | fwd+bwd ms | compile s (fwd) |\n|---|---|---|---|")
-    times = {}
-    for label, fn in rows.items():
-        row = []
-        for grad in (False, True):
-            start = time.perf_counter()
-            compiled = program(fn, grad).lower(q, k, v).compile()
-            compile_s = time.perf_counter() - start
-            row.append(best_time(functools.partial(compiled, q, k, v), args.repeats))
-            if not grad:
-                row.append(compile_s)
-        times[label] = row
-        print(f"| {label} | {row[0] * 1e3:.0f} | {row[2] * 1e3:.0f} | {row[1]:.2f} |", flush=True)
+    times = fwd_bwd_table(T, rows, program, (q, k, v), args.repeats, digits=0)
     base, blocked, whole = times.values()
     print(
         f"\nblocks / softmax: forward {blocked[0] / base[0]:.1f}, forward + backward "
@@ -573,19 +582,7 @@ def run_path(args):
         "softmax (auto)": lambda q, k, v, w, beta: attention(q, k, v, causal=True),
         "PaTH": path_attention,
     }
-    print(f"| causal, T={T}, no bias | fwd ms | fwd+bwd ms | compile s (fwd) |\n|---|---|---|---|")
-    times = {}
-    for label, fn in rows.items():
-        row = []
-        for grad in (False, True):
-            start = time.perf_counter()
-            compiled = program(fn, grad).lower(q, k, v, w, beta).compile()
-            compile_s = time.perf_counter() - start
-            row.append(best_time(functools.partial(compiled, q, k, v, w, beta), args.repeats))
-            if not grad:
-                row.append(compile_s)
-        times[label] = row
-        print(f"| {label} | {row[0] * 1e3:.1f} | {row[2] * 1e3:.1f} | {row[1]:.2f} |", flush=True)
+    times = fwd_bwd_table(T, rows, program, (q, k, v, w, beta), args.repeats, digits=1)
     base, path = times.values()
     print(
         f"\nPaTH / softmax: forward {path[0] / base[0]:.1f}, forward + backward "
