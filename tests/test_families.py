@@ -34,6 +34,8 @@ def test_registry_lists_every_family():
         "fox",
         "stick_breaking",
         "cope",
+        "path",
+        "path_fox",
     }
 
 
@@ -385,6 +387,8 @@ def test_registry_derives_keys_and_continuous_keys_from_the_settings():
         "cope_positions",
         "cope_scale_positions",
         "cope_gates",
+        "path_w_rank",
+        "path_conv",
     }
     assert set(families.continuous_keys()) == {"rope_base", "alibi_slope_scale", "fire_init_c"}
     assert families.owners("t5_max_distance") == ("t5",)

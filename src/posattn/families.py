@@ -38,6 +38,7 @@ __all__ = [
     "LearnedSettings",
     "RopeSettings",
     "NORMALIZERS",
+    "PathSettings",
     "SandwichSettings",
     "Settings",
     "StickBreakingSettings",
@@ -461,6 +462,33 @@ class CopeSettings(Settings):
 
 
 @dataclasses.dataclass(frozen=True)
+class PathSettings(Settings):
+    """PaTH (Yang et al. 2025): how each layer makes its reflections' directions w."""
+
+    prefix: ClassVar[str] = "path_"
+    w_rank: int = setting(
+        32,
+        help="the inner width of w's low-rank projection D -> r -> K*H where every query head "
+        "has its own key head (the reference's 32); 0: one D x K*H projection, which a model "
+        "with fewer key heads than query heads always uses, as the reference does",
+    )
+    conv: bool = setting(
+        True,
+        help="w through a causal depthwise convolution of width 3 and SiLU before its L2 norm "
+        "(True, the reference's use_w_shortconv) or straight from the projection (False)",
+    )
+
+    def validate(self, ctx: Context) -> None:
+        value = self.w_rank
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            raise _invalid(
+                self._key("w_rank"), value, "must be an integer >= 0 (0: a full projection)"
+            )
+        if not isinstance(self.conv, bool):
+            raise _invalid(self._key("conv"), self.conv, "must be True or False")
+
+
+@dataclasses.dataclass(frozen=True)
 class StickBreakingSettings(Settings):
     """Stick-breaking attention (Tan et al. 2025): where the stick the keys leave goes."""
 
@@ -668,6 +696,11 @@ class Family:
         sigmoid(scale q.k) from it to the query, read from a learned table per layer
         (`posattn.attention.cope_attention`; the table is `posattn.nn.contextual.CopeTable`).
         Causal models only; its settings extend CopeSettings; no other signal.
+      reflections: PaTH: each key reaches a query through the data-dependent reflections
+        I - beta_s w_s w_s^T of every position s after it up to the query
+        (`posattn.attention.path_attention`; the module that makes w and beta is
+        `posattn.nn.path.Reflections`). Causal models only; its settings extend PathSettings;
+        forget gates (PaTH-FoX, their term scaled with the logits) and nothing else beside it.
     """
 
     name: str
@@ -680,6 +713,7 @@ class Family:
     forget: ForgetSpec | None = None
     normalizer: str = "softmax"
     contextual: bool = False
+    reflections: bool = False
 
 
 NORMALIZERS = ("softmax", "stick_breaking")
@@ -729,6 +763,19 @@ def register(family: Family) -> Family:
             f"family {family.name!r}: a contextual (CoPE) family carries no other position "
             "signal and a softmax (the CoPE kernel adds no bias, gate or rotation), and its "
             "settings extend CopeSettings"
+        )
+    if family.reflections and (
+        family.bias is not None
+        or family.rotary
+        or family.embedding != "none"
+        or family.normalizer != "softmax"
+        or family.contextual
+        or not issubclass(family.settings, PathSettings)
+    ):
+        raise ValueError(
+            f"family {family.name!r}: a PaTH family carries no position signal beside its "
+            "reflections but forget gates (its kernel adds no bias and no rotation), uses a "
+            "softmax, and its settings extend PathSettings"
         )
     if family.embedding == "learned" and not issubclass(family.settings, LearnedSettings):
         raise ValueError(
@@ -1014,5 +1061,24 @@ register(
         contextual=True,
         description="CoPE contextual positions: keys at the count of gates sigmoid(q.k) up to the "
         "query, a learned table per layer, no other signal",
+    )
+)
+register(
+    Family(
+        "path",
+        settings=PathSettings,
+        reflections=True,
+        description="PaTH: each key moved to the query through the data-dependent reflections "
+        "I - beta w w^T of the positions between them, no other signal",
+    )
+)
+register(
+    Family(
+        "path_fox",
+        settings=PathSettings,
+        reflections=True,
+        forget=ForgetSpec(),
+        description="PaTH-FoX: PaTH's reflections and FoX's forget gates (their term scaled with "
+        "the logits, as the reference kernel)",
     )
 )

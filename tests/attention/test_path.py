@@ -12,8 +12,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from path_reference import naive_chunked
 
-from posattn.attention import attention, path_attention, path_keys, path_update_keys, path_weights
+from posattn.attention import (
+    attention,
+    path_attention,
+    path_extend_keys,
+    path_keys,
+    path_update_keys,
+    path_weights,
+)
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -28,59 +36,6 @@ def _inputs(B=2, T=9, N=4, K=2, H=8, seed=0, forget=False):
     beta = rng.uniform(0.2, 1.9, (B, T, K))
     g = np.log(rng.uniform(0.8, 1.0, (B, T, N))) if forget else np.zeros((B, T, N))
     return q, k, v, w, beta, g
-
-
-def naive_chunked(q, k, v, w, beta, g, scale, BT):
-    """float64 transcription of fla's `naive_path_attn` (its tests' reference): [B, T, HQ, D]."""
-    HQ, Hk = q.shape[2], k.shape[2]
-    G = HQ // Hk
-
-    def heads(x, rep):  # [B, T, h, ...] -> [B, h * rep, T, ...]
-        x = np.moveaxis(x, 2, 1)
-        return np.repeat(x, rep, axis=1)
-
-    q, k, v, w = heads(q, 1), heads(k, G), heads(v, G), heads(w, G)
-    beta = np.repeat(np.moveaxis(beta, 2, 1), G, axis=1)
-    g_cum = np.cumsum(np.moveaxis(g, 2, 1), axis=-1)  # (B, HQ, T)
-    b, h, length, d = q.shape
-    pad = -length % BT
-    q, k, w = (np.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))) for x in (q, k, w))
-    beta = np.pad(beta, ((0, 0), (0, 0), (0, pad)))
-    L = q.shape[2]
-    n = L // BT
-    wb = w * beta[..., None]
-
-    def chunks(x):
-        return x.reshape(b, h, n, BT, d)
-
-    q, k, w, wb = chunks(q), chunks(k), chunks(w), chunks(wb)
-    upper = np.triu(np.ones((BT, BT), bool))  # on and above the diagonal
-    T_ = -np.where(upper, 0.0, wb @ np.swapaxes(w, -1, -2))
-    for i in range(1, BT):
-        T_[..., i, :i] = T_[..., i, :i] + (T_[..., i, :, None] * T_[..., :, :i]).sum(-2)
-    T_ = T_ + np.eye(BT)
-    Twbk = T_ @ np.where(upper, 0.0, wb @ np.swapaxes(k, -1, -2))
-    qw = np.tril(q @ np.swapaxes(w, -1, -2))
-    Twb = T_ @ wb
-    A_local = np.tril(q @ np.swapaxes(k, -1, -2)) - qw @ Twbk
-    q = q - qw @ Twb
-    k = k - np.swapaxes(Twbk, -1, -2) @ w
-    Hc = np.swapaxes(w, -1, -2) @ Twb  # (b, h, n, d, d)
-    A = np.zeros((b, h, L, L))
-    q, k = q.reshape(b, h, L, d), k.reshape(b, h, L, d)
-    for i in range(0, L, BT):
-        q_i = q[:, :, i : i + BT].copy()
-        for j in range(i - BT, -BT, -BT):
-            A[:, :, i : i + BT, j : j + BT] = q_i @ np.swapaxes(k[:, :, j : j + BT], -1, -2)
-            q_i = q_i - q_i @ Hc[:, :, j // BT]
-    for c in range(n):
-        A[:, :, c * BT : (c + 1) * BT, c * BT : (c + 1) * BT] = A_local[:, :, c]
-    A = np.where(np.tril(np.ones((L, L), bool)), A, -np.inf)[:, :, :length, :length]
-    A = A + g_cum[..., None] - g_cum[..., None, :]
-    A = A * scale
-    A = np.exp(A - A.max(-1, keepdims=True))
-    A = A / A.sum(-1, keepdims=True)
-    return np.moveaxis(A @ v, 1, 2)  # (B, T, HQ, D)
 
 
 def definition_logits(q, k, w, beta, g, scale, q_offset=0, length=None):
@@ -240,6 +195,39 @@ def test_per_row_decode_positions_move_only_each_rows_earlier_keys():
     np.testing.assert_array_equal(np.asarray(moved[0, 4:]), np.asarray(k[0, 4:]))
     np.testing.assert_array_equal(np.asarray(moved[1, 1:]), np.asarray(k[1, 1:]))
     assert not np.allclose(np.asarray(moved[0, :4]), np.asarray(k[0, :4]))
+
+
+def test_a_chunk_moves_a_prefix_cache_to_the_whole_sequences_keys():
+    """path_extend_keys from the prefix's cache (per-row prefix lengths, the chunk's rows as
+    projected) equals path_keys of the whole sequence; a padded position's reflection (at or
+    past kv_lengths) is skipped, and T steps of it are path_update_keys T times."""
+    _, k, _, w, beta, _ = _f32(*_inputs(B=2, T=10, N=2, K=2, H=4, seed=12))
+    p, T, lengths = jnp.asarray([3, 5]), 4, jnp.asarray([7, 8])  # row 1: its last chunk row pads
+    prefix = jnp.stack(
+        [
+            path_keys(k[b : b + 1], w[b : b + 1], beta[b : b + 1], kv_lengths=p[b])[0]
+            for b in range(2)
+        ]
+    )
+    rows = p[:, None] + jnp.arange(T)  # (B, T)
+    cache = prefix.at[jnp.arange(2)[:, None], rows].set(k[jnp.arange(2)[:, None], rows])
+    take = jnp.arange(2)[:, None]
+    got = path_extend_keys(cache, w[take, rows], beta[take, rows], p, kv_lengths=lengths)
+    want = path_keys(k, w, beta, kv_lengths=lengths)
+    for b in range(2):  # the rows the sequence holds
+        np.testing.assert_allclose(
+            np.asarray(got[b, : int(lengths[b])]),
+            np.asarray(want[b, : int(lengths[b])]),
+            atol=2e-6,
+        )
+    stepped = cache
+    for t in range(T):
+        stepped = path_update_keys(stepped, w[take, rows][:, t], beta[take, rows][:, t], p + t)
+    np.testing.assert_allclose(
+        np.asarray(path_extend_keys(cache, w[take, rows], beta[take, rows], p)),
+        np.asarray(stepped),
+        atol=1e-6,
+    )
 
 
 def test_no_reflection_is_nope_attention_and_a_reflection_changes_the_scores():

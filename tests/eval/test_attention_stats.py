@@ -103,6 +103,10 @@ def test_stats_match_closed_forms(position):
                 )
             ),
         ),
+        # PaTH's weights with forget gates (the forget term scaled); a windowed PaTH layer
+        # under RoPE
+        ("path_fox", {}),
+        ("path", dict(model__layer_pattern=("path:window=6", "rope"))),
     ],
 )
 def test_probabilities_reproduce_each_layers_attention(position, keys):

@@ -94,6 +94,13 @@ VARIANTS = {
         layer_pattern=("cope:window=5,cope_scale_positions=False,cope_gates=values", "rope"),
         max_len=6,
     ),
+    # PaTH: scanned with grouped heads, forget gates and a window (a full cache of moved keys
+    # and the convolution's inputs); a windowed layer without the convolution, w from a full
+    # projection, under RoPE.
+    "path_fox_scanned": dict(layer_pattern=("path_fox:window=4",), num_kv_heads=2),
+    "path_window_layer": dict(
+        layer_pattern=("path:window=5,path_conv=False,path_w_rank=0", "rope")
+    ),
     "gated_alibi": dict(
         position="alibi",
         mlp="gated",

@@ -36,10 +36,17 @@ def model_parts(cfg, seed=0):
     return steps.init_model(cfg, jax.random.key(seed))
 
 
+def _shares(name):
+    """Whether the family's layers may share keys/values (FoX's gates and PaTH's moved keys
+    belong to their own layer)."""
+    family = families.get(name)
+    return family.forget is None and not family.reflections
+
+
 # Every family, each with another grouping of key/value heads and cross-layer sharing, plus RoPE
 # with a static scaling and the other pair layout.
 SWEEP = [
-    (name, dict(num_kv_heads=(4, 2, 1)[i % 3], kv_share=(1, 2)[i % 2]))
+    (name, dict(num_kv_heads=(4, 2, 1)[i % 3], kv_share=(1, 2)[i % 2] if _shares(name) else 1))
     for i, name in enumerate(families.names())
 ]
 SWEEP.append(

@@ -40,8 +40,8 @@ The package:
   cope.py       `cope_attention`: contextual positions (CoPE, Golovneva et al. 2024), keys at
                 the count of gates sigmoid(q.k) up to the query, read from a learned table
   path.py       `path_attention`: PaTH (Yang et al. 2025), each key moved to its query through a
-                product of data-dependent Householder-like reflections; `path_update_keys` for
-                a decode step's cache
+                product of data-dependent Householder-like reflections; `path_update_keys` and
+                `path_extend_keys` for a decode step's or a chunk's cache
 
 "auto" picks per backend by the rule in `choose_implementation`.
 """
@@ -62,7 +62,13 @@ import numpy as np
 from posattn.attention import blockwise, chunked, cudnn, native, partition
 from posattn.attention.cope import cope_attention, cope_positions, cope_weights
 from posattn.attention.masks import Far, materialize_bias, query_positions, visibility_mask
-from posattn.attention.path import path_attention, path_keys, path_update_keys, path_weights
+from posattn.attention.path import (
+    path_attention,
+    path_extend_keys,
+    path_keys,
+    path_update_keys,
+    path_weights,
+)
 from posattn.attention.reference import reference_attention, xla_attention
 from posattn.attention.stickbreaking import (
     REMAINDERS as STICK_BREAKING_REMAINDERS,
@@ -89,6 +95,7 @@ __all__ = [
     "choose_implementation",
     "materialize_bias",
     "path_attention",
+    "path_extend_keys",
     "path_keys",
     "path_update_keys",
     "path_weights",

@@ -51,7 +51,7 @@ import numpy as np
 from posattn.attention.masks import query_positions, visibility_mask
 from posattn.attention.rowwise import check_qkv, check_static, masked_softmax
 
-__all__ = ["path_attention", "path_keys", "path_update_keys", "path_weights"]
+__all__ = ["path_attention", "path_extend_keys", "path_keys", "path_update_keys", "path_weights"]
 
 f32 = jnp.float32
 _HI = jax.lax.Precision.HIGHEST
@@ -124,6 +124,37 @@ def path_update_keys(keys: jax.Array, w: jax.Array, beta: jax.Array, position) -
     p = jnp.broadcast_to(jnp.asarray(position, jnp.int32), (B,))
     active = jnp.arange(S, dtype=jnp.int32)[None, :] < p[:, None]
     return _reflect(keys.astype(f32), w.astype(f32), beta.astype(f32), active).astype(keys.dtype)
+
+
+def path_extend_keys(
+    keys: jax.Array, w: jax.Array, beta: jax.Array, q_offset, *, kv_lengths=None
+) -> jax.Array:
+    """A chunk's cache: keys[B, S, K, H] as seen from position p - 1 (p = q_offset, int or
+    int[B]) moved on through the chunk's reflections w[B, T, K, H], beta[B, T, K] at positions
+    p + t, each applied to the rows before its position (`path_update_keys` T times, in order);
+    a reflection at or past kv_lengths[b] (padding) is not applied. Rows p .. p + T - 1 must hold
+    the chunk's keys as projected: they leave as seen from the chunk's last valid position."""
+    B, S, K, H = keys.shape
+    T = w.shape[1]
+    if w.shape != (B, T, K, H) or beta.shape != (B, T, K):
+        raise ValueError(
+            f"{_NAME}: a chunk's w must be [B, T, K, H] = {(B, T, K, H)} and beta [B, T, K], "
+            f"got w {w.shape} and beta {beta.shape}"
+        )
+    p = jnp.broadcast_to(jnp.asarray(q_offset, jnp.int32), (B,))
+    lengths = p + T if kv_lengths is None else _lengths(kv_lengths, B, S)
+    rows = jnp.arange(S, dtype=jnp.int32)
+    w, beta = jnp.moveaxis(w.astype(f32), 1, 0), jnp.moveaxis(beta.astype(f32), 1, 0)
+
+    def step(moved, chunk_t):
+        w_t, beta_t, t = chunk_t
+        s = p + t  # (B,)
+        active = (rows[None, :] < s[:, None]) & (s < lengths)[:, None]
+        return _reflect(moved, w_t, beta_t, active), None
+
+    steps = (w, beta, jnp.arange(T, dtype=jnp.int32))
+    moved = jax.lax.scan(step, keys.astype(f32), steps)[0]
+    return moved.astype(keys.dtype)
 
 
 @jax.custom_vjp

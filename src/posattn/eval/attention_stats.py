@@ -64,14 +64,28 @@ def _probabilities(
     far=None,
     v=None,
     gate_keys=None,
+    reflections=None,
 ) -> jax.Array:
     """Reference softmax probabilities float32[B, N, T - start, S] of one layer for the queries
     q[:, start:] (q at positions 0..T-1; its window, FoX's log f [B, S, N] and a RoPE remap's
     far pairs (`attention.Far`) as the layer's); a stick-breaking layer's weights instead, the
     remainder on the query's own key where the layer gives it its own value; a CoPE layer's
     softmax weights with its contextual positions (its gates from the values v [B, S, K, H] or
-    its separate `gate_keys` where the layer's are)."""
+    its separate `gate_keys` where the layer's are); a PaTH layer's softmax weights with its
+    `reflections` (w [B, S, K, H], beta [B, S, K]) and its scaled forget term."""
     q = q[:, start:]
+    if attn.path is not None:
+        w, beta = reflections
+        return attention_lib.path_weights(
+            q,
+            k,
+            w,
+            beta,
+            q_offset=start,
+            scale=attn.scale,
+            window=attn.window,
+            log_forget=log_forget,
+        )
     if attn.stick_breaking is not None:  # the weights its kernel multiplies the values by
         return attention_lib.stick_breaking_weights(
             q,
@@ -150,9 +164,11 @@ def _per_layer(graphdef, params, constants, tokens, *, start: int, reduce) -> li
             q = attn._temper(q, positions, T)
         log_forget = None if attn.forget is None else attn.forget(h)  # (B, T, N)
         gates = attn.project_gate_keys(h)  # CoPE's separate gate keys, or None
-        out.append(
-            reduce(_probabilities(attn, q, k, start, log_forget, far, v=own[1], gate_keys=gates))
+        reflections = None if attn.path is None else attn.path(h)  # PaTH's (w, beta)
+        probabilities = _probabilities(
+            attn, q, k, start, log_forget, far, v=own[1], gate_keys=gates, reflections=reflections
         )
+        out.append(reduce(probabilities))
         x, kv = block(x, kv=kv)
     return out
 

@@ -312,6 +312,12 @@ def model_type_of(cfg: ModelConfig) -> str:
             f"model layers of {contextual[0]!r}: transformers has no contextual position encoding "
             "(CoPE), so no Hugging Face architecture computes this model"
         )
+    reflecting = [spec.position for spec in cfg.layers if spec.family.reflections]
+    if reflecting:
+        raise ValueError(
+            f"model layers of {reflecting[0]!r}: transformers has no PaTH attention, so no "
+            "Hugging Face architecture computes this model"
+        )
     kind = _architecture(cfg)
     if kind == "gemma3_text":
         _gemma3_layers(cfg)

@@ -30,6 +30,11 @@ the unwritten rows) give every family its true positions with nothing family-spe
     mask.
   * FoX layers: the cache also keeps each key's `log f` [B, S, N] (float32), from which the
     attention core forms the cumulative sums `c_j`; the query reads `c` at its own row.
+  * PaTH layers: a row holds its key as seen from the sequence's last position (moved through
+    every reflection since, not as projected), so each step first moves the whole cache on by
+    the new token's reflection (`posattn.attention.path_extend_keys`); the cache also keeps the
+    w convolution's last two inputs [B, 2, K*H] (`path_conv`). Always a full cache: a ring's
+    renumbering would not move its keys.
 
 Rows may hold prompts of different lengths (`lengths`); each row then decodes at its own position.
 """
@@ -68,7 +73,7 @@ DYNAMIC_NTK_MODES = ("exact", "rerotate", "hf")
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=("k", "v", "lengths", "tokens", "log_forget", "gate_keys"),
+    data_fields=("k", "v", "lengths", "tokens", "log_forget", "gate_keys", "path_conv"),
     meta_fields=("keys_rotated", "recompute_past", "size"),
 )
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +81,8 @@ class KVCache:
     """Pre-allocated keys and values of every layer that owns them.
 
     Attributes:
-      k: L arrays [B, S, K, H]: row p of a sequence holds the key of its position p.
+      k: L arrays [B, S, K, H]: row p of a sequence holds the key of its position p (a PaTH
+        layer's as seen from the sequence's last position).
       v: L arrays [B, S, K, H].
       lengths: int32[B], the number of positions written per sequence (its next position).
       tokens: int32[B, S], the tokens fed so far, kept only when a step may have to recompute the
@@ -91,6 +97,8 @@ class KVCache:
         "separate"`), or None (another layer); None for a model without such layers.
       size: static, the capacity S (a sliding-window layer's ring holds fewer rows); None: the
         rows of the first layer.
+      path_conv: per layer, a PaTH layer's last two inputs to its w convolution
+        float32[B, 2, K*H] (`model.path_conv`), or None; None for a model without such layers.
     """
 
     k: tuple[jax.Array, ...]
@@ -102,6 +110,7 @@ class KVCache:
     log_forget: tuple[jax.Array | None, ...] | None = None
     size: int | None = None
     gate_keys: tuple[jax.Array | None, ...] | None = None
+    path_conv: tuple[jax.Array | None, ...] | None = None
 
     @property
     def capacity(self) -> int:
@@ -109,26 +118,26 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the keys and values (and FoX's log f, CoPE's gate keys: what grows with
-        batch and context)."""
-        extra = (*(self.log_forget or ()), *(self.gate_keys or ()))
-        arrays = self.k + self.v + tuple(a for a in extra if a is not None)
-        return sum(x.size * x.dtype.itemsize for x in arrays)
+        """Bytes of the keys and values (and FoX's log f, CoPE's gate keys, PaTH's convolution
+        inputs: what grows with batch and context)."""
+        extra = tuple(a for layer in self._extras() for a in layer)
+        return sum(x.size * x.dtype.itemsize for x in self.k + self.v + extra)
 
-    def _extras(self) -> tuple[jax.Array | None, ...]:
-        """Per owning layer, its third cached tensor (FoX's log f or CoPE's gate keys; a layer
-        has at most one) or None."""
-        forget = self.log_forget or (None,) * len(self.k)
-        gates = self.gate_keys or (None,) * len(self.k)
-        return tuple(f if f is not None else g for f, g in zip(forget, gates, strict=True))
+    def _extras(self) -> tuple[tuple[jax.Array, ...], ...]:
+        """Per owning layer, its cached tensors beside k and v, in the order of `EXTRAS` (FoX's
+        log f, CoPE's gate keys, PaTH's convolution inputs: those the layer has)."""
+        fields = [getattr(self, name) or (None,) * len(self.k) for name in EXTRAS]
+        return tuple(
+            tuple(a for a in layer if a is not None) for layer in zip(*fields, strict=True)
+        )
 
     def entries(self) -> tuple[tuple[jax.Array, ...], ...]:
-        """Per owning layer, what `TransformerLM.extend` takes: (k, v), (k, v, log f) or
-        (k, v, gate keys)."""
-        return tuple(
-            (k, v) if e is None else (k, v, e)
-            for k, v, e in zip(self.k, self.v, self._extras(), strict=True)
-        )
+        """Per owning layer, what `TransformerLM.extend` takes: (k, v) and the layer's extras
+        (`_extras`), e.g. (k, v, log f)."""
+        return tuple((k, v, *e) for k, v, e in zip(self.k, self.v, self._extras(), strict=True))
+
+
+EXTRAS = ("log_forget", "gate_keys", "path_conv")  # a layer's entries after k and v, in order
 
 
 def _dtype(cfg: ModelConfig):
@@ -162,6 +171,8 @@ def _cache_rows(cfg: ModelConfig, spec, capacity: int) -> int:
     """Rows of one owning layer's cache: its window (a ring buffer) or the capacity."""
     w = spec.window
     relative = spec.family.bias is None or spec.family.bias.relative
+    if spec.family.reflections:  # PaTH's cached keys move with every step: no renumbering
+        return capacity
     if w is None or w >= capacity or cfg.kv_share != 1 or not relative:
         return capacity
     if spec.family.rotary and spec.settings.remap is not None:
@@ -218,6 +229,12 @@ def init_cache(
         jnp.zeros_like(z) if _separate_gates(s) else None
         for s, z in zip(owners, zeros, strict=True)
     )
+    convs = tuple(
+        jnp.zeros((batch_size, 2, cfg.num_kv_heads * cfg.head_dim), jnp.float32)
+        if _path_conv(s)
+        else None
+        for s in owners
+    )
     keys_rotated, recompute_past = _dynamic_layout(cfg, dynamic_ntk)
     tokens = None if recompute_past is None else jnp.zeros((batch_size, capacity), jnp.int32)
     return KVCache(
@@ -230,6 +247,7 @@ def init_cache(
         log_forget=forget if any(f is not None for f in forget) else None,
         size=capacity,
         gate_keys=gates if any(g is not None for g in gates) else None,
+        path_conv=convs if any(c is not None for c in convs) else None,
     )
 
 
@@ -238,10 +256,16 @@ def _separate_gates(spec) -> bool:
     return spec.family.contextual and spec.settings.gates == "separate"
 
 
+def _path_conv(spec) -> bool:
+    """Whether a layer caches PaTH's w convolution inputs."""
+    return spec.family.reflections and spec.settings.conv
+
+
 def cache_bytes(cfg: ModelConfig, *, batch_size: int, capacity: int) -> int:
     """Bytes of a cache (no allocation): 2 B S_l K H itemsize per owning layer, S_l its rows
-    (the capacity, or a sliding window's ring), plus 4 B S_l N for a FoX layer's log f and
-    B S_l K H itemsize for CoPE's separate gate keys."""
+    (the capacity, or a sliding window's ring), plus 4 B S_l N for a FoX layer's log f,
+    B S_l K H itemsize for CoPE's separate gate keys and 4 B 2 K H for a PaTH layer's
+    convolution inputs."""
     itemsize = jnp.dtype(_dtype(cfg)).itemsize
     total = 0
     for spec in (cfg.layers[i] for i in range(0, cfg.num_layers, cfg.kv_share)):
@@ -251,6 +275,8 @@ def cache_bytes(cfg: ModelConfig, *, batch_size: int, capacity: int) -> int:
             total += batch_size * rows * cfg.num_heads * 4
         if _separate_gates(spec):
             total += batch_size * rows * cfg.num_kv_heads * cfg.head_dim * itemsize
+        if _path_conv(spec):
+            total += batch_size * 2 * cfg.num_kv_heads * cfg.head_dim * 4
     return total
 
 
@@ -372,18 +398,15 @@ def _cached_step(
 def _replace(cache: KVCache, kvs, lengths, tokens) -> KVCache:
     k = tuple(entry[0] for entry in kvs)
     v = tuple(entry[1] for entry in kvs)
-    forget = gates = None  # each layer's third entry goes back where it came from
-    if cache.log_forget is not None:
-        forget = tuple(
-            e[2] if f is not None else None for e, f in zip(kvs, cache.log_forget, strict=True)
-        )
-    if cache.gate_keys is not None:
-        gates = tuple(
-            e[2] if g is not None else None for e, g in zip(kvs, cache.gate_keys, strict=True)
-        )
-    return dataclasses.replace(
-        cache, k=k, v=v, lengths=lengths, tokens=tokens, log_forget=forget, gate_keys=gates
-    )
+    # Each layer's extras go back where they came from, in the order `entries` gave them.
+    extras = {name: getattr(cache, name) for name in EXTRAS}
+    updated = {name: [] for name in EXTRAS if extras[name] is not None}
+    for i, entry in enumerate(kvs):
+        rest = iter(entry[2:])
+        for name in updated:
+            updated[name].append(None if extras[name][i] is None else next(rest))
+    updated = {name: tuple(layers_) for name, layers_ in updated.items()}
+    return dataclasses.replace(cache, k=k, v=v, lengths=lengths, tokens=tokens, **updated)
 
 
 def sample(

@@ -375,6 +375,7 @@ class Attention(nnx.Module):
         forget: nnx.Module | None = None,
         stick_breaking: attention_lib.StickBreaking | None = None,
         cope: nnx.Module | None = None,
+        path: nnx.Module | None = None,
         head_dim: int | None = None,
         arch: Arch = Arch(),
     ):
@@ -421,9 +422,10 @@ class Attention(nnx.Module):
         # Per-layer position settings (posattn.nn.pattern): a sliding window, a query temperature
         # (posattn.nn.temperature), FoX's forget gate (posattn.nn.forget), stick-breaking
         # attention instead of a softmax (its settings, `attention.StickBreaking`), CoPE's table
-        # of position embeddings (posattn.nn.contextual). None: absent.
+        # of position embeddings (posattn.nn.contextual), PaTH's reflections (posattn.nn.path).
+        # None: absent.
         self.window, self.temperature, self.forget = window, temperature, forget
-        self.stick_breaking, self.cope = stick_breaking, cope
+        self.stick_breaking, self.cope, self.path = stick_breaking, cope, path
 
     def _rotary(self, shared) -> Rotary | None:
         return self.rotary if self.rotary is not None or shared is None else shared[0]
@@ -592,6 +594,90 @@ class Attention(nnx.Module):
         )  # (B, T, N, H)
         return self._project_out(out)
 
+    def _path_call(self, x, *, cache, q_offset, kv_lengths, attend_len):
+        """`__call__` of a PaTH layer (`self.path`): each key reaches its query through the
+        reflections of the positions between them (`posattn.attention.path_attention`).
+
+        Without a cache: the chunk at positions q_offset + t over its own keys. With one, its
+        entry is (keys, values[, log f][, conv state]): the keys as seen from the row's last
+        written position (not as projected: docs/decoding.md), FoX's log f of a PaTH-FoX layer
+        and the w convolution's last two inputs [B, 2, K*H]. A one-token step moves the cache on
+        by the token's reflection and reads it with the softmax core (log f times the scale, as
+        PaTH scales it); a longer chunk runs `path_attention` over the cache, whose rows carry
+        no reflection of their own (beta 0) before the chunk's. Either way the chunk's
+        reflections then move every key to the chunk's last valid position.
+        """
+        T = x.shape[1]
+        positions = token_positions(q_offset, T)
+        q, k, v = self._projections(x, "qkv")  # (B, T, heads, H)
+        q = self._temper(q, positions, T if kv_lengths is None else kv_lengths)
+        projected, beta = self.path.project(x), self.path.beta(x)  # (B, T, K*H), (B, T, K)
+        log_f = None if self.forget is None else self.forget(x)  # (B, T, N)
+        window = {} if self.window is None else {"window": self.window}
+        if cache is None:
+            out = attention_lib.path_attention(
+                q,
+                k,
+                v,
+                self.path.directions(projected),
+                beta,
+                q_offset=q_offset,
+                kv_lengths=kv_lengths,
+                scale=self.scale,
+                log_forget=log_f,
+                **window,
+            )
+            return self._project_out(out), (k, v)
+        k_cache, v_cache, *rest = cache
+        f_cache = rest.pop(0) if log_f is not None else None
+        previous = rest.pop(0) if self.path.has_conv else None  # (B, 2, K*H)
+        w = self.path.directions(projected, previous)  # (B, T, K, H)
+        keys = write_rows(k_cache, k, q_offset)  # the chunk's rows as projected
+        values = write_rows(v_cache, v, q_offset)
+        f_all = None if log_f is None else write_rows(f_cache, log_f, q_offset)
+        moved = attention_lib.path_extend_keys(keys, w, beta, q_offset, kv_lengths=kv_lengths)
+
+        def visible(a):
+            return a if a is None or attend_len is None else a[:, :attend_len]
+
+        if T == 1:  # one reflection moved the cache to the query's position: a softmax reads it
+            out = attention_lib.attention(
+                q,
+                visible(moved),
+                visible(values),
+                causal=True,
+                q_offset=q_offset,
+                kv_lengths=kv_lengths,
+                scale=self.scale,
+                implementation=self.implementation,
+                log_forget=None if f_all is None else self.scale * visible(f_all),
+                **window,
+            )
+        else:
+            w_all = write_rows(jnp.zeros(k_cache.shape, jnp.float32), w, q_offset)
+            beta_all = write_rows(jnp.zeros(k_cache.shape[:3], jnp.float32), beta, q_offset)
+            out = attention_lib.path_attention(
+                q,
+                visible(keys),
+                visible(values),
+                visible(w_all),
+                visible(beta_all),
+                q_offset=q_offset,
+                kv_lengths=kv_lengths,
+                scale=self.scale,
+                log_forget=visible(f_all),
+                **window,
+            )
+        entry = (moved, values) + (() if f_all is None else (f_all,))
+        if previous is not None:  # the inputs at the last two valid positions L - 2, L - 1
+            joined = jnp.concatenate([previous.astype(jnp.float32), projected], axis=1)
+            offset = jnp.asarray(q_offset, jnp.int32)
+            end = (offset + T if kv_lengths is None else kv_lengths) - offset  # L - p
+            at = jnp.broadcast_to(end, (x.shape[0],))[:, None] + jnp.arange(2)  # (B, 2)
+            kept = jnp.take_along_axis(joined, jnp.clip(at, 0, T + 1)[..., None], axis=1)
+            entry += (kept.astype(previous.dtype),)
+        return self._project_out(out), entry
+
     def _project_out(self, out: jax.Array) -> jax.Array:
         """The heads out[B, T, N, H] projected back to [B, T, D]."""
         B, T, N, H = out.shape
@@ -651,6 +737,10 @@ class Attention(nnx.Module):
           (output[B, T, D], kv): without a cache, the keys/values (k, v) this layer used, for
           the layers above; with one, the updated cache.
         """
+        if self.path is not None:
+            return self._path_call(
+                x, cache=cache, q_offset=q_offset, kv_lengths=kv_lengths, attend_len=attend_len
+            )
         T = x.shape[1]
         positions = token_positions(q_offset, T)  # (T,) or (B, T)
         kv_len = T if kv_lengths is None else kv_lengths

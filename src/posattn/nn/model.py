@@ -43,6 +43,7 @@ from posattn import positions
 from posattn.attention import StickBreaking
 from posattn.nn import contextual, layers
 from posattn.nn import forget as forget_lib
+from posattn.nn import path as path_lib
 from posattn.nn import temperature as temperature_lib
 from posattn.nn.config import ModelConfig
 
@@ -211,7 +212,9 @@ class TransformerLM(nnx.Module):
           cache: None (nothing kept: positions 0..T-1), or one entry per layer that owns its
             keys/values (`num_layers // kv_share` of them: the layers of a sharing group read
             their owner's): (k, v), [B, S, K, H] each; a FoX layer's (k, v, log f [B, S, N]); a
-            sliding-window layer's may be a ring buffer of `window` rows (posattn.nn.window).
+            PaTH layer's keys moved through its reflections, its log f, its convolution inputs
+            (`Attention._path_call`); a sliding-window layer's may be a ring buffer of `window`
+            rows (posattn.nn.window).
           q_offset, kv_lengths, seq_len, keys_rotated, attend_len: as `layers.Attention`.
 
         Returns:
@@ -464,6 +467,18 @@ def _position_layer(cfg: ModelConfig, spec, rngs) -> dict:
             scale_positions=spec.settings.scale_positions,
             gates=spec.settings.gates,
             param_dtype=layers.compute_dtype(cfg.param_dtype),
+        )
+    if spec.family.reflections:
+        out["path"] = path_lib.Reflections(
+            cfg.d_model,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            rank=spec.settings.w_rank,
+            conv=spec.settings.conv,
+            init_scale=cfg.init_scale,
+            param_dtype=layers.compute_dtype(cfg.param_dtype),
+            rngs=rngs,
         )
     if spec.family.forget is not None:
         out["forget"] = forget_lib.ForgetGate(

@@ -302,6 +302,22 @@ def validate(cfg) -> None:
                 f"{label}: the CoPE kernel has no logit soft cap, but "
                 f"config.model.attn_logit_softcap={cfg.attn_logit_softcap}; set it to 0"
             )
+        if family.reflections and not cfg.causal:
+            raise ValueError(
+                f"{label}: PaTH moves each key through the reflections of the positions after it "
+                f"up to the query and needs a causal model, but config.model.kind={cfg.kind!r}; "
+                "set model.kind='decoder'"
+            )
+        if family.reflections and cfg.kv_share != 1:
+            raise ValueError(
+                f"{label}: config.model.kv_share={cfg.kv_share} is not supported with PaTH (each "
+                "layer's keys travel through its own reflections); set model.kv_share=1"
+            )
+        if family.reflections and cfg.attn_logit_softcap:
+            raise ValueError(
+                f"{label}: the PaTH kernel has no logit soft cap, but "
+                f"config.model.attn_logit_softcap={cfg.attn_logit_softcap}; set it to 0"
+            )
         if family.forget is not None and cfg.kv_share != 1:
             raise ValueError(
                 f"{label}: config.model.kv_share={cfg.kv_share} is not supported with FoX (each "
