@@ -108,26 +108,29 @@ def test_a_chunk_of_several_tokens_continues_a_cache_at_per_row_positions():
     model = nnx.merge(graphdef, params, constants)
     tokens = jax.random.randint(jax.random.key(1), (2, 24), 0, 256)
     full = model(tokens)
+    prefill = jax.jit(decode.prefill, static_argnums=0)
+    step = jax.jit(decode.decode_step, static_argnums=0)
+
+    @jax.jit
+    def extend(params, constants, cache, chunk, p):
+        h, entries = nnx.merge(graphdef, params, constants).extend(
+            chunk, cache.entries(), q_offset=p, kv_lengths=p + 5, seq_len=p + 5
+        )
+        return model.logits(h), decode._replace(cache, entries, p + 5, None)
+
     lengths = np.array([6, 3])
     cache = decode.init_cache(cfg, batch_size=2, capacity=24)
-    _, cache = decode.prefill(graphdef, params, constants, cache, tokens[:, :6], lengths)
+    _, cache = prefill(graphdef, params, constants, cache, tokens[:, :6], lengths)
     for _ in range(2):
-        _, cache = decode.decode_step(
-            graphdef, params, constants, cache, tokens[np.arange(2), cache.lengths]
-        )
+        _, cache = step(graphdef, params, constants, cache, tokens[np.arange(2), cache.lengths])
     p = np.asarray(cache.lengths)  # [8, 5]
     rows = p[:, None] + np.arange(5)
-    h, entries = model.extend(
-        tokens[np.arange(2)[:, None], rows],
-        cache.entries(),
-        q_offset=jnp.asarray(p),
-        kv_lengths=jnp.asarray(p + 5),
-        seq_len=jnp.asarray(p + 5),
+    logits, cache = extend(
+        params, constants, cache, tokens[np.arange(2)[:, None], rows], jnp.asarray(p)
     )
     want = full[np.arange(2)[:, None], rows]
-    np.testing.assert_allclose(np.asarray(model.logits(h)), np.asarray(want), atol=2e-5)
-    cache = decode._replace(cache, entries, jnp.asarray(p + 5), None)
-    logits, _ = decode.decode_step(graphdef, params, constants, cache, tokens[np.arange(2), p + 5])
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(want), atol=2e-5)
+    logits, _ = step(graphdef, params, constants, cache, tokens[np.arange(2), p + 5])
     np.testing.assert_allclose(np.asarray(logits), np.asarray(full[np.arange(2), p + 5]), atol=2e-5)
     assert cache.path_conv[0].shape == (2, 2, 2 * 4)  # the convolution's last two inputs
 
