@@ -26,11 +26,11 @@ forward's compiled memory at T/2 .. 4T (its weights are materialised a block at 
 `cope_attention` with a table of T + 1 positions (the reference's default at a block of T): the
 memory table's programs hold the table of the first length.
 
-PaTH section (--path): `path_attention` (one scan over the key positions, each step a reflection
-of every key before it; unit w, beta in (0, 2)) against softmax attention at T = the first
---lengths value, forward and forward + backward, same process, and the ratios; then the compiled
-temporary memory of both PaTH programs at T/2, T and 2T (the scores are materialised and the
-backward keeps each step's keys: quadratic in T).
+PaTH section (--path): `path_attention` (by chunks of 64 positions: a triangular system per
+chunk, then one scan over the distance between chunks, docs/attention.md "PaTH"; unit w, beta in
+(0, 2)) against softmax attention at T = the first --lengths value, forward and forward +
+backward, same process, and the ratios; then the compiled temporary memory of both PaTH programs
+at T/2, T and 2T (the scores are materialised: quadratic in T).
 
 Far section (--far W): blockwise forward and forward + backward at T = the first --lengths
 value, no bias, causal, with two-score attention (`far=Far(q_far, k_far, W)`, the far pair
