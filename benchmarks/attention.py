@@ -26,11 +26,12 @@ forward's compiled memory at T/2 .. 4T (its weights are materialised a block at 
 `cope_attention` with a table of T + 1 positions (the reference's default at a block of T): the
 memory table's programs hold the table of the first length.
 
-PaTH section (--path): `path_attention` (by chunks of 64 positions: a triangular system per
-chunk, then one scan over the distance between chunks, docs/attention.md "PaTH"; unit w, beta in
-(0, 2)) against softmax attention at T = the first --lengths value, forward and forward +
-backward, same process, and the ratios; then the compiled temporary memory of both PaTH programs
-at T/2, T and 2T (the scores are materialised: quadratic in T).
+PaTH section (--path): `path_attention` (by chunks of 64 positions, or of each --path-chunks
+size: a triangular system per chunk, then one scan over the distance between chunks,
+docs/attention.md "PaTH"; unit w, beta in (0, 2)) against softmax attention at T = the first
+--lengths value, forward and forward + backward, same process, and the ratios; then the compiled
+temporary memory of both PaTH programs (the first chunk size) at T/2, T and 2T (the scores are
+materialised: quadratic in T). --shape B,N,H sets the inputs' batch, heads and head dim.
 
 Far section (--far W): blockwise forward and forward + backward at T = the first --lengths
 value, no bias, causal, with two-score attention (`far=Far(q_far, k_far, W)`, the far pair
@@ -578,24 +579,30 @@ def run_path(args):
             jax.grad(lambda *a: jnp.sum(fn(*a) * (d_out if weigh else 1.0)), (0, 1, 2, 3, 4))
         )
 
-    rows = {
-        "softmax (auto)": lambda q, k, v, w, beta: attention(q, k, v, causal=True),
-        "PaTH": path_attention,
-    }
+    rows = {"softmax (auto)": lambda q, k, v, w, beta: attention(q, k, v, causal=True)}
+    for c in args.path_chunks:
+        rows[f"PaTH, chunks of {c}"] = functools.partial(path_attention, chunk=c)
     times = fwd_bwd_table(T, rows, program, (q, k, v, w, beta), args.repeats, digits=1)
-    base, path = times.values()
+    base, *paths = times.values()
+    print()
+    for c, path in zip(args.path_chunks, paths, strict=True):
+        print(
+            f"PaTH, chunks of {c} / softmax: forward {path[0] / base[0]:.1f}, forward + "
+            f"backward {path[2] / base[2]:.1f}"
+        )
+    print()
+    first = functools.partial(path_attention, chunk=args.path_chunks[0])
     print(
-        f"\nPaTH / softmax: forward {path[0] / base[0]:.1f}, forward + backward "
-        f"{path[2] / base[2]:.1f}\n"
+        f"| T | PaTH (chunks of {args.path_chunks[0]}) fwd temp bytes | fwd + bwd temp bytes | "
+        "fwd + bwd temp / T^2 |"
     )
-    print("| T | PaTH fwd temp bytes | fwd + bwd temp bytes | fwd + bwd temp / T^2 |")
     print("|---|---|---|---|")
     for t in (T // 2, T, 2 * T):
         spec = jax.ShapeDtypeStruct((B, t, N, H), jnp.float32)
         beta_spec = jax.ShapeDtypeStruct((B, t, N), jnp.float32)
         temps = []
         for grad in (False, True):
-            compiled = program(path_attention, grad, weigh=False)
+            compiled = program(first, grad, weigh=False)
             compiled = compiled.lower(spec, spec, spec, spec, beta_spec)
             temps.append(compiled.compile().memory_analysis().temp_size_in_bytes)
         print(f"| {t} | {temps[0]} | {temps[1]} | {temps[1] / t**2:.0f} |", flush=True)
@@ -623,6 +630,12 @@ def main():
     )
     parser.add_argument("--cope", type=int, help="CoPE section, queries in blocks of this")
     parser.add_argument("--path", action="store_true", help="PaTH section")
+    parser.add_argument(
+        "--path-chunks", type=int, nargs="+", default=[64], help="PaTH rows: chunk sizes"
+    )
+    parser.add_argument(
+        "--shape", help="batch,heads,head_dim of the inputs (default 1,8,64), e.g. 32,4,16"
+    )
     parser.add_argument("--smoke", action="store_true", help="one repeat (a quick check)")
     parser.add_argument("--_child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -636,6 +649,10 @@ def main():
     )
     if args.smoke:
         args.repeats = 1
+    if args.shape:
+        global B, N, H
+        B, N, H = (int(x) for x in args.shape.split(","))
+        print(f"inputs: batch {B}, {N} heads of {H}\n")
     if args.window:
         return run_window(args)
     if args.far:
