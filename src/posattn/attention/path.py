@@ -87,28 +87,13 @@ def _lengths(kv_lengths, B, S):
     return jnp.broadcast_to(jnp.asarray(kv_lengths, jnp.int32), (B,))
 
 
-def _scan(k, w, beta, kv_lengths):
-    """The keys as seen from the last position: one scan over the positions s, each step H_s
-    applied to the keys before s (padded positions skipped)."""
-    B, S = k.shape[:2]
-    rows = jnp.arange(S, dtype=jnp.int32)
-    lengths = _lengths(kv_lengths, B, S)
-    w, beta = w.astype(f32), beta.astype(f32)
-
-    def step(keys, s):
-        active = (rows[None, :] < s) & (s < lengths)[:, None]  # (B, S): the keys before s
-        return _reflect(keys, w[:, s], beta[:, s], active), None
-
-    return jax.lax.scan(step, k.astype(f32), rows)[0]
-
-
 def path_keys(k: jax.Array, w: jax.Array, beta: jax.Array, *, kv_lengths=None) -> jax.Array:
     """float32[B, S, K, H]: the keys as seen from each row's last position L - 1 (L =
     kv_lengths[b], or S): row j holds H_{L-1} ... H_{j+1} k_j, the cache a decode step continues
     from (`path_update_keys`). Rows at or past L are the keys as projected."""
     check_qkv(_NAME, k, k, k)
     _check_reflections(k, w, beta)
-    return _scan(k, w, beta, kv_lengths)
+    return path_extend_keys(k.astype(f32), w, beta, 0, kv_lengths=kv_lengths)
 
 
 def path_update_keys(keys: jax.Array, w: jax.Array, beta: jax.Array, position) -> jax.Array:
@@ -121,9 +106,7 @@ def path_update_keys(keys: jax.Array, w: jax.Array, beta: jax.Array, position) -
             f"{_NAME}: a decode step's w must be [B, K, H] = {(B, K, H)} and beta [B, K], got "
             f"w {w.shape} and beta {beta.shape}"
         )
-    p = jnp.broadcast_to(jnp.asarray(position, jnp.int32), (B,))
-    active = jnp.arange(S, dtype=jnp.int32)[None, :] < p[:, None]
-    return _reflect(keys.astype(f32), w.astype(f32), beta.astype(f32), active).astype(keys.dtype)
+    return path_extend_keys(keys, w[:, None], beta[:, None], position)
 
 
 def path_extend_keys(

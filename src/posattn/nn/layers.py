@@ -82,7 +82,7 @@ def _path_chunk(length: int) -> int:
     """The chunk a PaTH layer computes `path_attention` in for `length` keys: 32 up to 256, the
     reference kernel's 64 past it. Measured at the length experiment's head shape (4 heads of 16)
     on one core of a Zen 3 (docs/attention.md, "PaTH"): chunks of 32 took 23% less forward +
-    backward at T 64 and 14% less at T 256, 5% more at T 1024."""
+    backward at T 64 and 14% less at T 256, 6% more at T 1024."""
     return 32 if length <= 256 else 64
 
 
@@ -621,7 +621,6 @@ class Attention(nnx.Module):
         q = self._temper(q, positions, T if kv_lengths is None else kv_lengths)
         projected, beta = self.path.project(x), self.path.beta(x)  # (B, T, K*H), (B, T, K)
         log_f = None if self.forget is None else self.forget(x)  # (B, T, N)
-        window = {} if self.window is None else {"window": self.window}
         if cache is None:
             out = attention_lib.path_attention(
                 q,
@@ -634,7 +633,7 @@ class Attention(nnx.Module):
                 scale=self.scale,
                 log_forget=log_f,
                 chunk=_path_chunk(T),
-                **window,
+                window=self.window,
             )
             return self._project_out(out), (k, v)
         k_cache, v_cache, *rest = cache
@@ -660,7 +659,7 @@ class Attention(nnx.Module):
                 scale=self.scale,
                 implementation=self.implementation,
                 log_forget=None if f_all is None else self.scale * visible(f_all),
-                **window,
+                window=self.window,
             )
         else:
             w_all = write_rows(jnp.zeros(k_cache.shape, jnp.float32), w, q_offset)
@@ -676,7 +675,7 @@ class Attention(nnx.Module):
                 scale=self.scale,
                 log_forget=visible(f_all),
                 chunk=_path_chunk(k_cache.shape[1] if attend_len is None else attend_len),
-                **window,
+                window=self.window,
             )
         entry = (moved, values) + (() if f_all is None else (f_all,))
         if previous is not None:  # the inputs at the last two valid positions L - 2, L - 1
