@@ -7,6 +7,7 @@ moved on by one reflection per step, read by the softmax core), gradients agains
 the definition, and the refusals."""
 
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,18 @@ from posattn.attention import (
 )
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# The functions under test, compiled: called eagerly, each of their few hundred operations is
+# compiled on its own, about seven times the time of compiling one program.
+# test_jit_vmap_and_bfloat16 keeps the eager calls.
+compiled = types.SimpleNamespace(
+    path_attention=jax.jit(path_attention, static_argnames=("scale", "window", "chunk")),
+    path_weights=jax.jit(path_weights, static_argnames=("scale", "window", "chunk")),
+    path_keys=jax.jit(path_keys),
+    path_update_keys=jax.jit(path_update_keys),
+    path_extend_keys=jax.jit(path_extend_keys),
+    attention=jax.jit(attention, static_argnames=("causal", "window", "implementation")),
+)
 
 
 def _inputs(B=2, T=9, N=4, K=2, H=8, seed=0, forget=False):
@@ -85,7 +98,7 @@ def test_equals_the_references_chunked_naive_form(shape, forget, chunk, ours):
     q, k, v, w, beta, g = _inputs(**shape, forget=forget)
     scale = shape["H"] ** -0.5
     want = naive_chunked(q, k, v, w, beta, g, scale, chunk)
-    got = path_attention(
+    got = compiled.path_attention(
         *_f32(q, k, v, w, beta), log_forget=jnp.asarray(g, jnp.float32), chunk=ours
     )
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
@@ -121,7 +134,7 @@ def test_weights_equal_the_definition_with_offsets_padding_and_windows(case, chu
     scale = 0.3
     lengths = None if c["kv_lengths"] is None else np.asarray(c["kv_lengths"])
     offset = np.broadcast_to(np.asarray(c["q_offset"]), (B,))
-    got = path_weights(
+    got = compiled.path_weights(
         *_f32(q, k, w, beta),
         q_offset=jnp.asarray(c["q_offset"]),
         kv_lengths=None if lengths is None else jnp.asarray(lengths),
@@ -150,11 +163,11 @@ def test_a_padded_rows_reflections_are_not_applied():
     keys `path_keys` leaves are those of the unpadded row's last position."""
     q, k, v, w, beta, _ = _f32(*_inputs(B=2, T=10, N=2, K=2, H=8, seed=4))
     lengths = jnp.asarray([10, 6])
-    full = path_attention(q, k, v, w, beta, kv_lengths=lengths)
-    alone = path_attention(q[1:, :6], k[1:, :6], v[1:, :6], w[1:, :6], beta[1:, :6])
+    full = compiled.path_attention(q, k, v, w, beta, kv_lengths=lengths)
+    alone = compiled.path_attention(q[1:, :6], k[1:, :6], v[1:, :6], w[1:, :6], beta[1:, :6])
     np.testing.assert_allclose(np.asarray(full[1, :6]), np.asarray(alone[0]), atol=2e-6)
-    keys = path_keys(k, w, beta, kv_lengths=lengths)
-    keys_alone = path_keys(k[1:, :6], w[1:, :6], beta[1:, :6])
+    keys = compiled.path_keys(k, w, beta, kv_lengths=lengths)
+    keys_alone = compiled.path_keys(k[1:, :6], w[1:, :6], beta[1:, :6])
     np.testing.assert_allclose(np.asarray(keys[1, :6]), np.asarray(keys_alone[0]), atol=2e-6)
     np.testing.assert_array_equal(np.asarray(keys[1, 6:]), np.asarray(k[1, 6:]))
 
@@ -167,15 +180,15 @@ def test_decoding_by_a_moved_key_cache_and_the_softmax_core_is_the_full_forward(
     B, S, N, K, H = 2, 11, 4, 2, 8
     q, k, v, w, beta, g = _f32(*_inputs(B=B, T=S, N=N, K=K, H=H, seed=5, forget=True))
     scale = H**-0.5
-    full = path_attention(q, k, v, w, beta, log_forget=g, window=6)
+    full = compiled.path_attention(q, k, v, w, beta, log_forget=g, window=6)
     cache = jnp.zeros_like(k)
     if prefill:
         cache = cache.at[:, :prefill].set(
-            path_keys(k[:, :prefill], w[:, :prefill], beta[:, :prefill])
+            compiled.path_keys(k[:, :prefill], w[:, :prefill], beta[:, :prefill])
         )
     for p in range(prefill, S):
-        cache = path_update_keys(cache, w[:, p], beta[:, p], p).at[:, p].set(k[:, p])
-        out = attention(
+        cache = compiled.path_update_keys(cache, w[:, p], beta[:, p], p).at[:, p].set(k[:, p])
+        out = compiled.attention(
             q[:, p : p + 1],
             cache,
             v,
@@ -191,7 +204,7 @@ def test_decoding_by_a_moved_key_cache_and_the_softmax_core_is_the_full_forward(
 
 def test_per_row_decode_positions_move_only_each_rows_earlier_keys():
     _, k, _, w, beta, _ = _f32(*_inputs(B=2, T=6, N=2, K=2, H=4, seed=6))
-    moved = path_update_keys(k, w[:, 0], beta[:, 0], jnp.asarray([4, 1]))
+    moved = compiled.path_update_keys(k, w[:, 0], beta[:, 0], jnp.asarray([4, 1]))
     np.testing.assert_array_equal(np.asarray(moved[0, 4:]), np.asarray(k[0, 4:]))
     np.testing.assert_array_equal(np.asarray(moved[1, 1:]), np.asarray(k[1, 1:]))
     assert not np.allclose(np.asarray(moved[0, :4]), np.asarray(k[0, :4]))
@@ -205,15 +218,15 @@ def test_a_chunk_moves_a_prefix_cache_to_the_whole_sequences_keys():
     p, T, lengths = jnp.asarray([3, 5]), 4, jnp.asarray([7, 8])  # row 1: its last chunk row pads
     prefix = jnp.stack(
         [
-            path_keys(k[b : b + 1], w[b : b + 1], beta[b : b + 1], kv_lengths=p[b])[0]
+            compiled.path_keys(k[b : b + 1], w[b : b + 1], beta[b : b + 1], kv_lengths=p[b])[0]
             for b in range(2)
         ]
     )
     rows = p[:, None] + jnp.arange(T)  # (B, T)
     cache = prefix.at[jnp.arange(2)[:, None], rows].set(k[jnp.arange(2)[:, None], rows])
     take = jnp.arange(2)[:, None]
-    got = path_extend_keys(cache, w[take, rows], beta[take, rows], p, kv_lengths=lengths)
-    want = path_keys(k, w, beta, kv_lengths=lengths)
+    got = compiled.path_extend_keys(cache, w[take, rows], beta[take, rows], p, kv_lengths=lengths)
+    want = compiled.path_keys(k, w, beta, kv_lengths=lengths)
     for b in range(2):  # the rows the sequence holds
         np.testing.assert_allclose(
             np.asarray(got[b, : int(lengths[b])]),
@@ -222,9 +235,11 @@ def test_a_chunk_moves_a_prefix_cache_to_the_whole_sequences_keys():
         )
     stepped = cache
     for t in range(T):
-        stepped = path_update_keys(stepped, w[take, rows][:, t], beta[take, rows][:, t], p + t)
+        stepped = compiled.path_update_keys(
+            stepped, w[take, rows][:, t], beta[take, rows][:, t], p + t
+        )
     np.testing.assert_allclose(
-        np.asarray(path_extend_keys(cache, w[take, rows], beta[take, rows], p)),
+        np.asarray(compiled.path_extend_keys(cache, w[take, rows], beta[take, rows], p)),
         np.asarray(stepped),
         atol=1e-6,
     )
@@ -232,10 +247,10 @@ def test_a_chunk_moves_a_prefix_cache_to_the_whole_sequences_keys():
 
 def test_no_reflection_is_nope_attention_and_a_reflection_changes_the_scores():
     q, k, v, w, beta, _ = _f32(*_inputs(B=1, T=8, N=2, K=2, H=8, seed=9))
-    nope = attention(q, k, v, causal=True, implementation="reference")
-    none = path_attention(q, k, v, w, jnp.zeros_like(beta))
+    nope = compiled.attention(q, k, v, causal=True, implementation="reference")
+    none = compiled.path_attention(q, k, v, w, jnp.zeros_like(beta))
     np.testing.assert_allclose(np.asarray(none), np.asarray(nope), atol=2e-6)
-    assert not np.allclose(np.asarray(path_attention(q, k, v, w, beta)), np.asarray(nope))
+    assert not np.allclose(np.asarray(compiled.path_attention(q, k, v, w, beta)), np.asarray(nope))
 
 
 def _definition_jnp(q, k, v, w, beta, g, scale):
