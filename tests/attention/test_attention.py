@@ -221,6 +221,33 @@ def test_jit_with_traced_offset_and_vmap():
 
 
 @pytest.mark.parametrize(
+    "impl", [i for i in attn_lib.IMPLEMENTATIONS if i not in ("auto", "cudnn")]
+)
+def test_a_constant_cotangent_gives_the_same_gradients(impl):
+    """The gradients of `out.sum()` (its cotangent a constant that XLA sees when it compiles:
+    XLA:CPU of jaxlib 0.10.2 computed garbage for "chunked" from it, up to 1e30) equal those of
+    `sum(out * c)` with c = 1 an argument, compiled: with a bias function, a soft cap where the
+    implementation takes one, and two-score attention (`Far`) where it does."""
+    q, k, v, _ = _inputs(7, T=24, S=24)
+    kw = dict(causal=True, bias=(alibi_like, SLOPES), implementation=impl)
+    variants = {"bias": kw}
+    if impl in attn_lib.SOFTCAP_IMPLEMENTATIONS:
+        variants["softcap"] = dict(kw, softcap=5.0)
+    if impl in attn_lib.FAR_IMPLEMENTATIONS:
+        variants["far"] = dict(kw, far=attn_lib.Far(0.5 * q, k, 5))
+    for name, kw in variants.items():
+
+        def loss(q, k, v, c, kw=kw):
+            return jnp.sum(attention(q, k, v, **kw) * c)
+
+        grad = jax.grad(loss, argnums=(0, 1, 2))
+        want = jax.jit(grad)(q, k, v, jnp.ones(q.shape))
+        got = jax.jit(lambda q, k, v, grad=grad: grad(q, k, v, 1.0))(q, k, v)
+        for label, x, y in zip("qkv", got, want, strict=True):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5, err_msg=f"{name}: d{label}")
+
+
+@pytest.mark.parametrize(
     "bad, message",
     [
         (dict(q=jnp.zeros((B, T, N))), "q must be 4-D"),
