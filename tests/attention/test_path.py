@@ -27,7 +27,7 @@ from posattn.attention import (
 jax.config.update("jax_default_matmul_precision", "highest")
 
 # The functions under test, compiled: called eagerly, each of their few hundred operations is
-# compiled on its own, about seven times the time of compiling one program.
+# compiled on its own, several times the time of compiling one program.
 # test_jit_vmap_and_bfloat16 keeps the eager calls.
 compiled = types.SimpleNamespace(
     path_attention=jax.jit(path_attention, static_argnames=("scale", "window", "chunk")),

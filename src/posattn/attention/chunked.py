@@ -315,8 +315,9 @@ def _attend_bwd(plan, res, d_out):
     q, k, v, bias, pair, m, inv_l = res
     # The barrier keeps a constant cotangent (the gradient of `out.sum()`) an array: XLA:CPU
     # (jaxlib 0.10.2) folds its broadcast scalar into dP = dO V^T, and its fused library graph
-    # of that product with D and dS then computes garbage (dq and dk up to 1e30;
-    # tests/attention/test_attention.py::test_a_constant_cotangent_gives_the_same_gradients).
+    # of that product with D and dS then computes wrong dq and dk, which can change from run to
+    # run (docs/attention.md, "A constant cotangent"; tests/attention/test_attention.py::
+    # test_a_constant_cotangent_gives_the_same_gradients).
     d_out = jax.lax.optimization_barrier(d_out.astype(q.dtype))
     # Transposed logits [S, G*T] per (row, key head); see the module docstring.
     bias_t = None if bias is None else jnp.moveaxis(bias, -1, 2)  # (B|1, K|1, S, G|1, T)
