@@ -24,6 +24,7 @@ does not run: nothing is timed.
 from __future__ import annotations
 
 import argparse
+import functools
 import pathlib
 import re
 import sys
@@ -31,16 +32,13 @@ from unittest import mock
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _machine import cpu_name  # noqa: E402
-from train_throughput import CONFIGS, ROOT  # noqa: E402
+from train_throughput import CONFIGS, step_setup  # noqa: E402
 
-from posattn import config as config_lib  # noqa: E402
 from posattn import data, families  # noqa: E402
 from posattn.attention import attention  # noqa: E402
-from posattn.nn.model import TransformerLM  # noqa: E402
 from posattn.train import steps  # noqa: E402
 
 _HEADER = re.compile(r"^%?([\w.-]+) \(.*\{\s*$")  # a computation's first line
@@ -104,18 +102,13 @@ def known_patterns() -> dict[str, list[str]]:
 
 def train_step_text(config_name: str, family: str, overrides: list[str]) -> str:
     """The compiled HLO text of one (config, family)'s training step (compiled, not run)."""
-    args = CONFIGS[config_name] + [f"model.position={family}"] + overrides
-    config = config_lib.load_config(ROOT / "configs" / "tiny.py", [f"--config.{a}" for a in args])
-    cfg = config_lib.validate(config)
-    optim = steps.OptimConfig.from_config(config.train)
-    tx = steps.make_optimizer(optim)
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(params=0))))
+    config, cfg, optim, tx, graphdef = step_setup(config_name, family, overrides)
     state = jax.eval_shape(steps.jit_init_train_state(cfg, tx), jax.random.key(0))
     corpus = data.load_corpus(config.data.corpus)
     options = data.batch_options(config.data, causal=cfg.causal, vocab_size=cfg.vocab_size)
     B, T = int(config.train.batch_size), int(config.data.seq_len)
     batch = data.train_batch(corpus, seed=0, step=0, batch_size=B, seq_len=T, **options)
-    step = jax.jit(lambda s, b: steps.train_step(graphdef, optim, s, b), donate_argnums=0)
+    step = jax.jit(functools.partial(steps.train_step, graphdef, optim), donate_argnums=0)
     return step.lower(state, batch).compile().as_text()
 
 

@@ -38,14 +38,11 @@ import time
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import train_throughput  # noqa: E402  (its configs: the shapes docs/benchmarks.md measures)
 from _machine import cpu_name  # noqa: E402
 
-from posattn import config as config_lib  # noqa: E402
-from posattn.nn.model import TransformerLM  # noqa: E402
 from posattn.train import steps  # noqa: E402
 
 _KERNEL = re.compile(r"= \S+ (fusion|custom-call|dot)\(")
@@ -70,15 +67,7 @@ def compile_seconds(lower, repeats: int) -> tuple[float, int, int]:
 
 def parts(config_name: str, family: str):
     """(parameter leaves, [(part, lower)]) of one (config, family): `lower()` lowers the part."""
-    args = [
-        f"--config.{o}"
-        for o in train_throughput.CONFIGS[config_name] + [f"model.position={family}"]
-    ]
-    config = config_lib.load_config(train_throughput.ROOT / "configs" / "tiny.py", args)
-    cfg = config_lib.validate(config)
-    optim = steps.OptimConfig.from_config(config.train)
-    tx = steps.make_optimizer(optim)
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(params=0))))
+    config, cfg, optim, tx, graphdef = train_throughput.step_setup(config_name, family)
     init = steps.jit_init_train_state(cfg, tx)
     key = jax.random.key(0)
     state = init(key)

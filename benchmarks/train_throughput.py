@@ -132,6 +132,18 @@ CONFIGS = {
 BASELINE_POSITIONS = ("rope", "alibi", "learned", "nope")
 
 
+def step_setup(config_name: str, family: str, overrides=()):
+    """(config, model config, OptimConfig, optax transform, graphdef) of one (config, family):
+    configs/tiny.py with CONFIGS[config_name], the family as `model.position`, then `overrides`
+    (key=value). The pieces `train_step` is built from, before anything is initialised."""
+    args = CONFIGS[config_name] + [f"model.position={family}", *overrides]
+    config = config_lib.load_config(ROOT / "configs" / "tiny.py", [f"--config.{a}" for a in args])
+    cfg = config_lib.validate(config)
+    optim = steps.OptimConfig.from_config(config.train)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(params=0))))
+    return config, cfg, optim, steps.make_optimizer(optim), graphdef
+
+
 def timed(fn, *args, repeats: int = 1) -> float:
     """Best wall-clock seconds of `repeats` calls of fn(*args) (already compiled)."""
     best = float("inf")
@@ -165,15 +177,9 @@ class Case:
         label: str = "",
     ):
         self.name, self.family = config_name + (f" [{label}]" if label else ""), family
-        args = [
-            f"--config.{o}" for o in CONFIGS[config_name] + [f"model.position={family}"] + overrides
-        ]
-        config = config_lib.load_config(ROOT / "configs" / "tiny.py", args)
-        cfg = self.cfg = config_lib.validate(config)
+        config, cfg, optim, tx, graphdef = step_setup(config_name, family, overrides)
+        self.cfg = cfg
         self.B, self.T = int(config.train.batch_size), int(config.data.seq_len)
-        optim = steps.OptimConfig.from_config(config.train)
-        tx = steps.make_optimizer(optim)
-        graphdef = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(params=0))))
         self.state = steps.jit_init_train_state(cfg, tx)(jax.random.key(0))
         self.step = jax.jit(functools.partial(steps.train_step, graphdef, optim), donate_argnums=0)
         corpus = data.load_corpus(config.data.corpus)
