@@ -131,11 +131,19 @@ def assemble(
 
 
 def describe_row(out: dict) -> str:
-    """One line for the log: the loss per length (first seed; sliding) and the passkey."""
+    """One line for the log: the loss per length (the mean over seeds, as results.json's `loss`;
+    sliding) and the passkey."""
     row = _legacy_row(out)
     if "scores" not in row:
         return "no loss evaluated"
-    text = f"loss {fmt_list(plain_losses(row))} (sliding {fmt_list(plain_losses(row, 'sliding_'))})"
+    seeds = [{"scores": s} for s in row.get("seed_scores") or [row["scores"]]]
+
+    def mean(key: str = "") -> list[float | None]:
+        per_length = zip(*(plain_losses(s, key) for s in seeds), strict=True)
+        return [None if None in v else float(np.mean(v)) for v in per_length]
+
+    loss = "loss" if len(seeds) == 1 else f"loss over {len(seeds)} seeds"
+    text = f"{loss} {fmt_list(mean())} (sliding {fmt_list(mean('sliding_'))})"
     if "passkey_grid" in row:
         text += f", passkey {fmt_list(passkey_by_length(row))}"
     return text

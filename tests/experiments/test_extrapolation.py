@@ -391,6 +391,7 @@ def test_adding_seeds_trains_only_the_new_ones_and_reports_mean_and_spread(tmp_p
     seeds = row["loss_seeds"][0]
     assert len(seeds) == 2 and seeds[0] != seeds[1] and seeds[0] == one["loss"][0]
     assert row["loss"][0] == pytest.approx(np.mean(seeds))
+    assert f"alibi: loss over 2 seeds [{row['loss'][0]:.3f}, {row['loss'][1]:.3f}]" in out
     assert row["loss_se"][0] == pytest.approx(np.std(seeds, ddof=1) / np.sqrt(2))
     assert row["loss_sliding"] == [None, None] and results["training"]["alibi"]["seeds"] == [0, 1]
     assert "±" in (tmp_path / "results.md").read_text()
