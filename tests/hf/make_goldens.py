@@ -41,6 +41,12 @@ def cases() -> dict[str, tuple[str, dict, dict]]:
             dict(LLAMA, head_dim=12, tie_word_embeddings=False, rms_norm_eps=1e-5),
             {},
         ),
+        # Llama's attention_bias alone: biases on q, k, v and o, none on the MLP.
+        "llama_attention_bias": (
+            "LlamaConfig",
+            dict(LLAMA, attention_bias=True, mlp_bias=False, tie_word_embeddings=False),
+            {},
+        ),
         "llama_six_heads": (
             "LlamaConfig",
             dict(LLAMA, hidden_size=36, num_attention_heads=6, num_key_value_heads=3),

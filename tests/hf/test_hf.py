@@ -81,7 +81,8 @@ def _edit_config(path, **changes):
         (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0"),
         (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), "longrope"),
         (dict(rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 0.5}), "partial"),
-        (dict(attention_bias=True), "attention_bias=True"),
+        (dict(mlp_bias=True), "mlp_bias=True.*attention_bias"),
+        (dict(model_type="mistral", attention_bias=True), "attention_bias=True"),
         (dict(hidden_act="gelu_fast"), "hidden_act='gelu_fast'"),
         (dict(pretraining_tp=2), "pretraining_tp=2"),
         (dict(model_type="qwen3", head_dim=8, attention_bias=True), "q, k, v and o but not"),
@@ -530,6 +531,7 @@ def test_mpt_slope_formula_is_transformers_own():
         "gpt2",
         "bloom",
         "llama_mqa_tied",
+        "llama_attention_bias",
         "neox_sequential",
         "starcoder2_nobias",
         "mpt_six_heads",
@@ -698,6 +700,7 @@ def test_gemma3_with_a_final_soft_cap_computes_what_transformers_computes(tmp_pa
         "mpt",
         "rope_longrope",
         "rope_yarn",
+        "llama_attention_bias",
     ],
 )
 def test_transformers_reads_save_pretrained_to_the_same_logits(tmp_path, case):

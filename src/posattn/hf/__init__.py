@@ -437,7 +437,7 @@ def _architecture(cfg: ModelConfig) -> str:
     if gemma:
         return "gemma"
     if llama:
-        return {"none": "llama", "all": "llama", "qkv": "qwen2"}[cfg.bias]
+        return {"none": "llama", "attn": "llama", "all": "llama", "qkv": "qwen2"}[cfg.bias]
     phi3 = cfg.position == "rope" and cfg.settings.layout == "half"
     phi3 = phi3 and cfg.settings.proportion == 1 and cfg.settings.partial_factor < 1
     phi3 = phi3 and arch == ("rms", False, "gated", "one", False) and cfg.bias == "none"

@@ -165,13 +165,12 @@ def _llama(hf: dict, *, allow_partial: bool = False) -> dict[str, Any]:
     attention_bias, mlp_bias = hf.get("attention_bias", False), hf.get("mlp_bias", False)
     bias = "qkv" if kind == "qwen2" else "none"
     if attention_bias or mlp_bias:
-        if not (attention_bias and mlp_bias):
-            raise _refuse(
-                "attention_bias" if attention_bias else "mlp_bias",
-                True,
-                "biases on every projection (attention_bias and mlp_bias both true) or none",
-            )
-        bias = "all"
+        key = "attention_bias" if attention_bias else "mlp_bias"
+        if kind not in ("llama", "smollm3"):  # transformers' Mistral and Qwen2 ignore both
+            raise _refuse(key, True, f"only false ({kind}'s projections take no such biases)")
+        if not attention_bias:
+            raise _refuse(key, True, "only with attention_bias (biases on the MLP alone)")
+        bias = "all" if mlp_bias else "attn"  # q, k, v and o (and the MLP's)
     for k in ("attn_logit_softcapping", "final_logit_softcapping"):
         if hf.get(k) is not None:
             raise _refuse(k, hf[k], "only null (no logit soft-capping)")
@@ -760,7 +759,7 @@ def hf_config(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
             rope_parameters=params,
         )
         if model_type in ("llama", "smollm3"):
-            out.update(attention_bias=cfg.bias == "all", mlp_bias=cfg.bias == "all")
+            out.update(attention_bias=cfg.bias in ("attn", "all"), mlp_bias=cfg.bias == "all")
         if model_type in ("gemma2", "gemma3_text"):
             local = [s for s in cfg.layers if s.window is not None]
             out.update(

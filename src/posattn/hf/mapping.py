@@ -197,10 +197,10 @@ def rules(cfg: ModelConfig, model_type: str) -> list[Rule]:
             out.append(_linear(f"{a}k_proj.weight", (*b, "attn", "wk"), K, H))
             out.append(_linear(f"{a}v_proj.weight", (*b, "attn", "wv"), K, H))
             out.append(_out_proj(f"{a}o_proj.weight", (*b, "attn", "wo"), N, H))
-            if cfg.bias in ("qkv", "all"):
+            if cfg.bias in ("qkv", "attn", "all"):
                 for x in "qkv":
                     bias(f"{a}{x}_proj", (*b, "attn", f"b{x}"))
-            if cfg.bias == "all":
+            if cfg.bias in ("attn", "all"):
                 bias(f"{a}o_proj", (*b, "attn", "bo"))
             m = f"{L}mlp."
             out.append(_linear(f"{m}gate_proj.weight", (*b, "mlp", "w1")))

@@ -87,7 +87,9 @@ class ModelConfig:
     activation: str = _key(
         "gelu_tanh", "the MLP's activation: 'gelu_tanh', 'gelu' (exact), 'silu', 'relu'"
     )
-    bias: str = _key("none", "linear-layer biases: 'none', 'qkv' (q/k/v only), 'all'")
+    bias: str = _key(
+        "none", "linear-layer biases: 'none', 'qkv' (q/k/v only), 'attn' (q/k/v/o), 'all'"
+    )
     parallel_residual: bool = _key(False, "x + attn(norm1(x)) + mlp(norm2(x)) (GPT-NeoX)")
     post_norms: bool = _key(
         False, "a norm on each branch's output before its residual add (Gemma 2 and 3)"
@@ -342,7 +344,7 @@ class ModelConfig:
             "norm": ("rms", "layer"),
             "mlp": ("plain", "gated"),
             "activation": ACTIVATIONS,
-            "bias": ("none", "qkv", "all"),
+            "bias": ("none", "qkv", "attn", "all"),
             "embed_scale": ("sqrt_d", "one"),
         }
         for name, allowed in choices.items():

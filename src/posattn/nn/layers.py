@@ -161,7 +161,8 @@ class Arch:
     norm: "rms" (RMSNorm) or "layer" (LayerNorm); norm_eps its epsilon; norm_bias a learned
     LayerNorm bias; norm_unit_offset scales by 1 + w (Gemma) with w starting at 0.
     mlp: "plain" act(x W1) W2 or "gated" (act(x W1) * x W3) W2; activation: a key of ACTIVATIONS.
-    bias: linear-layer biases, "none", "qkv" (the q/k/v projections) or "all" (every projection).
+    bias: linear-layer biases, "none", "qkv" (the q/k/v projections), "attn" (the attention's
+      four, Llama's attention_bias) or "all" (every projection).
     parallel_residual: x + attn(norm1(x)) + mlp(norm2(x)) (GPT-NeoX) instead of two residual steps.
     post_norms: a norm on each branch's output before it is added (Gemma 2 and 3's
       post_attention_layernorm and post_feedforward_layernorm).
@@ -406,14 +407,14 @@ class Attention(nnx.Module):
         if separate and owns_kv:
             self.wg = nnx.Param(_normal(rngs, (D, K, H), std, pdt))
         # Biases (arch.bias), zero at initialisation as in GPT-2 and Qwen2.
-        if arch.bias in ("qkv", "all"):
+        if arch.bias in ("qkv", "attn", "all"):
             self.bq = nnx.Param(jnp.zeros((N * H,), pdt))
             if owns_kv:
                 self.bk = nnx.Param(jnp.zeros((K * H,), pdt))
                 self.bv = nnx.Param(jnp.zeros((K * H,), pdt))
                 if separate:
                     self.bg = nnx.Param(jnp.zeros((K * H,), pdt))
-        if arch.bias == "all":
+        if arch.bias in ("attn", "all"):
             self.bo = nnx.Param(jnp.zeros((D,), pdt))
         if arch.qk_norm:  # over each head's H features (Gemma 3, Qwen3)
             self.q_norm = make_norm(H, arch, dtype=dtype, param_dtype=pdt)
