@@ -265,7 +265,8 @@ def _qwen3(hf: dict) -> dict[str, Any]:
         raise _refuse(
             "attention_bias",
             True,
-            "only false (biases on q, k, v and o but not the MLP have no posattn model)",
+            "only false (Qwen3's attention biases are not read yet; model.bias='attn' "
+            "computes them, but no golden pins Qwen3's)",
         )
     keys = _llama(hf)
     keys.update(qk_norm=True)
