@@ -111,6 +111,11 @@ def cases() -> dict[str, tuple[str, dict, dict]]:
         ),
         # Qwen3: an RMSNorm over each head's query and key before RoPE; head_dim 12 != D / N.
         "qwen3": ("Qwen3Config", dict(LLAMA, head_dim=12, tie_word_embeddings=False), {}),
+        "qwen3_attention_bias": (
+            "Qwen3Config",
+            dict(LLAMA, head_dim=12, tie_word_embeddings=False, attention_bias=True),
+            {},
+        ),
         "qwen3_window": (
             "Qwen3Config",
             dict(

@@ -85,7 +85,7 @@ def _edit_config(path, **changes):
         (dict(model_type="mistral", attention_bias=True), "attention_bias=True"),
         (dict(hidden_act="gelu_fast"), "hidden_act='gelu_fast'"),
         (dict(pretraining_tp=2), "pretraining_tp=2"),
-        (dict(model_type="qwen3", head_dim=8, attention_bias=True), "biases are not read"),
+        (dict(model_type="qwen3", head_dim=8, mlp_bias=True), "Qwen3's MLP has no biases"),
         (
             dict(model_type="phi3", rope_parameters={"rope_type": "linear", "factor": 2.0}),
             "default or longrope",
@@ -532,6 +532,7 @@ def test_mpt_slope_formula_is_transformers_own():
         "bloom",
         "llama_mqa_tied",
         "llama_attention_bias",
+        "qwen3_attention_bias",
         "neox_sequential",
         "starcoder2_nobias",
         "mpt_six_heads",
@@ -701,6 +702,7 @@ def test_gemma3_with_a_final_soft_cap_computes_what_transformers_computes(tmp_pa
         "rope_longrope",
         "rope_yarn",
         "llama_attention_bias",
+        "qwen3_attention_bias",
     ],
 )
 def test_transformers_reads_save_pretrained_to_the_same_logits(tmp_path, case):

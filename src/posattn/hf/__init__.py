@@ -422,15 +422,16 @@ def _architecture(cfg: ModelConfig) -> str:
     llama = rope and arch == ("rms", False, "gated", "one", False)
     llama = llama and not cfg.norm_unit_offset and not cfg.embed_norm
     plain_scale = cfg.query_pre_attn_scalar in (0, cfg.head_dim)
-    if llama and cfg.qk_norm and not cfg.post_norms and plain_scale and cfg.bias == "none":
+    qwen3_bias = cfg.bias in ("none", "attn")
+    if llama and cfg.qk_norm and not cfg.post_norms and plain_scale and qwen3_bias:
         return "qwen3"
     if cfg.post_norms or cfg.qk_norm or not plain_scale:
         raise ValueError(
             "model.post_norms, model.qk_norm and model.query_pre_attn_scalar are written only "
             "as Gemma 3's (gemma3_text: both norms, Gemma's 1 + w RMSNorm, a gated MLP, "
             "RoPE 'half', no biases, a whole query_pre_attn_scalar), Gemma 2's (gemma2: as Gemma "
-            "3's without qk_norm) or Qwen3's (qk_norm alone on Llama's block without biases); "
-            "this model has "
+            "3's without qk_norm) or Qwen3's (qk_norm alone on Llama's block, with no biases or "
+            "q/k/v/o's); this model has "
             f"post_norms={cfg.post_norms}, qk_norm={cfg.qk_norm}, query_pre_attn_scalar="
             f"{cfg.query_pre_attn_scalar}"
         )

@@ -166,7 +166,7 @@ def _llama(hf: dict, *, allow_partial: bool = False) -> dict[str, Any]:
     bias = "qkv" if kind == "qwen2" else "none"
     if attention_bias or mlp_bias:
         key = "attention_bias" if attention_bias else "mlp_bias"
-        if kind not in ("llama", "smollm3"):  # transformers' Mistral and Qwen2 ignore both
+        if kind not in ("llama", "smollm3", "qwen3"):  # Mistral and Qwen2 ignore both
             raise _refuse(key, True, f"only false ({kind}'s projections take no such biases)")
         if not attention_bias:
             raise _refuse(key, True, "only with attention_bias (biases on the MLP alone)")
@@ -260,14 +260,10 @@ def _sliding_windows(hf: dict) -> tuple[str, ...]:
 
 def _qwen3(hf: dict) -> dict[str, Any]:
     """Qwen3: Llama's block with an RMSNorm over each head's query and key before RoPE, a free
-    head_dim (128 when config.json is silent), Qwen2's sliding windows."""
-    if hf.get("attention_bias"):
-        raise _refuse(
-            "attention_bias",
-            True,
-            "only false (Qwen3's attention biases are not read yet; model.bias='attn' "
-            "computes them, but no golden pins Qwen3's)",
-        )
+    head_dim (128 when config.json is silent), Qwen2's sliding windows; `attention_bias` puts
+    biases on q, k, v and o, as Llama's (its MLP has none)."""
+    if hf.get("mlp_bias"):
+        raise _refuse("mlp_bias", True, "only false (Qwen3's MLP has no biases)")
     keys = _llama(hf)
     keys.update(qk_norm=True)
     return keys
@@ -784,7 +780,7 @@ def hf_config(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
                 sliding_window=size, layer_types=[_FULL if w is None else _SLIDING for w in windows]
             )
         if model_type == "qwen3":
-            out.update(attention_bias=False)
+            out.update(attention_bias=cfg.bias == "attn")
         if model_type == "smollm3":
             out.update(
                 no_rope_layers=[int(spec.position != "nope") for spec in cfg.layers],
