@@ -166,6 +166,18 @@ def cases() -> dict[str, tuple[str, dict, dict]]:
         # SmolLM3: NoPE layers between RoPE ones; by its interval (every 2nd layer here), and
         # listed in no_rope_layers with a window on the NoPE layer and biases everywhere.
         "smollm3": ("SmolLM3Config", dict(NO_IDS, no_rope_layer_interval=2), {}),
+        # SmolLM3's attention_bias alone (q, k, v and o; none on the MLP), read by Llama's code.
+        "smollm3_attention_bias": (
+            "SmolLM3Config",
+            dict(
+                NO_IDS,
+                no_rope_layer_interval=2,
+                attention_bias=True,
+                mlp_bias=False,
+                tie_word_embeddings=False,
+            ),
+            {},
+        ),
         "smollm3_window": (
             "SmolLM3Config",
             dict(
