@@ -533,6 +533,7 @@ def test_mpt_slope_formula_is_transformers_own():
         "llama_mqa_tied",
         "llama_attention_bias",
         "qwen3_attention_bias",
+        "smollm3_attention_bias",
         "neox_sequential",
         "starcoder2_nobias",
         "mpt_six_heads",
@@ -703,6 +704,7 @@ def test_gemma3_with_a_final_soft_cap_computes_what_transformers_computes(tmp_pa
         "rope_yarn",
         "llama_attention_bias",
         "qwen3_attention_bias",
+        "smollm3_attention_bias",
     ],
 )
 def test_transformers_reads_save_pretrained_to_the_same_logits(tmp_path, case):
