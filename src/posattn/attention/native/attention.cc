@@ -334,18 +334,45 @@ inline void Cap(const Block<R>& blk, float c, float* sr, float* slope) {
   }
 }
 
-// Row r of the logits `sr` (scaled products, over [a8, e8)) plus its bias row, -inf outside the
-// row's key range, in place.
-template <int R>
-inline void BiasAndMask(const Block<R>& blk, int r, const float* br, float* sr) {
-  if (br) {
-    for (int64_t j = blk.a; j < blk.e; ++j) sr[j] += br[j];
-  }
+// The n < kV floats at p, zero padded to a vector.
+inline vf LoadTail(const float* p, int64_t n) {
+  float tail[kV] = {};
+  std::memcpy(tail, p, n * sizeof(float));
+  return Load(tail);
+}
+
+// Row r of the logits `sr` (scaled products, over [a8, e8)), plus its bias row `br` (S keys)
+// when kBias, -inf outside the row's key range, in place. One pass of whole vectors, each read
+// as RowDots stored it; a bias vector that would run past the row's S keys is read zero padded.
+template <bool kBias, int R>
+inline void BiasAndMask(const Block<R>& blk, int r, const float* br, int64_t S, float* sr) {
   const vi lo = Broadcast(static_cast<int32_t>(blk.lo[r]));
   const vi hi = Broadcast(static_cast<int32_t>(blk.hi[r]));
   vi idx = vi{0, 1, 2, 3, 4, 5, 6, 7} + static_cast<int32_t>(blk.a8);
   for (int64_t j = blk.a8; j < blk.e8; j += kV, idx += kV) {
-    Store(sr + j, (idx >= lo) & (idx < hi) ? Load(sr + j) : Splat(kNegInf));
+    vf x = Load(sr + j);
+    if constexpr (kBias) {
+      x += j + kV <= S ? Load(br + j) : LoadTail(br + j, S - j);
+    } else {
+#if defined(__AVX__)
+      // x opaque, so that the store below writes the whole vector: GCC would otherwise store
+      // only the hidden keys' lanes (a masked store), which the next pass's load cannot take
+      // from the store buffer on Intel cores (it waits for the store to reach the cache).
+      asm("" : "+x"(x));
+#endif
+    }
+    Store(sr + j, (idx >= lo) & (idx < hi) ? x : Splat(kNegInf));
+  }
+}
+
+// BiasAndMask with the bias row of block row r when there is one.
+template <int R>
+inline void BiasAndMask(const Block<R>& blk, int r, const float* bias, const Dims& d, int64_t t0,
+                        float* sr) {
+  if (bias && r < blk.rows) {
+    BiasAndMask<true>(blk, r, bias + (t0 + r) * d.S, d.S, sr);
+  } else {
+    BiasAndMask<false>(blk, r, nullptr, d.S, sr);
   }
 }
 
@@ -376,7 +403,7 @@ void Forward(Pool& pool, const Dims& d, const float* q, const float* k, const fl
         for (int r = 0; r < R; ++r) {
           float* sr = s + r * Sp;
           if (d.softcap > 0.0f) Cap(blk, d.softcap, sr, nullptr);
-          BiasAndMask(blk, r, bs && r < blk.rows ? bs + (t0 + r) * d.S : nullptr, sr);
+          BiasAndMask(blk, r, bs, d, t0, sr);
           vf vmax = Splat(kNegInf);
           for (int64_t j = blk.a8; j < blk.e8; j += kV) {
             const vf x = Load(sr + j);
@@ -476,7 +503,7 @@ void Backward(Pool& pool, const Dims& d, bool bias_grad, const float* q,
               float* dsr = ds + r * Sp;
               float* slr = slope ? slope + r * Sp : nullptr;
               if (slr) Cap(blk, d.softcap, pr, slr);
-              BiasAndMask(blk, r, bs && r < blk.rows ? bs + (t0 + r) * d.S : nullptr, pr);
+              BiasAndMask(blk, r, bs, d, t0, pr);
               const float m = mrow[r], inv_l = il[r];
               vf vdelta = Splat(0.0f);
               for (int64_t j = blk.a8; j < blk.e8; j += kV) {
