@@ -515,9 +515,12 @@ void Backward(Pool& pool, const Dims& d, bool bias_grad, const float* q,
               for (int64_t j = blk.a8; j < blk.e8; j += kV) {
                 Store(dsr + j, Load(pr + j) * (Load(dpr + j) - delta));
               }
-              if (dbs && r < blk.rows) {
+              if (dbs && r < blk.rows) {  // ds is +-0 at the hidden keys of [a8, e8)
                 float* dbr = dbs + (t0 + r) * d.S;
-                for (int64_t j = blk.a; j < blk.e; ++j) dbr[j] += dsr[j];
+                const int64_t full = std::min(blk.e8, d.S / kV * kV);
+                int64_t j = blk.a8;
+                for (; j < full; j += kV) Store(dbr + j, Load(dbr + j) + Load(dsr + j));
+                for (; j < blk.e; ++j) dbr[j] += dsr[j];
               }
               if (slr) {  // dq and dk see the content logits through the cap
                 for (int64_t j = blk.a8; j < blk.e8; j += kV) {
