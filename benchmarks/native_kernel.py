@@ -5,14 +5,16 @@ Question: how long does `posattn.attention.native`'s kernel take at the shapes o
 what it computes?
 
 Run (from the repository root):
-    python benchmarks/native_kernel.py                 # both shapes, with and without a bias
+    python benchmarks/native_kernel.py           # both shapes; no bias, a bias, a trained bias
     python benchmarks/native_kernel.py --repeats 50
 
 Shapes [B, T, N, H]: small (16, 256, 4, 32) and tiny (32, 64, 4, 16), causal, float32, inputs from
-a fixed seed; "bias" adds a [1, N, T, S] logit bias (ALiBi's slopes times the offsets) with no bias
-gradient, as in an ALiBi layer's step (its slopes are constants). Each program is jitted, run once,
-then timed --repeats times (wall clock, `block_until_ready`); best and median are printed with a
-sha256 of the outputs' bytes (the forward's output; the backward's dq, dk, dv), so two commits'
+a fixed seed. The bias column: "no"; "yes", a [1, N, T, S] logit bias (ALiBi's slopes times the
+offsets) with no bias gradient, as in an ALiBi layer's step (its slopes are constants); "trained",
+the same bias with its gradient asked for as well, as for a bias that trains (T5's buckets, Kerple,
+FIRE). Each program is jitted, run once, then timed --repeats times (wall clock,
+`block_until_ready`); best and median are printed with a sha256 of the outputs' bytes (the
+forward's output; the backward's dq, dk, dv and, when trained, the bias gradient), so two commits'
 kernels can be compared for identical results as well as time. Times vary between machines and with
 load: compare kernels by running this at each commit, alternately, on one machine.
 """
@@ -35,25 +37,31 @@ from _machine import cpu_name  # noqa: E402
 from posattn.attention import native  # noqa: E402
 
 SHAPES = {"small": (16, 256, 4, 32), "tiny": (32, 64, 4, 16)}
+BIASES = ("no", "yes", "trained")
 
 
-def _programs(B: int, T: int, N: int, H: int, with_bias: bool):
+def _programs(B: int, T: int, N: int, H: int, bias_kind: str):
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
     q, k, v, g = (jax.random.normal(key, (B, T, N, H)) for key in keys)
     bias = None
-    if with_bias:
+    if bias_kind != "no":
         slopes = 2.0 ** (-8.0 * jnp.arange(1, N + 1) / N)
         offsets = jnp.arange(T)[None, :] - jnp.arange(T)[:, None]
         bias = (slopes[:, None, None] * jnp.minimum(offsets, 0))[None]
 
-    def forward(q, k, v):
+    trained = bias_kind == "trained"
+
+    def forward(q, k, v, bias=bias):
         return native.native_attention(
-            q, k, v, bias, scale=H**-0.5, bias_grad=False, causal_offset=0
+            q, k, v, bias, scale=H**-0.5, bias_grad=trained, causal_offset=0
         )
 
-    def loss(q, k, v):
-        return (forward(q, k, v) * g).sum()
+    def loss(q, k, v, *bias):
+        return (forward(q, k, v, *bias) * g).sum()
 
+    if trained:  # the bias an argument, so that its gradient is asked for
+        grads = jax.grad(loss, argnums=(0, 1, 2, 3))
+        return (q, k, v, bias), {"forward + backward": jax.jit(grads)}
     grads = jax.grad(loss, argnums=(0, 1, 2))
     return (q, k, v), {"forward": jax.jit(forward), "forward + backward": jax.jit(grads)}
 
@@ -81,12 +89,12 @@ def main(argv=None) -> None:
     print("\n| shape [B, T, N, H] | bias | program | ms (best / median) | outputs sha256 |")
     print("|---|---|---|---|---|")
     for name in args.shapes:
-        for with_bias in (False, True):
-            inputs, programs = _programs(*SHAPES[name], with_bias)
+        for bias_kind in BIASES:
+            inputs, programs = _programs(*SHAPES[name], bias_kind)
             for program, fn in programs.items():
                 best, median, digest = _time(fn, inputs, args.repeats)
                 print(
-                    f"| {name} {SHAPES[name]} | {'yes' if with_bias else 'no'} | {program} | "
+                    f"| {name} {SHAPES[name]} | {bias_kind} | {program} | "
                     f"{best:.2f} / {median:.2f} | `{digest}` |"
                 )
 
