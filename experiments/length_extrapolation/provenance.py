@@ -55,9 +55,14 @@ class ProducedByOtherCode(RuntimeError):
     """A finished run in the workdir was trained by other code or on another corpus."""
 
 
+# The package's sources: Python, and the C++ it compiles on first use (the native attention
+# kernel), which computes the training step and the forward pass as much as the Python does.
+_SOURCES = ("*.py", "*.cc")
+
+
 def _files(skip: tuple[str, ...], extra: Iterable[pathlib.Path]) -> list[pathlib.Path]:
     out = []
-    for path in _PACKAGE.rglob("*.py"):
+    for path in (p for pattern in _SOURCES for p in _PACKAGE.rglob(pattern)):
         parts = path.relative_to(_PACKAGE).parts
         if parts[0] in skip or path.name in skip:
             continue
@@ -94,7 +99,8 @@ def _normalised(source: str) -> bytes:
 
 
 def source_sha256(files: Iterable[pathlib.Path]) -> str:
-    """sha256 over (path relative to the repository, normalised syntax tree) of `files`."""
+    """sha256 over (path relative to the repository, normalised syntax tree) of `files`; a file
+    that is not Python (the kernel's C++) by its bytes, so that any edit of it counts."""
     digest = hashlib.sha256()
     for path in sorted({pathlib.Path(f).resolve() for f in files}):
         try:
@@ -102,7 +108,8 @@ def source_sha256(files: Iterable[pathlib.Path]) -> str:
         except ValueError:  # an evaluator defined outside the repository (a test's)
             name = path.name
         digest.update(name.encode() + b"\0")
-        digest.update(_normalised(path.read_text()) + b"\0")
+        source = _normalised(path.read_text()) if path.suffix == ".py" else path.read_bytes()
+        digest.update(source + b"\0")
     return digest.hexdigest()
 
 

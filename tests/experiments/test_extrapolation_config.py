@@ -233,6 +233,19 @@ def test_code_hash_ignores_docstrings_and_comments_and_sees_code(tmp_path):
     assert provenance.source_sha256([a]) != before
 
 
+def test_the_native_kernels_source_is_in_the_code_hash(tmp_path):
+    """The C++ the package compiles (the native attention kernel) computes the step and the
+    forward pass: both stages' hashes cover it, and any edit of such a file changes the hash."""
+    kernel = ROOT / "src" / "posattn" / "attention" / "native" / "attention.cc"
+    assert kernel in provenance.code_files("training")
+    assert kernel in provenance.code_files("evaluation")
+    source = tmp_path / "kernel.cc"
+    source.write_text("float f(float x) { return x + 1; }\n")
+    before = provenance.source_sha256([source])
+    source.write_text("float f(float x) { return x + 1; }  // one\n")
+    assert provenance.source_sha256([source]) != before
+
+
 def test_an_evaluators_code_is_in_its_cache_key(tmp_path):
     import importlib.util
 
