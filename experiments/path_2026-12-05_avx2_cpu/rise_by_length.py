@@ -1,0 +1,47 @@
+"""PaTH's rise past L, trained at L = 64 and at L = 128, at the same eval lengths.
+
+    python experiments/path_2026-12-05_avx2_cpu/rise_by_length.py
+
+Reads the `loss_seeds` of this record's results.json files (L = 64: three seeds, the convolution's
+row from `no_conv/`; L = 128: seeds 0-1 and 2-3, four models) and prints, per row and training
+length, each eval length's mean change from that model's loss at L, with its standard error over
+the seeds. Each seed is one trained model, whichever CPU rounded it.
+"""
+
+import json
+import pathlib
+import statistics
+
+HERE = pathlib.Path(__file__).resolve().parent
+RUNS = {
+    64: {"path": ["results.json"], "path:path_conv=False": ["no_conv/results.json"]},
+    128: {
+        row: ["L128/results.json", "L128/seeds_2-3_xeon/results.json"]
+        for row in ("path", "path:path_conv=False")
+    },
+}
+
+
+def main() -> None:
+    print("| row | L | seeds | " + " | ".join(f"{e}" for e in (128, 256, 512, 1024, 2048)) + " |")
+    print("|---|---|---|" + "---|" * 5)
+    for row in ("path", "path:path_conv=False"):
+        for L, files in RUNS.items():
+            losses: dict[int, list[float]] = {}  # eval length -> one loss per seed
+            for name in files[row]:
+                family = json.loads((HERE / name).read_text())["families"][row]
+                for length, seeds in zip(family["eval_len"], family["loss_seeds"], strict=True):
+                    losses.setdefault(length, []).extend(seeds)
+            cells = []
+            for length in (128, 256, 512, 1024, 2048):
+                if length not in losses or length == L:
+                    cells.append("at L" if length == L else "")
+                    continue
+                rise = [x - x_at_l for x, x_at_l in zip(losses[length], losses[L], strict=True)]
+                error = statistics.stdev(rise) / len(rise) ** 0.5
+                cells.append(f"{statistics.mean(rise):+.3f} ({error:.3f}), {length // L}L")
+            print(f"| {row} | {L} | {len(losses[L])} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
