@@ -5,7 +5,9 @@
 Reads the `loss_seeds` of this record's results.json files (L = 64: three seeds, the convolution's
 row from `no_conv/`; L = 128: seeds 0-1 and 2-3, four models) and prints, per row and training
 length, each eval length's mean change from that model's loss at L, with its standard error over
-the seeds. Each seed is one trained model, whichever CPU rounded it.
+the seeds. Each seed is one trained model, whichever CPU rounded it. Then, for PaTH, each run's
+`attention_stats` (its first seed's model): the mean distance from query to key that each layer's
+heads attend over, averaged over the heads, at each eval length.
 """
 
 import json
@@ -20,11 +22,12 @@ RUNS = {
         for row in ("path", "path:path_conv=False")
     },
 }
+LENGTHS = (64, 128, 256, 512, 1024, 2048)
 
 
 def main() -> None:
-    print("| row | L | seeds | " + " | ".join(f"{e}" for e in (128, 256, 512, 1024, 2048)) + " |")
-    print("|---|---|---|" + "---|" * 5)
+    print("| row | L | seeds | " + " | ".join(f"{e}" for e in LENGTHS) + " |")
+    print("|---|---|---|" + "---|" * len(LENGTHS))
     for row in ("path", "path:path_conv=False"):
         for L, files in RUNS.items():
             losses: dict[int, list[float]] = {}  # eval length -> one loss per seed
@@ -33,14 +36,27 @@ def main() -> None:
                 for length, seeds in zip(family["eval_len"], family["loss_seeds"], strict=True):
                     losses.setdefault(length, []).extend(seeds)
             cells = []
-            for length in (128, 256, 512, 1024, 2048):
+            for length in LENGTHS:
                 if length not in losses or length == L:
-                    cells.append("at L" if length == L else "")
+                    cells.append("L" if length == L else "")
                     continue
                 rise = [x - x_at_l for x, x_at_l in zip(losses[length], losses[L], strict=True)]
                 error = statistics.stdev(rise) / len(rise) ** 0.5
                 cells.append(f"{statistics.mean(rise):+.3f} ({error:.3f}), {length // L}L")
             print(f"| {row} | {L} | {len(losses[L])} | " + " | ".join(cells) + " |")
+    print("\n| PaTH run | L | layer | " + " | ".join(f"{e}" for e in LENGTHS) + " |")
+    print("|---|---|---|" + "---|" * len(LENGTHS))
+    for L, files in RUNS.items():
+        for name in files["path"]:
+            results = json.loads((HERE / name).read_text())
+            lengths = results["families"]["path"]["eval_len"]
+            stats = dict(zip(lengths, results["attention_stats"]["rows"]["path"], strict=True))
+            for layer in range(len(stats[L]["distance"])):
+                cells = [
+                    f"{statistics.mean(stats[e]['distance'][layer]):.0f}" if e in stats else ""
+                    for e in LENGTHS
+                ]
+                print(f"| {name} | {L} | {layer + 1} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
