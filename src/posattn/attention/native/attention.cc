@@ -356,8 +356,9 @@ inline void BiasAndMask(const Block<R>& blk, int r, const float* br, int64_t S, 
     } else {
 #if defined(__AVX__)
       // x opaque, so that the store below writes the whole vector: GCC would otherwise store
-      // only the hidden keys' lanes (a masked store), which the next pass's load cannot take
-      // from the store buffer on Intel cores (it waits for the store to reach the cache).
+      // only the hidden keys' lanes (an AVX-512 masked store), and on the Xeon measured the
+      // next pass's loads of those vectors waited for it (docs/benchmarks.md, "The logit bias
+      // in the native kernel").
       asm("" : "+x"(x));
 #endif
     }
