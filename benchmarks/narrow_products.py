@@ -9,16 +9,16 @@ Run (from the repository root):
     taskset -c 0 python benchmarks/narrow_products.py      # one core, as a unit of the experiment
     python benchmarks/narrow_products.py --repeats 1000
 
-The comparison is a product written in the plainest way that keeps its accumulators in registers:
-a tile of 6 rows x 64 columns (24 vectors of 16 floats, GCC's vector extensions, -O3
--march=native), the contraction innermost, no packing; an operand given transposed ([K, M], the
-weight gradients' X^T dY) is read in place. It is compiled with the C++ compiler (`$CXX`, else
-`c++`/`g++`/`clang++`) into a temporary directory and called through ctypes on numpy arrays,
-single-threaded. XLA's side is `jax.jit(a @ b)` (or `a.T @ b`) on the process's threads: pin the
-process to one core to compare like with like. The two are called alternately --repeats times, so
-that both see the same stretches of the machine's speed; printed per form: each side's best and
-median ms and GFLOP/s at best, the median of the pairs' ratios (XLA / ours: above 1, ours is
-faster) and the largest difference from XLA relative to the largest |entry|.
+The comparison is a product written in the plainest way that keeps its accumulators in registers: a
+tile of 6 rows x 64 columns (24 vectors of 16 floats, GCC's vector extensions, -O3 -march=native),
+the contraction innermost, no packing; an operand given transposed ([K, M], the weight gradients'
+X^T dY) is read in place. It is compiled as the native attention kernel is (the same compiler and
+flags, `posattn.attention.native`) into a temporary directory and called through ctypes on numpy
+arrays, single-threaded. XLA's side is `jax.jit(a @ b)` (or `a.T @ b`) on the process's threads: pin
+the process to one core to compare like with like. The two are called alternately --repeats times,
+so that both see the same stretches of the machine's speed; printed per form: each side's best and
+median ms and GFLOP/s at best, the median of the pairs' ratios (XLA / ours: above 1, ours is faster)
+and the largest difference from XLA relative to the largest |entry|.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import argparse
 import ctypes
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,8 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _machine import cpu_name  # noqa: E402
+
+from posattn.attention import native  # noqa: E402
 
 _SOURCE = r"""
 #include <cstdint>
@@ -94,16 +95,12 @@ FORMS = [
 
 
 def _build(tmp: str) -> ctypes.CDLL:
-    compiler = next(
-        (c for c in (os.environ.get("CXX"), "c++", "g++", "clang++") if c and shutil.which(c)),
-        None,
-    )
+    compiler = native._compiler()
     if compiler is None:
         raise SystemExit("no C++ compiler found (set CXX, or install g++)")
     source, library = os.path.join(tmp, "product.cc"), os.path.join(tmp, "product.so")
     pathlib.Path(source).write_text(_SOURCE)
-    flags = ["-O3", "-march=native", "-ffp-contract=fast", "-std=gnu++17", "-shared", "-fPIC"]
-    subprocess.run([compiler, *flags, "-o", library, source], check=True)
+    subprocess.run([compiler, *native._FLAGS, "-o", library, source], check=True)
     lib = ctypes.CDLL(library)
     pointer = ctypes.POINTER(ctypes.c_float)
     lib.product.argtypes = [pointer, pointer, pointer, *[ctypes.c_int64] * 3, ctypes.c_int]

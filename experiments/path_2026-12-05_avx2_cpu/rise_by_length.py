@@ -13,8 +13,12 @@ heads attend over, averaged over the heads, at each eval length.
 import json
 import pathlib
 import statistics
+import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from length_extrapolation.results import mean_over_seeds, se_over_seeds  # noqa: E402
+
 RUNS = {
     64: {"path": ["results.json"], "path:path_conv=False": ["no_conv/results.json"]},
     128: {
@@ -41,8 +45,8 @@ def main() -> None:
                     cells.append("L" if length == L else "")
                     continue
                 rise = [x - x_at_l for x, x_at_l in zip(losses[length], losses[L], strict=True)]
-                error = statistics.stdev(rise) / len(rise) ** 0.5
-                cells.append(f"{statistics.mean(rise):+.3f} ({error:.3f}), {length // L}L")
+                mean, error = mean_over_seeds(rise), se_over_seeds(rise)
+                cells.append(f"{mean:+.3f} ({error:.3f}), {length // L}L")
             print(f"| {row} | {L} | {len(losses[L])} | " + " | ".join(cells) + " |")
     print("\n| PaTH run | L | layer | " + " | ".join(f"{e}" for e in LENGTHS) + " |")
     print("|---|---|---|" + "---|" * len(LENGTHS))
