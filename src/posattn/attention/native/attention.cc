@@ -33,6 +33,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -49,28 +50,83 @@ int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 // Eight float32 lanes (GCC vector extensions: AVX2's ymm; other ISAs get the same code): the
 // softmax passes are written on these so that they vectorise whatever the compiler's heuristics.
 typedef float vf __attribute__((vector_size(32)));
-typedef int32_t vi __attribute__((vector_size(32)));
 constexpr int kV = 8;
+// The wide vector the passes and products run on: 16 lanes (one zmm) where the CPU has AVX-512,
+// else vf. A row's sums and maxima are still taken in vf's lanes, in vf's order (`AddInOrder`),
+// so the results are the same bits at either width.
+#if defined(__AVX512F__)
+constexpr int kL = 16;
+#else
+constexpr int kL = kV;
+#endif
+typedef float vw __attribute__((vector_size(4 * kL)));
 
-inline vf Splat(float x) { return vf{x, x, x, x, x, x, x, x}; }
-inline vf Load(const float* p) {
-  vf v;
+template <typename V>
+constexpr int Lanes() {
+  return sizeof(V) / sizeof(float);
+}
+template <typename V = vf>
+inline V Splat(float x) {
+  return x - V{};  // x in every lane (x - 0 is x, -0 included); one broadcast
+}
+template <typename V = vf>
+inline V Load(const float* p) {
+  V v;
   std::memcpy(&v, p, sizeof(v));
   return v;
+}
+// x opaque to the compiler: kept in one vector register, its value unknown to the optimiser.
+template <typename V>
+inline void Opaque(V& x) {
+#if defined(__AVX512F__)
+  asm("" : "+v"(x));
+#elif defined(__AVX__)
+  asm("" : "+x"(x));
+#endif
 }
 // A vector that R rows' FMAs read: for R > 1 loaded once into a register the compiler must keep
 // (GCC otherwise folds the load into every row's FMA, and the loop is bound by loads); for one row
 // the load folded into its FMA is best.
-template <int R>
-inline vf LoadShared(const float* p) {
-  vf v = Load(p);
-#if defined(__AVX__)
-  if constexpr (R > 1) asm("" : "+x"(v));  // one ymm register (elsewhere: the compiler's choice)
-#endif
+template <int R, typename V = vf>
+inline V LoadShared(const float* p) {
+  V v = Load<V>(p);
+  if constexpr (R > 1) Opaque(v);
   return v;
 }
-inline void Store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
-inline vi Broadcast(int32_t x) { return vi{x, x, x, x, x, x, x, x}; }
+template <typename V>
+inline void Store(float* p, V v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+// Lane i of the result: first + i.
+template <typename V>
+inline auto Iota(int32_t first) {
+  static constexpr int32_t kLanes[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  static_assert(Lanes<V>() <= 16);
+  decltype(V{} < V{}) v;
+  std::memcpy(&v, kLanes, sizeof(v));
+  return v + first;
+}
+// vf's lanes i * kV .. i * kV + kV - 1 of a wide vector.
+inline vf Part(const vw& x, int i) {
+  vf part;
+  std::memcpy(&part, reinterpret_cast<const float*>(&x) + i * kV, sizeof(part));
+  return part;
+}
+// acc += x in vf's lanes, the low lanes first: key j adds into lane j % kV in increasing j, as a
+// pass of vf would add it.
+inline void AddInOrder(vf& acc, const vw& x) {
+  for (int i = 0; i < kL / kV; ++i) acc += Part(x, i);
+}
+// acc += x * y in vf's lanes, each lane's product and sum one FMA as in a pass of vf.
+inline void AddProductInOrder(vf& acc, const vw& x, const vw& y) {
+  for (int i = 0; i < kL / kV; ++i) acc += Part(x, i) * Part(y, i);
+}
+inline void MaxInOrder(vf& acc, const vw& x) {
+  for (int i = 0; i < kL / kV; ++i) {
+    const vf part = Part(x, i);
+    acc = part > acc ? part : acc;
+  }
+}
 inline float HorizontalMax(vf v) {
   float m = v[0];
   for (int i = 1; i < kV; ++i) m = std::max(m, v[i]);
@@ -82,25 +138,27 @@ inline float HorizontalSum(vf v) {
 
 // exp(x) in float32 to ~1 ulp (Cephes' expf polynomial after x = n ln 2 + r, the rounding to n
 // by adding 1.5 * 2^23); x = -inf (a hidden key), or anything below float's range, gives 0.
-inline vf Exp(vf x) {
-  const vf lo = Splat(-87.5f), hi = Splat(88.5f), magic = Splat(12582912.0f);
-  const vi under = x < lo;
-  vf c = x < lo ? lo : x;
+template <typename V>
+inline V Exp(V x) {
+  using I = decltype(x < x);  // int32 lanes
+  const V lo = Splat<V>(-87.5f), hi = Splat<V>(88.5f), magic = Splat<V>(12582912.0f);
+  const I under = x < lo;
+  V c = x < lo ? lo : x;
   c = c > hi ? hi : c;
-  const vf t = c * 1.44269504088896341f + magic;
-  const vf n = t - magic;
-  vf r = c - n * 0.693359375f;
+  const V t = c * 1.44269504088896341f + magic;
+  const V n = t - magic;
+  V r = c - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  const vf z = r * r;
-  vf y = Splat(1.9875691500e-4f);
+  const V z = r * r;
+  V y = Splat<V>(1.9875691500e-4f);
   y = y * r + 1.3981999507e-3f;
   y = y * r + 8.3334519073e-3f;
   y = y * r + 4.1665795894e-2f;
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
   y = y * z + r + 1.0f;
-  const vi bits = (((vi)t - (vi)magic) + 127) << 23;
-  return under ? Splat(0.0f) : y * (vf)bits;
+  const I bits = (((I)t - (I)magic) + 127) << 23;
+  return under ? Splat<V>(0.0f) : y * (V)bits;
 }
 
 // Runs fn(item) for item in [0, n) on the caller and XLA's intra-op threads. The caller takes
@@ -204,23 +262,23 @@ void PackRows(const Dims& d, const float* x, int64_t b, int64_t kh, int64_t Sp, 
 template <int H, int R>
 inline void RowDots(const float (&a)[R][H], const float* bt, int64_t j0, int64_t j1, float* dots,
                     int64_t ld) {
-  static_assert(kW == 2 * kV, "two vectors of keys per block");
+  constexpr int NV = kW / kL;  // wide vectors of keys per block
+  static_assert(NV * kL == kW, "whole vectors of keys per block");
   for (int64_t j = j0; j < j1; j += kW) {
     const float* block = bt + (j / kW) * H * kW;
-    vf acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Splat(0.0f);
+    vw acc[R][NV];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < NV; ++c) acc[r][c] = Splat<vw>(0.0f);
     for (int h = 0; h < H; ++h) {
-      const vf c0 = LoadShared<R>(block + h * kW), c1 = LoadShared<R>(block + h * kW + kV);
+      vw keys[NV];
+      for (int c = 0; c < NV; ++c) keys[c] = LoadShared<R, vw>(block + h * kW + c * kL);
       for (int r = 0; r < R; ++r) {
-        const vf av = Splat(a[r][h]);
-        acc[r][0] += av * c0;
-        acc[r][1] += av * c1;
+        const vw av = Splat<vw>(a[r][h]);
+        for (int c = 0; c < NV; ++c) acc[r][c] += av * keys[c];
       }
     }
-    for (int r = 0; r < R; ++r) {
-      Store(dots + r * ld + j, acc[r][0]);
-      Store(dots + r * ld + j + kV, acc[r][1]);
-    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < NV; ++c) Store(dots + r * ld + j + c * kL, acc[r][c]);
   }
 }
 
@@ -231,29 +289,34 @@ constexpr int ColumnBlock() {
   return R == 1 || R * C <= 8 ? C : 8 / R;
 }
 
+// The vector a head's row of H floats is read in: the wide one where it divides H.
+template <int H>
+using RowVector = std::conditional_t<H % kL == 0, vw, vf>;
+
 // out[r][:] = sum_{j in [j0, j1)} w[r][j] * x[j][:] for r < R (x [Sp, H] contiguous), in passes
 // of ColumnBlock vectors of the row (each element's sum in the same order whatever the passes).
 template <int H, int R>
 inline void WeightedRows(const float* w, int64_t ld, int64_t j0, int64_t j1, const float* x,
                          float (&out)[R][H]) {
-  constexpr int C = (H + kV - 1) / kV;  // vectors per row (H = 8: one)
+  using V = RowVector<H>;
+  constexpr int LV = Lanes<V>();
+  constexpr int C = H / LV;  // vectors per row
   constexpr int CB = ColumnBlock<C, R>();
-  static_assert(C % CB == 0, "whole passes");
+  static_assert(C * LV == H && C % CB == 0, "whole vectors, whole passes");
   for (int c0 = 0; c0 < C; c0 += CB) {
-    vf acc[R][CB];
+    V acc[R][CB];
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < CB; ++c) acc[r][c] = Splat(0.0f);
+      for (int c = 0; c < CB; ++c) acc[r][c] = Splat<V>(0.0f);
     for (int64_t j = j0; j < j1; ++j) {
-      vf xr[CB];
-      for (int c = 0; c < CB; ++c) xr[c] = LoadShared<R>(x + j * H + (c0 + c) * kV);
+      V xr[CB];
+      for (int c = 0; c < CB; ++c) xr[c] = LoadShared<R, V>(x + j * H + (c0 + c) * LV);
       for (int r = 0; r < R; ++r) {
-        const vf wv = Splat(w[r * ld + j]);
+        const V wv = Splat<V>(w[r * ld + j]);
         for (int c = 0; c < CB; ++c) acc[r][c] += wv * xr[c];
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < CB; ++c)
-        std::memcpy(&out[r][(c0 + c) * kV], &acc[r][c], kV * sizeof(float));
+      for (int c = 0; c < CB; ++c) Store(&out[r][(c0 + c) * LV], acc[r][c]);
   }
 }
 
@@ -262,21 +325,23 @@ inline void WeightedRows(const float* w, int64_t ld, int64_t j0, int64_t j1, con
 template <int H, int R>
 inline void AccumulateRows(const float* w, int64_t ld, int64_t j0, int64_t j1,
                            const float (&rows)[R][H], float* acc) {
-  constexpr int C = H / kV;
+  using V = RowVector<H>;
+  constexpr int LV = Lanes<V>();
+  constexpr int C = H / LV;
   constexpr int CB = ColumnBlock<C, R>();
-  static_assert(C % CB == 0, "whole passes");
+  static_assert(C * LV == H && C % CB == 0, "whole vectors, whole passes");
   for (int c0 = 0; c0 < C; c0 += CB) {
-    vf rv[R][CB];
+    V rv[R][CB];
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < CB; ++c) rv[r][c] = Load(&rows[r][(c0 + c) * kV]);
+      for (int c = 0; c < CB; ++c) rv[r][c] = Load<V>(&rows[r][(c0 + c) * LV]);
     for (int64_t j = j0; j < j1; ++j) {
-      vf aj[CB];
-      for (int c = 0; c < CB; ++c) aj[c] = Load(acc + j * H + (c0 + c) * kV);
+      V aj[CB];
+      for (int c = 0; c < CB; ++c) aj[c] = Load<V>(acc + j * H + (c0 + c) * LV);
       for (int r = 0; r < R; ++r) {
-        const vf wv = Splat(w[r * ld + j]);
+        const V wv = Splat<V>(w[r * ld + j]);
         for (int c = 0; c < CB; ++c) aj[c] += wv * rv[r][c];
       }
-      for (int c = 0; c < CB; ++c) Store(acc + j * H + (c0 + c) * kV, aj[c]);
+      for (int c = 0; c < CB; ++c) Store(acc + j * H + (c0 + c) * LV, aj[c]);
     }
   }
 }
@@ -296,11 +361,13 @@ constexpr int RowsPerBlock() {
 }
 
 // A row block: its rows' key ranges and the span [a, e) of keys any of them sees, widened to
-// whole vectors [a8, e8) for the softmax passes (keys outside a row's range are masked there).
+// whole vf vectors [a8, e8) for the products with the keys' rows, and to whole wide vectors
+// [aL, eL) for the softmax passes (keys outside a row's range are masked there; the products of
+// the logits, `RowDots`, cover whole blocks of kW keys, so the logits cover [aL, eL)).
 template <int R>
 struct Block {
   int rows;
-  int64_t lo[R], hi[R], a, e, a8, e8;
+  int64_t lo[R], hi[R], a, e, a8, e8, aL, eL;
 };
 
 template <int R>
@@ -318,51 +385,50 @@ Block<R> MakeBlock(const Dims& d, int64_t t0) {
   }
   blk.a8 = blk.a / kV * kV;
   blk.e8 = RoundUp(blk.e, kV);
+  blk.aL = blk.a / kL * kL;
+  blk.eL = RoundUp(blk.e, kL);
   return blk;
 }
 
-// Soft-capping (Gemma 2) of a row of content logits over [a8, e8), in place: s = c tanh(s / c)
+// Soft-capping (Gemma 2) of a row of content logits over [aL, eL), in place: s = c tanh(s / c)
 // with tanh(x) = 1 - 2 / (exp(2x) + 1) (Exp saturates, so |s| large gives +-c), and, when `slope`
-// is given, its derivative 1 - tanh^2 there. The row's products are finite over [a8, e8).
+// is given, its derivative 1 - tanh^2 there. The row's products are finite over [aL, eL).
 template <int R>
 inline void Cap(const Block<R>& blk, float c, float* sr, float* slope) {
   const float twice_inv = 2.0f / c;
-  for (int64_t j = blk.a8; j < blk.e8; j += kV) {
-    const vf t = 1.0f - 2.0f / (Exp(Load(sr + j) * twice_inv) + 1.0f);
+  for (int64_t j = blk.aL; j < blk.eL; j += kL) {
+    const vw t = 1.0f - 2.0f / (Exp(Load<vw>(sr + j) * twice_inv) + 1.0f);
     Store(sr + j, t * c);
     if (slope) Store(slope + j, 1.0f - t * t);
   }
 }
 
-// The n < kV floats at p, zero padded to a vector.
-inline vf LoadTail(const float* p, int64_t n) {
-  float tail[kV] = {};
+// The 0 < n < kL floats at p, zero padded to a wide vector.
+inline vw LoadTail(const float* p, int64_t n) {
+  float tail[kL] = {};
   std::memcpy(tail, p, n * sizeof(float));
-  return Load(tail);
+  return Load<vw>(tail);
 }
 
-// Row r of the logits `sr` (scaled products, over [a8, e8)), plus its bias row `br` (S keys)
+// Row r of the logits `sr` (scaled products, over [aL, eL)), plus its bias row `br` (S keys)
 // when kBias, -inf outside the row's key range, in place. One pass of whole vectors, each read
 // as RowDots stored it; a bias vector that would run past the row's S keys is read zero padded.
 template <bool kBias, int R>
 inline void BiasAndMask(const Block<R>& blk, int r, const float* br, int64_t S, float* sr) {
-  const vi lo = Broadcast(static_cast<int32_t>(blk.lo[r]));
-  const vi hi = Broadcast(static_cast<int32_t>(blk.hi[r]));
-  vi idx = vi{0, 1, 2, 3, 4, 5, 6, 7} + static_cast<int32_t>(blk.a8);
-  for (int64_t j = blk.a8; j < blk.e8; j += kV, idx += kV) {
-    vf x = Load(sr + j);
+  const int32_t lo = static_cast<int32_t>(blk.lo[r]), hi = static_cast<int32_t>(blk.hi[r]);
+  auto idx = Iota<vw>(static_cast<int32_t>(blk.aL));
+  for (int64_t j = blk.aL; j < blk.eL; j += kL, idx += kL) {
+    vw x = Load<vw>(sr + j);
     if constexpr (kBias) {
-      x += j + kV <= S ? Load(br + j) : LoadTail(br + j, S - j);
+      x += j + kL <= S ? Load<vw>(br + j) : LoadTail(br + j, S - j);
     } else {
-#if defined(__AVX__)
       // x opaque, so that the store below writes the whole vector: GCC would otherwise store
       // only the hidden keys' lanes (an AVX-512 masked store), and on the Xeon measured the
       // next pass's loads of those vectors waited for it (docs/benchmarks.md, "The logit bias
       // in the native kernel").
-      asm("" : "+x"(x));
-#endif
+      Opaque(x);
     }
-    Store(sr + j, (idx >= lo) & (idx < hi) ? x : Splat(kNegInf));
+    Store(sr + j, (idx >= lo) & (idx < hi) ? x : Splat<vw>(kNegInf));
   }
 }
 
@@ -406,17 +472,14 @@ void Forward(Pool& pool, const Dims& d, const float* q, const float* k, const fl
           if (d.softcap > 0.0f) Cap(blk, d.softcap, sr, nullptr);
           BiasAndMask(blk, r, bs, d, t0, sr);
           vf vmax = Splat(kNegInf);
-          for (int64_t j = blk.a8; j < blk.e8; j += kV) {
-            const vf x = Load(sr + j);
-            vmax = x > vmax ? x : vmax;
-          }
+          for (int64_t j = blk.aL; j < blk.eL; j += kL) MaxInOrder(vmax, Load<vw>(sr + j));
           const float mx = HorizontalMax(vmax);
           const float m = mx == kNegInf ? 0.0f : mx;  // a row that sees no key
           vf vsum = Splat(0.0f);
-          for (int64_t j = blk.a8; j < blk.e8; j += kV) {
-            const vf p = Exp(Load(sr + j) - m);
+          for (int64_t j = blk.aL; j < blk.eL; j += kL) {
+            const vw p = Exp(Load<vw>(sr + j) - m);
             Store(sr + j, p);
-            vsum += p;
+            AddInOrder(vsum, p);
           }
           const float l = HorizontalSum(vsum);
           mrow[r] = m;
@@ -507,14 +570,14 @@ void Backward(Pool& pool, const Dims& d, bool bias_grad, const float* q,
               BiasAndMask(blk, r, bs, d, t0, pr);
               const float m = mrow[r], inv_l = il[r];
               vf vdelta = Splat(0.0f);
-              for (int64_t j = blk.a8; j < blk.e8; j += kV) {
-                const vf pj = Exp(Load(pr + j) - m) * inv_l;
+              for (int64_t j = blk.aL; j < blk.eL; j += kL) {
+                const vw pj = Exp(Load<vw>(pr + j) - m) * inv_l;
                 Store(pr + j, pj);
-                vdelta += pj * Load(dpr + j);
+                AddProductInOrder(vdelta, pj, Load<vw>(dpr + j));
               }
               const float delta = HorizontalSum(vdelta);
-              for (int64_t j = blk.a8; j < blk.e8; j += kV) {
-                Store(dsr + j, Load(pr + j) * (Load(dpr + j) - delta));
+              for (int64_t j = blk.aL; j < blk.eL; j += kL) {
+                Store(dsr + j, Load<vw>(pr + j) * (Load<vw>(dpr + j) - delta));
               }
               if (dbs && r < blk.rows) {  // ds is +-0 at the hidden keys of [a8, e8)
                 float* dbr = dbs + (t0 + r) * d.S;
@@ -524,8 +587,8 @@ void Backward(Pool& pool, const Dims& d, bool bias_grad, const float* q,
                 for (; j < blk.e; ++j) dbr[j] += dsr[j];
               }
               if (slr) {  // dq and dk see the content logits through the cap
-                for (int64_t j = blk.a8; j < blk.e8; j += kV) {
-                  Store(dsr + j, Load(dsr + j) * Load(slr + j));
+                for (int64_t j = blk.aL; j < blk.eL; j += kL) {
+                  Store(dsr + j, Load<vw>(dsr + j) * Load<vw>(slr + j));
                 }
               }
             }
