@@ -200,6 +200,64 @@ def test_results_do_not_depend_on_the_thread_count(tmp_path):
     np.testing.assert_array_equal(outputs[0], outputs[1])
 
 
+_WIDTH_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    if sys.argv[2] == "narrow":  # the kernel built without AVX-512: 8-float vectors
+        os.environ["POSATTN_CACHE_DIR"] = sys.argv[3]
+        from posattn.attention import native
+        native._FLAGS = (*native._FLAGS, "-mno-avx512f")
+    import jax, jax.numpy as jnp, numpy as np
+    from posattn.attention import native
+    assert native.available(), native.why_unavailable()
+    out = []
+    for i, (H, T, S, causal, window, softcap, bias_grad) in enumerate([
+        (8, 33, 33, 0, None, None, True),
+        (16, 64, 64, 0, None, None, False),
+        (16, 20, 45, 25, 7, None, True),
+        (32, 33, 33, 0, None, 5.0, True),
+        (64, 24, 40, None, None, None, True),
+    ]):
+        q, k, v, b, d = (
+            jax.random.normal(jax.random.key(10 * i + j), shape)
+            for j, shape in enumerate(
+                [(2, T, 4, H), (2, S, 2, H), (2, S, 2, H), (1, 4, T, S), (2, T, 4, H)]
+            )
+        )
+        def loss(q, k, v, b):
+            o = native.native_attention(q, k, v, b, scale=H ** -0.5, bias_grad=bias_grad,
+                                        causal_offset=causal, window=window, softcap=softcap)
+            return jnp.sum(o * d)
+        grads = jax.jit(jax.grad(loss, (0, 1, 2, 3)))(q, k, v, b)
+        out += [np.ravel(g) for g in grads]
+    np.save(sys.argv[1], np.concatenate(out))
+    """
+)
+
+
+def _has_avx512() -> bool:
+    try:
+        return " avx512f" in pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_avx512(), reason="the kernel runs 8-float vectors only here")
+def test_results_do_not_depend_on_the_vector_width(tmp_path):
+    """Built for AVX-512 the kernel runs 16-float vectors, elsewhere 8-float ones, and keeps each
+    row's sums in the 8-float order: both builds give bitwise the same outputs and gradients
+    (head dims 8-64, GQA, S not a multiple of 16, a window, a soft cap, a trained bias)."""
+    outputs = []
+    for name in ("wide", "narrow"):
+        path = tmp_path / f"{name}.npy"
+        subprocess.run(
+            [sys.executable, "-c", _WIDTH_SCRIPT, str(path), name, str(tmp_path / "cache")],
+            check=True,
+        )
+        outputs.append(np.load(path))
+    np.testing.assert_array_equal(outputs[0], outputs[1])
+
+
 def test_build_falls_back_with_the_reason(tmp_path):
     """With no compiler (or POSATTN_NATIVE=0) the kernel says why, "auto" keeps "chunked", and
     asking for "native" by name is a clear error."""
