@@ -17,8 +17,9 @@
 // What makes it fast where XLA:CPU is not: per (batch row, key/value head) the keys are packed
 // once ([H, S] transposed, so that a query row's logits are FMAs over contiguous keys), every pass
 // over a row block happens while its logits are in L1, causal and windowed rows only visit the
-// keys they can see (a static offset: `causal_offset`, `window`), and nothing [T, S]-sized is
-// written to memory except the bias gradient when one is asked for.
+// keys they can see (a static offset: `causal_offset`, `window`), nothing [T, S]-sized is
+// written to memory except the bias gradient when one is asked for, and the vectors are the
+// widest the CPU has (16 floats with AVX-512, 8 otherwise; the same bits).
 //
 // Determinism: work is split into items that each own disjoint outputs (a bias gradient shared by
 // batch rows or heads is owned by one item that visits them in order), so results do not depend
@@ -47,13 +48,14 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// Eight float32 lanes (GCC vector extensions: AVX2's ymm; other ISAs get the same code): the
-// softmax passes are written on these so that they vectorise whatever the compiler's heuristics.
+// Eight float32 lanes (GCC vector extensions: AVX2's ymm; other ISAs get the same code), written
+// out so that the code vectorises whatever the compiler's heuristics. A row's sums and maxima are
+// accumulated in these lanes, key j in lane j % 8, whatever vector the pass reads.
 typedef float vf __attribute__((vector_size(32)));
 constexpr int kV = 8;
 // The wide vector the passes and products run on: 16 lanes (one zmm) where the CPU has AVX-512,
-// else vf. A row's sums and maxima are still taken in vf's lanes, in vf's order (`AddInOrder`),
-// so the results are the same bits at either width.
+// else vf. Each lane's arithmetic is the same at either width and the sums keep vf's order
+// (`AddInOrder`), so the results are the same bits on either kind of CPU.
 #if defined(__AVX512F__)
 constexpr int kL = 16;
 #else
