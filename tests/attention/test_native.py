@@ -227,22 +227,18 @@ _WIDTH_SCRIPT = textwrap.dedent(
         def loss(q, k, v, b):
             o = native.native_attention(q, k, v, b, scale=H ** -0.5, bias_grad=bias_grad,
                                         causal_offset=causal, window=window, softcap=softcap)
-            return jnp.sum(o * d)
-        grads = jax.jit(jax.grad(loss, (0, 1, 2, 3)))(q, k, v, b)
-        out += [np.ravel(g) for g in grads]
+            return jnp.sum(o * d), o
+        (_, o), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True))(q, k, v, b)
+        out += [np.ravel(x) for x in (o, *grads)]
     np.save(sys.argv[1], np.concatenate(out))
     """
 )
 
 
-def _has_avx512() -> bool:
-    try:
-        return " avx512f" in pathlib.Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _has_avx512(), reason="the kernel runs 8-float vectors only here")
+@pytest.mark.skipif(
+    "avx512f" not in native._cpu_flags().split(),
+    reason="no AVX-512 here: the kernel runs 8-float vectors only",
+)
 def test_results_do_not_depend_on_the_vector_width(tmp_path):
     """Built for AVX-512 the kernel runs 16-float vectors, elsewhere 8-float ones, and keeps each
     row's sums in the 8-float order: both builds give bitwise the same outputs and gradients
