@@ -1,22 +1,25 @@
-"""The native CPU attention kernel alone: forward, and forward + backward, at the training shapes.
+"""The native CPU attention kernel alone: forward, and forward + backward, at fixed shapes.
 
-Question: how long does `posattn.attention.native`'s kernel take at the shapes of
-`benchmarks/train_throughput.py` (one layer's attention), and does a change to the kernel change
-what it computes?
+Question: how long does `posattn.attention.native`'s kernel take for one layer's attention at the
+shapes of `benchmarks/train_throughput.py` and at published models' head dims, and does a change
+to the kernel change what it computes?
 
 Run (from the repository root):
-    python benchmarks/native_kernel.py           # both shapes; no bias, a bias, a trained bias
+    python benchmarks/native_kernel.py           # training shapes; no bias, a bias, a trained bias
     python benchmarks/native_kernel.py --repeats 50
+    python benchmarks/native_kernel.py --shapes h64 h128   # heads of 64 and 128
 
-Shapes [B, T, N, H]: small (16, 256, 4, 32) and tiny (32, 64, 4, 16), causal, float32, inputs from
-a fixed seed. The bias column: "no"; "yes", a [1, N, T, S] logit bias (ALiBi's slopes times the
-offsets) with no bias gradient, as in an ALiBi layer's step (its slopes are constants); "trained",
-the same bias with its gradient asked for as well, as for a bias that trains (T5's buckets, Kerple,
-FIRE). Each program is jitted, run once, then timed --repeats times (wall clock,
-`block_until_ready`); best and median are printed with a sha256 of the outputs' bytes (the
-forward's output; the backward's dq, dk, dv and, when trained, the bias gradient), so two commits'
-kernels can be compared for identical results as well as time. Times vary between machines and with
-load: compare kernels by running this at each commit, alternately, on one machine.
+Shapes [B, T, N, H]: small (16, 256, 4, 32) and tiny (32, 64, 4, 16), the training shapes of
+`benchmarks/train_throughput.py` (the default), and h64 (4, 256, 8, 64) and h128 (2, 256, 8, 128),
+the head dims of published models (`--shapes`); causal, float32, inputs from a fixed seed. The bias
+column: "no"; "yes", a [1, N, T, S] logit bias (ALiBi's slopes times the offsets) with no bias
+gradient, as in an ALiBi layer's step (its slopes are constants); "trained", the same bias with its
+gradient asked for as well, as for a bias that trains (T5's buckets, Kerple, FIRE). Each program
+is jitted, run once, then timed --repeats times (wall clock, `block_until_ready`); best and median
+are printed with a sha256 of the outputs' bytes (the forward's output; the backward's dq, dk, dv
+and, when trained, the bias gradient), so two commits' kernels can be compared for identical
+results as well as time. Times vary between machines and with load: compare kernels by running this
+at each commit, alternately, on one machine.
 """
 
 from __future__ import annotations
@@ -36,7 +39,14 @@ from _machine import cpu_name  # noqa: E402
 
 from posattn.attention import native  # noqa: E402
 
-SHAPES = {"small": (16, 256, 4, 32), "tiny": (32, 64, 4, 16)}
+SHAPES = {
+    "small": (16, 256, 4, 32),
+    "tiny": (32, 64, 4, 16),
+    # heads of 64 and 128, as published models have them (one query row per block in the kernel)
+    "h64": (4, 256, 8, 64),
+    "h128": (2, 256, 8, 128),
+}
+TRAINING_SHAPES = ("small", "tiny")
 BIASES = ("no", "yes", "trained")
 
 
@@ -80,7 +90,7 @@ def _time(fn, args, repeats: int) -> tuple[float, float, str]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=list(TRAINING_SHAPES), choices=list(SHAPES))
     parser.add_argument("--repeats", type=int, default=20, help="timed runs of each program")
     args = parser.parse_args(argv)
     if not native.available():

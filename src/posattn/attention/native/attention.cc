@@ -86,13 +86,12 @@ inline void Opaque(V& x) {
   asm("" : "+x"(x));
 #endif
 }
-// A vector that R rows' FMAs read: for R > 1 loaded once into a register the compiler must keep
-// (GCC otherwise folds the load into every row's FMA, and the loop is bound by loads); for one row
-// the load folded into its FMA is best.
-template <int R, typename V = vf>
+// A vector that a block's rows' FMAs all read: loaded once into a register the compiler must keep
+// (GCC otherwise folds the load into every row's FMA, and the loop is bound by loads).
+template <typename V>
 inline V LoadShared(const float* p) {
   V v = Load<V>(p);
-  if constexpr (R > 1) Opaque(v);
+  Opaque(v);
   return v;
 }
 template <typename V>
@@ -108,26 +107,30 @@ inline auto Iota(int32_t first) {
   std::memcpy(&v, kLanes, sizeof(v));
   return v + first;
 }
-// vf's lanes i * kV .. i * kV + kV - 1 of a wide vector.
-inline vf Part(const vw& x, int i) {
-  vf part;
-  std::memcpy(&part, reinterpret_cast<const float*>(&x) + i * kV, sizeof(part));
-  return part;
+// vf's lanes I * kV .. I * kV + kV - 1 of a wide vector (a register extract, not a round trip
+// through memory).
+static_assert(kL == kV || kL == 2 * kV, "a wide vector is one or two vf");
+template <int I>
+inline vf Part(const vw& x) {
+  static_assert(I * kV < kL, "a part of the vector");
+  constexpr int o = I * kV;
+  return __builtin_shufflevector(x, x, o, o + 1, o + 2, o + 3, o + 4, o + 5, o + 6, o + 7);
 }
 // acc += x in vf's lanes, the low lanes first: key j adds into lane j % kV in increasing j, as a
 // pass of vf would add it.
 inline void AddInOrder(vf& acc, const vw& x) {
-  for (int i = 0; i < kL / kV; ++i) acc += Part(x, i);
+  acc += Part<0>(x);
+  if constexpr (kL > kV) acc += Part<1>(x);
 }
 // acc += x * y in vf's lanes, each lane's product and sum one FMA as in a pass of vf.
 inline void AddProductInOrder(vf& acc, const vw& x, const vw& y) {
-  for (int i = 0; i < kL / kV; ++i) acc += Part(x, i) * Part(y, i);
+  acc += Part<0>(x) * Part<0>(y);
+  if constexpr (kL > kV) acc += Part<1>(x) * Part<1>(y);
 }
+inline vf Max(vf a, vf b) { return a > b ? a : b; }
 inline void MaxInOrder(vf& acc, const vw& x) {
-  for (int i = 0; i < kL / kV; ++i) {
-    const vf part = Part(x, i);
-    acc = part > acc ? part : acc;
-  }
+  acc = Max(Part<0>(x), acc);
+  if constexpr (kL > kV) acc = Max(Part<1>(x), acc);
 }
 inline float HorizontalMax(vf v) {
   float m = v[0];
@@ -259,36 +262,64 @@ void PackRows(const Dims& d, const float* x, int64_t b, int64_t kh, int64_t Sp, 
   std::fill(out + d.S * H, out + Sp * H, 0.0f);
 }
 
+// dots[r][j] = sum_h a[r][h] * bt[j / kW][h][j % kW] for rows r < R and the NB blocks of keys
+// j in [j, j + NB kW) (bt packed by `PackTransposed`).
+template <int H, int R, int NB>
+inline void RowDotsBlocks(const float (&a)[R][H], const float* bt, int64_t j, float* dots,
+                          int64_t ld) {
+  constexpr int NV = kW / kL;  // wide vectors of keys per block
+  static_assert(NV * kL == kW, "whole vectors of keys per block");
+  constexpr int NC = NB * NV;
+  const float* block = bt + (j / kW) * H * kW;
+  vw acc[R][NC];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c] = Splat<vw>(0.0f);
+  for (int h = 0; h < H; ++h) {
+    vw keys[NC];
+    for (int c = 0; c < NC; ++c)
+      keys[c] = LoadShared<vw>(block + (c / NV) * H * kW + h * kW + (c % NV) * kL);
+    for (int r = 0; r < R; ++r) {
+      const vw av = Splat<vw>(a[r][h]);
+      for (int c = 0; c < NC; ++c) acc[r][c] += av * keys[c];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NC; ++c) Store(dots + r * ld + j + c * kL, acc[r][c]);
+}
+
+// Blocks of keys per pass of RowDots: enough sums in flight (8 accumulators) to hide the FMA's
+// latency; each dot's sum over h runs in the same order whatever the number.
+template <int R>
+constexpr int BlocksPerPass() {
+  constexpr int sums = R * (kW / kL);
+  return sums >= 8 ? 1 : 8 / sums;
+}
+
+// RowDots' passes of NB blocks from key j while whole ones fit below RoundUp(j1, kW), then of
+// NB / 2, ...; returns where they stopped.
+template <int H, int R, int NB>
+inline int64_t RowDotsPasses(const float (&a)[R][H], const float* bt, int64_t j, int64_t j1,
+                             float* dots, int64_t ld) {
+  for (; j + (NB - 1) * kW < j1; j += NB * kW) RowDotsBlocks<H, R, NB>(a, bt, j, dots, ld);
+  if constexpr (NB > 1) j = RowDotsPasses<H, R, NB / 2>(a, bt, j, j1, dots, ld);
+  return j;
+}
+
 // dots[r][j] = sum_h a[r][h] * bt[j / kW][h][j % kW] for rows r < R and keys j in
 // [j0, RoundUp(j1, kW)) (j0 a multiple of kW; bt packed by `PackTransposed`).
 template <int H, int R>
 inline void RowDots(const float (&a)[R][H], const float* bt, int64_t j0, int64_t j1, float* dots,
                     int64_t ld) {
-  constexpr int NV = kW / kL;  // wide vectors of keys per block
-  static_assert(NV * kL == kW, "whole vectors of keys per block");
-  for (int64_t j = j0; j < j1; j += kW) {
-    const float* block = bt + (j / kW) * H * kW;
-    vw acc[R][NV];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < NV; ++c) acc[r][c] = Splat<vw>(0.0f);
-    for (int h = 0; h < H; ++h) {
-      vw keys[NV];
-      for (int c = 0; c < NV; ++c) keys[c] = LoadShared<R, vw>(block + h * kW + c * kL);
-      for (int r = 0; r < R; ++r) {
-        const vw av = Splat<vw>(a[r][h]);
-        for (int c = 0; c < NV; ++c) acc[r][c] += av * keys[c];
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < NV; ++c) Store(dots + r * ld + j + c * kL, acc[r][c]);
-  }
+  constexpr int NB = BlocksPerPass<R>();
+  static_assert((NB & (NB - 1)) == 0, "halving passes end at one block");
+  RowDotsPasses<H, R, NB>(a, bt, j0, j1, dots, ld);
 }
 
 // Vectors of a row's C per pass of `WeightedRows` and `AccumulateRows`: R * CB row or accumulator
 // vectors stay in registers (at most 8 of AVX2's 16, the rest for the key's vectors).
 template <int C, int R>
 constexpr int ColumnBlock() {
-  return R == 1 || R * C <= 8 ? C : 8 / R;
+  return R * C <= 8 ? C : 8 / R;
 }
 
 // The vector a head's row of H floats is read in: the wide one where it divides H.
@@ -311,7 +342,7 @@ inline void WeightedRows(const float* w, int64_t ld, int64_t j0, int64_t j1, con
       for (int c = 0; c < CB; ++c) acc[r][c] = Splat<V>(0.0f);
     for (int64_t j = j0; j < j1; ++j) {
       V xr[CB];
-      for (int c = 0; c < CB; ++c) xr[c] = LoadShared<R, V>(x + j * H + (c0 + c) * LV);
+      for (int c = 0; c < CB; ++c) xr[c] = LoadShared<V>(x + j * H + (c0 + c) * LV);
       for (int r = 0; r < R; ++r) {
         const V wv = Splat<V>(w[r * ld + j]);
         for (int c = 0; c < CB; ++c) acc[r][c] += wv * xr[c];
@@ -355,12 +386,11 @@ inline void KeyGrads(const float* ds, const float* p, int64_t ld, int64_t j0, in
   AccumulateRows<H, R>(p, ld, j0, j1, dout, dv);
 }
 
-// Rows of query heads per block: enough to reuse each packed key vector, few enough that the
-// accumulators stay in registers.
-template <int H>
-constexpr int RowsPerBlock() {
-  return H <= 32 ? 4 : 1;
-}
+// Query rows per block, at every head dim: each packed key vector is read once for the four rows'
+// FMAs, and the accumulators stay in registers (`ColumnBlock` splits a wide head's row into
+// passes). Heads of 64 and 128 took one row per block before, and ran 1.5-2.6x slower
+// (docs/benchmarks.md, "Four query rows per block at every head dim").
+constexpr int kRows = 4;
 
 // A row block: its rows' key ranges and the span [a, e) of keys any of them sees, widened to
 // whole vf vectors [a8, e8) for the products with the keys' rows, and to whole wide vectors
@@ -448,7 +478,7 @@ inline void BiasAndMask(const Block<R>& blk, int r, const float* bias, const Dim
 template <int H, typename Pool>
 void Forward(Pool& pool, const Dims& d, const float* q, const float* k, const float* v,
              const float* bias, float* out, float* m_out, float* inv_l_out) {
-  constexpr int R = RowsPerBlock<H>();
+  constexpr int R = kRows;
   const int64_t Sp = RoundUp(std::max<int64_t>(d.S, 1), kW);
   ParallelFor(pool, d.B * d.K, [&](int64_t item) {
     const int64_t b = item / d.K, kh = item % d.K;
@@ -506,7 +536,7 @@ void Backward(Pool& pool, const Dims& d, bool bias_grad, const float* q,
               const float* k, const float* v, const float* bias, const float* d_out,
               const float* m_in, const float* inv_l_in, float* dq, float* dk, float* dv,
               float* d_bias) {
-  constexpr int R = RowsPerBlock<H>();
+  constexpr int R = kRows;
   const int64_t Sp = RoundUp(std::max<int64_t>(d.S, 1), kW);
   // An item owns (a set of batch rows) x (a set of key/value heads): every (b, kh) when the
   // bias gradient is not shared; all b of a head group when it is shared by the batch rows; all
