@@ -9,6 +9,7 @@ Run (from the repository root):
     python benchmarks/train_throughput.py --configs small --families rope alibi \
         --xtransformers $REFENV/bin/python --rounds 3                # the goal, side by side
     python benchmarks/train_throughput.py --crossover --rounds 3     # the rule behind "auto"
+    python benchmarks/train_throughput.py --crossover --crossover-bias none --rounds 3
     python benchmarks/train_throughput.py --pieces --rounds 3        # the pieces of "other"
     python benchmarks/train_throughput.py --configs tiny small --families rope alibi \
         --dtypes float32 bfloat16 --rounds 3                         # bfloat16 compute
@@ -57,9 +58,11 @@ optimiser. Pieces timed alone are not additive to the microsecond (XLA fuses acr
 step), so the shares are approximate; their sum can exceed 100% under contention.
 
 With --crossover, instead: attention forward + backward alone (causal, ALiBi as a (BiasFn, params)
-pair, value_and_grad over q, k, v and the slopes) with implementation "chunked", "blockwise" and
-"xla" at --shapes B,T,N,H, interleaved, best of --rounds: the measurement behind "auto"'s rule
-(posattn.attention.AUTO_CHUNKED_MAX_HEAD_LOGITS, docs/attention.md).
+pair, value_and_grad over q, k, v and the slopes; with --crossover-bias none, no bias and a static
+causal mask, as a RoPE model's attention, over q, k and v) with implementation "chunked",
+"native", "blockwise" and "xla" at --shapes B,T,N,H, interleaved, best of --rounds: the
+measurement behind "auto"'s rule (posattn.attention.AUTO_CHUNKED_MAX_HEAD_LOGITS,
+docs/attention.md).
 
 With --pieces, instead: pieces of "other" alone at the small config's shape, forward + backward
 (value_and_grad of a weighted sum), best of --rounds x 10 calls: RoPE on one [B, T, N, H] q or k
@@ -321,8 +324,10 @@ CROSSOVER_SHAPES = [
 ]
 
 
-def crossover(shapes: list[str], rounds: int) -> None:
-    """Attention forward + backward alone per implementation: the measurement behind "auto"."""
+def crossover(shapes: list[str], rounds: int, bias: str = "alibi") -> None:
+    """Attention forward + backward alone per implementation: the measurement behind "auto".
+    bias: "alibi" (a position bias, the slopes differentiated too) or "none" (a static causal
+    mask alone)."""
     from posattn import positions
 
     impls = ("chunked", "native", "blockwise", "xla")
@@ -330,8 +335,9 @@ def crossover(shapes: list[str], rounds: int) -> None:
         impls = tuple(i for i in impls if i != "native")
         print(f"# native kernel unavailable: {native_lib.why_unavailable()}")
     others = [i for i in impls if i != "chunked"]
+    print(f"\n# bias: {bias}")
     print(
-        "\n| B, T, N, H | "
+        "| B, T, N, H | "
         + " | ".join(f"{i} ms" for i in impls)
         + " | "
         + " | ".join(f"{i} / chunked" for i in others)
@@ -343,6 +349,7 @@ def crossover(shapes: list[str], rounds: int) -> None:
         keys = jax.random.split(jax.random.key(0), 4)
         q, k, v, d_out = (jax.random.normal(key, (B, T, N, H)) for key in keys)
         slopes = positions.alibi_slopes(N)
+        inputs = (q, k, v, slopes) if bias == "alibi" else (q, k, v)
 
         def alibi(slopes, q_pos, k_pos):
             return positions.alibi_bias(q_pos[:, None] - k_pos[None, :], slopes)
@@ -350,18 +357,19 @@ def crossover(shapes: list[str], rounds: int) -> None:
         fns = {}
         for impl in impls:
 
-            def loss(q, k, v, slopes, impl=impl, d_out=d_out):
+            def loss(q, k, v, *slopes, impl=impl, d_out=d_out):
+                position_bias = (alibi, slopes[0]) if slopes else None
                 out = attention_lib.attention(
-                    q, k, v, bias=(alibi, slopes), causal=True, implementation=impl
+                    q, k, v, bias=position_bias, causal=True, implementation=impl
                 )
                 return jnp.sum(out * d_out)
 
-            fns[impl] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
-            timed(fns[impl], q, k, v, slopes)  # compile
+            fns[impl] = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(inputs)))))
+            timed(fns[impl], *inputs)  # compile
         best = {impl: float("inf") for impl in impls}
         for _ in range(rounds):
             for impl, fn in fns.items():
-                best[impl] = min(best[impl], timed(fn, q, k, v, slopes))
+                best[impl] = min(best[impl], timed(fn, *inputs))
         ms = {impl: t * 1e3 for impl, t in best.items()}
         print(
             f"| {B}, {T}, {N}, {H} | "
@@ -592,6 +600,12 @@ def main(argv=None):
         help="time attention alone per implementation at --shapes instead",
     )
     parser.add_argument(
+        "--crossover-bias",
+        choices=("alibi", "none"),
+        default="alibi",
+        help="--crossover's bias: ALiBi's (default) or none (a static causal mask alone)",
+    )
+    parser.add_argument(
         "--pieces",
         action="store_true",
         help="time RoPE, GELU, RMSNorm and the cross-entropy alone instead",
@@ -618,7 +632,7 @@ def main(argv=None):
         print(f"# load average at the end {load_average()}")
         return
     if args.crossover:
-        crossover(args.shapes, args.rounds)
+        crossover(args.shapes, args.rounds, args.crossover_bias)
         print(f"# load average at the end {load_average()}")
         return
     print(f"# overrides: {args.override or 'none'}; {args.rounds} rounds of {args.steps} steps")

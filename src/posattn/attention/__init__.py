@@ -350,13 +350,13 @@ def choose_implementation(
     CPU: "native" where its kernel built (`posattn.attention.native.supports`) while the logit
     bias it materialises stays within AUTO_BLOCKWISE_MIN_LOGITS elements (none for a static
     causal mask without a bias; [1, N, T, S] for a position bias; a slice per row with per-row
-    positions, lengths or forget gates), heads of 64 and more only below
-    AUTO_CHUNKED_MAX_HEAD_LOGITS (past it "blockwise" was faster). Otherwise "chunked" while one
-    head's logits T * S stay below AUTO_CHUNKED_MAX_HEAD_LOGITS (and, with `per_row` positions or
-    lengths, whose bias it materialises for every row, while B * N * T * S stays below
-    AUTO_BLOCKWISE_MIN_LOGITS), and "blockwise", the only implementation whose memory stays
-    linear in T, past that. "xla" is
-    never faster than "chunked" in our measurements (docs/attention.md).
+    positions, lengths or forget gates), heads of 64 and more with something materialised only
+    below AUTO_CHUNKED_MAX_HEAD_LOGITS (past it "blockwise" was as fast or faster). Otherwise
+    "chunked" while one head's logits T * S stay below AUTO_CHUNKED_MAX_HEAD_LOGITS (and, with
+    `per_row` positions or lengths, whose bias it materialises for every row, while B * N * T * S
+    stays below AUTO_BLOCKWISE_MIN_LOGITS), and "blockwise", the only implementation whose memory
+    stays linear in T, past that. "xla" is never faster than "chunked" in our measurements
+    (docs/attention.md).
 
     GPU and TPU: never a kernel tuned on CPU. On a GPU with no bias, no forget gates, no window
     and a causal mask (if any) from query position 0, "cudnn" where cuDNN takes the shapes and
@@ -415,9 +415,9 @@ def choose_implementation(
         materialised = _native_materialised(
             B, N, T, S, bias, per_row, causal, static_offset, window, log_forget
         )
-        # Heads of 64 and more: at T = S >= 1024 "blockwise" is faster than the kernel (one query
-        # row per block then reuses each packed key vector once; docs/attention.md).
-        wide_and_long = H >= 64 and T * S >= AUTO_CHUNKED_MAX_HEAD_LOGITS
+        # Heads of 64 and more from T = S = 1024: with a bias (or mask) to materialise, "blockwise"
+        # is as fast or faster; with nothing materialised the kernel is (docs/attention.md).
+        wide_and_long = H >= 64 and T * S >= AUTO_CHUNKED_MAX_HEAD_LOGITS and materialised > 0
         fits = materialised <= AUTO_BLOCKWISE_MIN_LOGITS and not wide_and_long
         if fits and native.supports(q, k) is None:
             choice = "native"

@@ -388,7 +388,7 @@ inline void KeyGrads(const float* ds, const float* p, int64_t ld, int64_t j0, in
 
 // Query rows per block, at every head dim: each packed key vector is read once for the four rows'
 // FMAs, and the accumulators stay in registers (`ColumnBlock` splits a wide head's row into
-// passes). Heads of 64 and 128 took one row per block before, and ran 1.5-2.6x slower
+// passes). Heads of 64 and 128 took one row per block before, and ran 2.3-2.7x slower
 // (docs/benchmarks.md, "Four query rows per block at every head dim").
 constexpr int kRows = 4;
 
