@@ -8,10 +8,12 @@ Run (from the repository root):
     python benchmarks/native_kernel.py           # training shapes; no bias, a bias, a trained bias
     python benchmarks/native_kernel.py --repeats 50
     python benchmarks/native_kernel.py --shapes h64 h128   # heads of 64 and 128
+    python benchmarks/native_kernel.py --shapes step64 step128   # one query: a decoding step
 
 Shapes [B, T, N, H]: small (16, 256, 4, 32) and tiny (32, 64, 4, 16), the training shapes of
 `benchmarks/train_throughput.py` (the default), and h64 (4, 256, 8, 64) and h128 (2, 256, 8, 128),
-the head dims of published models (`--shapes`); causal, float32, inputs from a fixed seed. The bias
+the head dims of published models, and step64 and step128, one query (8, 1, 8, 64 or 128) over 1024
+keys, a decoding step (`--shapes`); causal, float32, inputs from a fixed seed. The bias
 column: "no"; "yes", a [1, N, T, S] logit bias (ALiBi's slopes times the offsets) with no bias
 gradient, as in an ALiBi layer's step (its slopes are constants); "trained", the same bias with its
 gradient asked for as well, as for a bias that trains (T5's buckets, Kerple, FIRE). Each program
@@ -42,28 +44,37 @@ from posattn.attention import native  # noqa: E402
 SHAPES = {
     "small": (16, 256, 4, 32),
     "tiny": (32, 64, 4, 16),
-    # heads of 64 and 128, as published models have them (one query row per block in the kernel)
+    # heads of 64 and 128, as published models have them
     "h64": (4, 256, 8, 64),
     "h128": (2, 256, 8, 128),
+    # one query over 1024 keys: a decoding step
+    "step64": (8, 1, 8, 64),
+    "step128": (8, 1, 8, 128),
 }
+KEYS = {"step64": 1024, "step128": 1024}  # S where it is not T
 TRAINING_SHAPES = ("small", "tiny")
 BIASES = ("no", "yes", "trained")
 
 
-def _programs(B: int, T: int, N: int, H: int, bias_kind: str):
+def _programs(B: int, T: int, N: int, H: int, bias_kind: str, S: int | None = None):
+    """The programs of one shape: T queries at positions S - T .. S - 1 over S keys (S = T)."""
+    S = T if S is None else S
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
-    q, k, v, g = (jax.random.normal(key, (B, T, N, H)) for key in keys)
+    q, k, v, g = (
+        jax.random.normal(key, (B, length, N, H))
+        for key, length in zip(keys, (T, S, S, T), strict=True)
+    )
     bias = None
     if bias_kind != "no":
         slopes = 2.0 ** (-8.0 * jnp.arange(1, N + 1) / N)
-        offsets = jnp.arange(T)[None, :] - jnp.arange(T)[:, None]
+        offsets = jnp.arange(S)[None, :] - (S - T + jnp.arange(T))[:, None]
         bias = (slopes[:, None, None] * jnp.minimum(offsets, 0))[None]
 
     trained = bias_kind == "trained"
 
     def forward(q, k, v, bias=bias):
         return native.native_attention(
-            q, k, v, bias, scale=H**-0.5, bias_grad=trained, causal_offset=0
+            q, k, v, bias, scale=H**-0.5, bias_grad=trained, causal_offset=S - T
         )
 
     def loss(q, k, v, *bias):
@@ -100,11 +111,12 @@ def main(argv=None) -> None:
     print("|---|---|---|---|---|")
     for name in args.shapes:
         for bias_kind in BIASES:
-            inputs, programs = _programs(*SHAPES[name], bias_kind)
+            inputs, programs = _programs(*SHAPES[name], bias_kind, KEYS.get(name))
             for program, fn in programs.items():
                 best, median, digest = _time(fn, inputs, args.repeats)
+                over = f" over {KEYS[name]} keys" if name in KEYS else ""
                 print(
-                    f"| {name} {SHAPES[name]} | {bias_kind} | {program} | "
+                    f"| {name} {SHAPES[name]}{over} | {bias_kind} | {program} | "
                     f"{best:.2f} / {median:.2f} | `{digest}` |"
                 )
 

@@ -1,8 +1,9 @@
 """The native CPU kernel ("native", posattn.attention.native) equals the reference: forward and
 every gradient (q, k, v, bias parameters, log_forget) over the kernel grid and the window/forget
 grid of the other implementations, plus what is its own: the key ranges of a static causal offset
-(negative offsets, rows that see no key, windows), bias gradients shared by the batch rows or the
-heads, results independent of the thread count, dtypes, vmap, and the build that falls back.
+(negative offsets, rows that see no key, windows), a single query row, bias gradients shared by
+the batch rows or the heads, results independent of the thread count, dtypes, vmap, and the build
+that falls back.
 """
 
 import functools
@@ -84,6 +85,29 @@ def test_static_causal_key_ranges(H, q_offset, window):
         _assert_close(got, want, rtol=1e-5, name=f"H={H} bias={bias is not None} ")
         if q_offset < 0:
             np.testing.assert_array_equal(got[0][:, :-q_offset], 0.0)
+
+
+@pytest.mark.parametrize("H", [16, 64, 128])
+@pytest.mark.parametrize("window", [None, 7])
+def test_a_single_query_gives_the_last_row_of_a_chunk(H, window):
+    """One query row (a decoding step at position S - 1) runs alone, a four-query chunk as one block
+    of four rows: the single query's output is bitwise the chunk's last row, and it and its
+    gradients equal the reference's."""
+    kq, kk, kv, kd = jax.random.split(jax.random.key(H), 4)
+    B, S, N, K = 2, 37, 4, 2
+    q = jax.random.normal(kq, (B, 4, N, H))
+    k, v = (jax.random.normal(x, (B, S, K, H)) for x in (kk, kv))
+    d_out = jax.random.normal(kd, (B, 1, N, H))
+    for bias in (None, (alibi_like, jnp.array([0.5, 0.25, 0.125, 0.0625]))):
+        name = f"H={H} window={window} bias={bias is not None} "
+        kw = dict(causal=True, window=window, bias=bias, implementation="native")
+        chunk = attention(q, k, v, q_offset=S - 4, **kw)
+        alone = attention(q[:, -1:], k, v, q_offset=S - 1, **kw)
+        np.testing.assert_array_equal(alone, chunk[:, -1:], err_msg=name)
+        kw = dict(causal=True, window=window, q_offset=S - 1)
+        want = _value_and_grads("reference", q[:, -1:], k, v, d_out, bias, **kw)
+        got = _value_and_grads("native", q[:, -1:], k, v, d_out, bias, **kw)
+        _assert_close(got, want, rtol=1e-5, name=name)
 
 
 def test_bias_gradient_shared_by_heads():

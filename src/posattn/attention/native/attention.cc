@@ -86,12 +86,13 @@ inline void Opaque(V& x) {
   asm("" : "+x"(x));
 #endif
 }
-// A vector that a block's rows' FMAs all read: loaded once into a register the compiler must keep
-// (GCC otherwise folds the load into every row's FMA, and the loop is bound by loads).
-template <typename V>
+// A vector that R rows' FMAs read: for R > 1 loaded once into a register the compiler must keep
+// (GCC otherwise folds the load into every row's FMA, and the loop is bound by loads); for one row
+// the load folded into its FMA is best.
+template <int R, typename V>
 inline V LoadShared(const float* p) {
   V v = Load<V>(p);
-  Opaque(v);
+  if constexpr (R > 1) Opaque(v);
   return v;
 }
 template <typename V>
@@ -277,7 +278,7 @@ inline void RowDotsBlocks(const float (&a)[R][H], const float* bt, int64_t j, fl
   for (int h = 0; h < H; ++h) {
     vw keys[NC];
     for (int c = 0; c < NC; ++c)
-      keys[c] = LoadShared<vw>(block + (c / NV) * H * kW + h * kW + (c % NV) * kL);
+      keys[c] = LoadShared<R, vw>(block + (c / NV) * H * kW + h * kW + (c % NV) * kL);
     for (int r = 0; r < R; ++r) {
       const vw av = Splat<vw>(a[r][h]);
       for (int c = 0; c < NC; ++c) acc[r][c] += av * keys[c];
@@ -342,7 +343,7 @@ inline void WeightedRows(const float* w, int64_t ld, int64_t j0, int64_t j1, con
       for (int c = 0; c < CB; ++c) acc[r][c] = Splat<V>(0.0f);
     for (int64_t j = j0; j < j1; ++j) {
       V xr[CB];
-      for (int c = 0; c < CB; ++c) xr[c] = LoadShared<V>(x + j * H + (c0 + c) * LV);
+      for (int c = 0; c < CB; ++c) xr[c] = LoadShared<R, V>(x + j * H + (c0 + c) * LV);
       for (int r = 0; r < R; ++r) {
         const V wv = Splat<V>(w[r * ld + j]);
         for (int c = 0; c < CB; ++c) acc[r][c] += wv * xr[c];
@@ -391,6 +392,17 @@ inline void KeyGrads(const float* ds, const float* p, int64_t ld, int64_t j0, in
 // passes). Heads of 64 and 128 took one row per block before, and ran 2.3-2.7x slower
 // (docs/benchmarks.md, "Four query rows per block at every head dim").
 constexpr int kRows = 4;
+
+// Runs block(rows, t0) over the T query rows: blocks of kRows rows (rows a std::integral_constant),
+// then the last T % kRows rows one at a time. No block holds padding rows, whose +0 terms would
+// turn a key gradient's -0 into +0, so the results do not depend on the blocking (a decoding
+// step's single query runs alone, as it would in a longer chunk's last rows).
+template <typename Fn>
+inline void ForEachRowBlock(int64_t T, const Fn& block) {
+  int64_t t0 = 0;
+  for (; t0 + kRows <= T; t0 += kRows) block(std::integral_constant<int, kRows>{}, t0);
+  for (; t0 < T; ++t0) block(std::integral_constant<int, 1>{}, t0);
+}
 
 // A row block: its rows' key ranges and the span [a, e) of keys any of them sees, widened to
 // whole vf vectors [a8, e8) for the products with the keys' rows, and to whole wide vectors
@@ -478,19 +490,19 @@ inline void BiasAndMask(const Block<R>& blk, int r, const float* bias, const Dim
 template <int H, typename Pool>
 void Forward(Pool& pool, const Dims& d, const float* q, const float* k, const float* v,
              const float* bias, float* out, float* m_out, float* inv_l_out) {
-  constexpr int R = kRows;
   const int64_t Sp = RoundUp(std::max<int64_t>(d.S, 1), kW);
   ParallelFor(pool, d.B * d.K, [&](int64_t item) {
     const int64_t b = item / d.K, kh = item % d.K;
     float* kt = Scratch(0, H * Sp);
     float* vr = Scratch(1, Sp * H);
-    float* s = Scratch(2, R * Sp);
+    float* s = Scratch(2, kRows * Sp);
     PackTransposed<H>(d, k, b, kh, Sp, kt);
     PackRows<H>(d, v, b, kh, Sp, vr);
     for (int64_t g = 0; g < d.G; ++g) {
       const int64_t n = kh * d.G + g;
       const float* bs = BiasSlice(d, bias, b, n);
-      for (int64_t t0 = 0; t0 < d.T; t0 += R) {
+      ForEachRowBlock(d.T, [&](auto rows, int64_t t0) {
+        constexpr int R = decltype(rows)::value;
         const Block<R> blk = MakeBlock<R>(d, t0);
         float qa[R][H] = {};
         for (int r = 0; r < blk.rows; ++r) {
@@ -526,7 +538,7 @@ void Forward(Pool& pool, const Dims& d, const float* q, const float* k, const fl
           m_out[(b * d.N + n) * d.T + t] = mrow[r];
           inv_l_out[(b * d.N + n) * d.T + t] = inv_l[r];
         }
-      }
+      });
     }
   });
 }
@@ -536,7 +548,6 @@ void Backward(Pool& pool, const Dims& d, bool bias_grad, const float* q,
               const float* k, const float* v, const float* bias, const float* d_out,
               const float* m_in, const float* inv_l_in, float* dq, float* dk, float* dv,
               float* d_bias) {
-  constexpr int R = kRows;
   const int64_t Sp = RoundUp(std::max<int64_t>(d.S, 1), kW);
   // An item owns (a set of batch rows) x (a set of key/value heads): every (b, kh) when the
   // bias gradient is not shared; all b of a head group when it is shared by the batch rows; all
@@ -554,10 +565,10 @@ void Backward(Pool& pool, const Dims& d, bool bias_grad, const float* q,
     float* kr = Scratch(2, Sp * H);
     float* dk_acc = Scratch(3, Sp * H);
     float* dv_acc = Scratch(4, Sp * H);
-    float* p = Scratch(5, R * Sp);
-    float* ds = Scratch(6, R * Sp);
-    float* dp = Scratch(7, R * Sp);
-    float* slope = d.softcap > 0.0f ? Scratch(8, R * Sp) : nullptr;
+    float* p = Scratch(5, kRows * Sp);
+    float* ds = Scratch(6, kRows * Sp);
+    float* dp = Scratch(7, kRows * Sp);
+    float* slope = d.softcap > 0.0f ? Scratch(8, kRows * Sp) : nullptr;
     for (int64_t b = b_begin; b < b_end; ++b) {
       for (int64_t kh = k_begin; kh < k_end; ++kh) {
         PackTransposed<H>(d, k, b, kh, Sp, kt);
@@ -569,13 +580,14 @@ void Backward(Pool& pool, const Dims& d, bool bias_grad, const float* q,
           const int64_t n = kh * d.G + g;
           const float* bs = BiasSlice(d, bias, b, n);
           float* dbs = bias_grad ? const_cast<float*>(BiasSlice(d, d_bias, b, n)) : nullptr;
-          for (int64_t t0 = 0; t0 < d.T; t0 += R) {
+          ForEachRowBlock(d.T, [&](auto rows, int64_t t0) {
+            constexpr int R = decltype(rows)::value;
             const Block<R> blk = MakeBlock<R>(d, t0);
             if (blk.e <= blk.a) {  // no row of the block sees a key: dq is 0
               for (int r = 0; r < blk.rows; ++r) {
                 std::fill_n(dq + ((b * d.T + t0 + r) * d.N + n) * H, H, 0.0f);
               }
-              continue;
+              return;
             }
             float qs[R][H] = {}, doa[R][H] = {};
             float mrow[R] = {}, il[R] = {};
@@ -632,7 +644,7 @@ void Backward(Pool& pool, const Dims& d, bool bias_grad, const float* q,
             }
             // dk += scale ds^T q (qs holds scale q), dv += p^T dO
             KeyGrads<H, R>(ds, p, Sp, blk.a8, blk.e8, qs, doa, dk_acc, dv_acc);
-          }
+          });
         }
         for (int64_t s = 0; s < d.S; ++s) {
           std::memcpy(dk + ((b * d.S + s) * d.K + kh) * H, dk_acc + s * H, H * sizeof(float));
