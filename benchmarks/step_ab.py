@@ -9,6 +9,7 @@ Run (from the repository root, in a git checkout):
     python benchmarks/step_ab.py --against REV
     python benchmarks/step_ab.py --against HEAD~1 --configs tiny small --families rope alibi
     taskset -c 0 python benchmarks/step_ab.py --against REV --configs tiny   # one core
+    python benchmarks/step_ab.py --xla-flags="--xla_cpu_use_onednn=true"    # an XLA option
 
 REV's tree is exported (`git archive`) to a temporary directory. For each (config, family) two
 worker processes are started, one on REV's `src/` and `benchmarks/train_throughput.py`, one on
@@ -20,6 +21,10 @@ computes at a time. Printed per (config, family): each side's best and median wi
 and quartiles of the pairs' ratios (this checkout / REV; below 1: faster), and whether the two
 training states were bitwise equal after the warm-up and at the end (a change that keeps the
 step's math and its rounding keeps them equal). Times vary between machines and with load.
+
+With --xla-flags FLAGS, this checkout's worker runs with FLAGS added to XLA_FLAGS; without
+--against, the other side is this checkout too, without them: whether an XLA:CPU option makes the
+step faster, and whether it keeps its bits.
 """
 
 from __future__ import annotations
@@ -63,8 +68,12 @@ def worker(benchmarks: str, config: str, family: str, steps: int) -> None:
 
 
 class Worker:
-    def __init__(self, tree: pathlib.Path, config: str, family: str, steps: int):
+    def __init__(
+        self, tree: pathlib.Path, config: str, family: str, steps: int, xla_flags: str = ""
+    ):
         env = dict(os.environ, PYTHONPATH=str(tree / "src"))
+        if xla_flags:
+            env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {xla_flags}".strip()
         command = [sys.executable, __file__, "--worker", str(tree / "benchmarks")]
         command += ["--configs", config, "--families", family, "--steps", str(steps)]
         self.process = subprocess.Popen(
@@ -119,6 +128,9 @@ def main(argv=None) -> None:
         "--steps", type=int, help="steps a window (default: 40 at tiny, 5 otherwise, ~1 s)"
     )
     parser.add_argument("--pairs", type=int, default=24, help="windows of each side")
+    parser.add_argument(
+        "--xla-flags", default="", help="XLA_FLAGS added for this checkout's side only"
+    )
     parser.add_argument("--worker", metavar="BENCHMARKS", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:  # as `python -m posattn.train` and train_throughput.py run (posattn.hostmem)
@@ -126,17 +138,24 @@ def main(argv=None) -> None:
 
         hostmem.reexec_with_malloc_tunables()
         return worker(args.worker, args.configs[0], args.families[0], args.steps or 5)
-    if not args.against:
-        parser.error("--against REV is required")
+    if not args.against and not args.xla_flags:
+        parser.error(
+            "--against REV (or --xla-flags FLAGS, this checkout with and without) is required"
+        )
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from _machine import cpu_name
 
+    ours = f"this checkout with {args.xla_flags}" if args.xla_flags else "this checkout"
     with tempfile.TemporaryDirectory() as scratch:
-        commit = export(args.against, pathlib.Path(scratch))
-        print(f"# {cpu_name()}; this checkout against {commit}; {args.pairs} pairs of windows")
+        if args.against:
+            commit = export(args.against, pathlib.Path(scratch))
+            base = pathlib.Path(scratch) / "tree"
+        else:
+            commit, base = "this checkout", ROOT
+        print(f"# {cpu_name()}; {ours} against {commit}; {args.pairs} pairs of windows")
         print(
             "\n| config | family | steps a window | "
-            f"{commit} ms a step (best / median) | this checkout (best / median) | "
+            f"{commit} ms a step (best / median) | {ours} (best / median) | "
             "ratio of pairs (median, quartiles) | states equal (warm-up, end) |"
         )
         print("|---|---|---|---|---|---|---|")
@@ -144,8 +163,8 @@ def main(argv=None) -> None:
             for family in args.families:
                 steps = args.steps or (40 if config == "tiny" else 5)
                 sides = [
-                    Worker(pathlib.Path(scratch) / "tree", config, family, steps),
-                    Worker(ROOT, config, family, steps),
+                    Worker(base, config, family, steps),
+                    Worker(ROOT, config, family, steps, args.xla_flags),
                 ]
                 times = [[], []]
                 for i in range(args.pairs):

@@ -83,7 +83,10 @@ learned, nope) on configs whose key/value heads equal the query heads, alternati
 the ratio is our tokens/s over its, at the median and at the best round of each. Its model is
 x-transformers' own Decoder of the same width, depth, heads, head dim (d_model / heads, not its
 default 64), ff_mult 4 and length, RoPE on the whole head (LayerNorm, exact GELU, untied logits:
-the library's defaults), AdamW and clipping, torch threads as given.
+the library's defaults), AdamW and clipping, torch threads as given. "its matmuls alone" are our
+step's products ("matmuls alone": the same shapes, forward, dX and dW) in torch, timed in each of
+its rounds: the two GEMM libraries on the same work, so that the step's time outside its products
+can be compared too.
 """
 
 from __future__ import annotations
@@ -283,6 +286,7 @@ class Case:
             return [products(*xs) for xs in operands]
 
         self.matmul_args = (gemms, operands)
+        self.matmul_shapes = (M, shapes)
         self.matmul_flops = sum(3 * 2 * M * i * o for i, o in shapes)
         timed(gemms, operands)
 
@@ -464,6 +468,11 @@ def pieces(rounds: int) -> None:
         print(f"| {name} | {best * 1e3:.2f} |", flush=True)
 
 
+def products_arg(rows: int, shapes) -> str:
+    """The step's dense products for the baseline's --products: "M:IxO,IxO,..."."""
+    return f"{rows}:" + ",".join(f"{i}x{o}" for i, o in shapes)
+
+
 def baseline_round(python: str, case: Case, *, threads: int, steps_per_round: int) -> dict:
     cfg = case.cfg
     cmd = [
@@ -485,6 +494,8 @@ def baseline_round(python: str, case: Case, *, threads: int, steps_per_round: in
         str(steps_per_round),
         "--threads",
         str(threads),
+        "--products",
+        products_arg(*case.matmul_shapes),
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=1800)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -681,9 +692,9 @@ def main(argv=None):
         "\n| config | family | dtype | attention impl | step ms (min / median) | "
         "tokens/s (median) | page faults a step (system time) | attention alone | "
         "matmuls alone | other | "
-        "x-transformers ms (min / median) | ratio (median / best) |"
+        "x-transformers ms (min / median) | its matmuls alone | ratio (median / best) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     records = []
     for case in cases:
         step = [x["step_ms"] for x in case.rounds]
@@ -712,13 +723,18 @@ def main(argv=None):
         if baselines.get((case.name, case.family)):
             theirs = [x["ms_per_step"] for x in baselines[(case.name, case.family)]]
             their_med = statistics.median(theirs)
+            their_mm = statistics.median(
+                x["matmul_ms"] for x in baselines[(case.name, case.family)]
+            )
             row += (
-                f" {min(theirs):.1f} / {their_med:.1f} | {their_med / med:.2f}x / "
-                f"{min(theirs) / min(step):.2f}x |"
+                f" {min(theirs):.1f} / {their_med:.1f} | "
+                f"{their_mm:.1f} ms ({their_mm / their_med:.0%}, "
+                f"{case.matmul_flops / (their_mm * 1e-3) / 1e9:.0f} GFLOP/s) | "
+                f"{their_med / med:.2f}x / {min(theirs) / min(step):.2f}x |"
             )
             record["xtransformers"] = baselines[(case.name, case.family)]
         else:
-            row += " - | - |"
+            row += " - | - | - |"
         print(row)
         records.append(record)
     print()

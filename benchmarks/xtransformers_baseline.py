@@ -4,6 +4,11 @@ Run by train_throughput.py with `--xtransformers PYTHON` (a Python that has torc
 x-transformers; never a dependency of posattn). Prints one JSON line: tokens/s and ms per step of a
 decoder-only LM training step (AdamW, gradient clipping) on random bytes.
 
+With --products M:IxO,IxO,... (train_throughput.py passes the posattn step's dense products), also
+"matmul_ms": those products alone in torch, forward x W, dX = dY W^T and dW = X^T dY of each (X
+[M, I], W [I, O]), best of three calls after one untimed, timed right after the step's window as
+posattn's "matmuls alone" are: the same work in torch's GEMM library.
+
     /path/to/torch/python benchmarks/xtransformers_baseline.py --d_model 128 --layers 4 --heads 4 \
         --seq_len 256 --batch 16 --position rope
 """
@@ -16,6 +21,27 @@ import torch
 from x_transformers import Decoder, TransformerWrapper
 
 
+def products_ms(spec: str) -> float:
+    """Best ms of three calls of every product in `spec` ("M:IxO,IxO,...") in its three forms."""
+    rows, shapes = spec.split(":")
+    m = int(rows)
+    operands = []
+    for shape in shapes.split(","):
+        i, o = (int(n) for n in shape.split("x"))
+        operands.append((torch.randn(m, i), torch.randn(i, o), torch.randn(m, o)))
+
+    def gemms():
+        return [(x @ w, dy @ w.T, x.T @ dy) for x, w, dy in operands]
+
+    gemms()
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        gemms()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--d_model", type=int, default=128)
@@ -26,6 +52,7 @@ def main():
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--position", default="rope", choices=["rope", "alibi", "learned", "nope"])
+    p.add_argument("--products", default="", help="M:IxO,IxO,... products to time alone")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
@@ -70,9 +97,11 @@ def main():
     for _ in range(a.steps):
         step()
     ms = (time.perf_counter() - start) / a.steps * 1e3
+    extra = {"matmul_ms": products_ms(a.products)} if a.products else {}
     print(
         json.dumps(
             {
+                **extra,
                 "ms_per_step": ms,
                 "tokens_per_sec": a.batch * a.seq_len / ms * 1e3,
                 "parameters": sum(p.numel() for p in model.parameters()),

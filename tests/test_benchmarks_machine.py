@@ -1,5 +1,6 @@
-"""benchmarks/_machine.py's cache-line round trip, and how benchmarks/train_throughput.py names
-the rounds it timed slowly."""
+"""benchmarks/_machine.py's cache-line round trip; how benchmarks/train_throughput.py names the
+rounds it timed slowly and hands its products to the x-transformers baseline; step_ab.py's
+arguments."""
 
 import os
 import shutil
@@ -92,3 +93,20 @@ def test_slow_rounds_are_named_with_their_round_trips():
     assert tt.slow_rounds([case], {}, "why")[1] == (
         "# no round over 1.25x the fastest of its series"
     )
+
+
+def test_the_baseline_times_the_steps_own_products():
+    tt = script_module(ROOT / "benchmarks" / "train_throughput.py")
+    spec = tt.products_arg(64, [(8, 16), (16, 8)])
+    assert spec == "64:8x16,16x8"
+    pytest.importorskip("torch")
+    pytest.importorskip("x_transformers")
+    baseline = script_module(ROOT / "benchmarks" / "xtransformers_baseline.py")
+    assert baseline.products_ms(spec) > 0
+
+
+def test_step_ab_needs_a_commit_or_xla_flags(capsys):
+    ab = script_module(ROOT / "benchmarks" / "step_ab.py")
+    with pytest.raises(SystemExit):
+        ab.main([])
+    assert "--against REV (or --xla-flags FLAGS" in capsys.readouterr().err
