@@ -3,7 +3,7 @@ every gradient (q, k, v, bias parameters, log_forget) over the kernel grid and t
 grid of the other implementations, plus what is its own: the key ranges of a static causal offset
 (negative offsets, rows that see no key, windows), a single query row, bias gradients shared by
 the batch rows or the heads, results independent of the thread count, dtypes, vmap, and the build
-that falls back.
+that falls back. And the library's other product, a dense layer's weight gradient x^T dy.
 """
 
 import functools
@@ -204,7 +204,10 @@ _THREADS_SCRIPT = textwrap.dedent(
         out = attention(q, k, v, bias=bias, causal=True, implementation="native")
         return jnp.sum(out * d)
     grads = jax.jit(jax.grad(loss, (0, 1, 2, 3)))(q, k, v, slopes)
-    np.save(sys.argv[1], np.concatenate([np.ravel(g) for g in grads]))
+    from posattn.attention import native
+    x, dy = (jax.random.normal(key, (300, n)) for key, n in zip(keys[:2], (70, 130)))
+    dw = jax.jit(native.weight_gradient)(x, dy)
+    np.save(sys.argv[1], np.concatenate([np.ravel(g) for g in (*grads, dw)]))
     """
 )
 
@@ -215,7 +218,8 @@ _THREADS_SCRIPT = textwrap.dedent(
 )
 def test_results_do_not_depend_on_the_thread_count(tmp_path):
     """The kernel splits its work so that no sum depends on which thread did what: one CPU and
-    all of them give bitwise the same gradients (the bias gradient sums over batch rows)."""
+    all of them give bitwise the same gradients (the bias gradient sums over batch rows), and the
+    same weight gradient."""
     outputs = []
     for name in ("one", "all"):
         path = tmp_path / f"{name}.npy"
@@ -254,6 +258,8 @@ _WIDTH_SCRIPT = textwrap.dedent(
             return jnp.sum(o * d), o
         (_, o), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True))(q, k, v, b)
         out += [np.ravel(x) for x in (o, *grads)]
+    x, dy = (jax.random.normal(jax.random.key(99 + j), (300, n)) for j, n in enumerate((70, 130)))
+    out.append(np.ravel(jax.jit(native.weight_gradient)(x, dy)))
     np.save(sys.argv[1], np.concatenate(out))
     """
 )
@@ -266,7 +272,8 @@ _WIDTH_SCRIPT = textwrap.dedent(
 def test_results_do_not_depend_on_the_vector_width(tmp_path):
     """Built for AVX-512 the kernel runs 16-float vectors, elsewhere 8-float ones, and keeps each
     row's sums in the 8-float order: both builds give bitwise the same outputs and gradients
-    (head dims 8-64, GQA, S not a multiple of 16, a window, a soft cap, a trained bias)."""
+    (head dims 8-64, GQA, S not a multiple of 16, a window, a soft cap, a trained bias), and the
+    weight gradient the same bits."""
     outputs = []
     for name in ("wide", "narrow"):
         path = tmp_path / f"{name}.npy"
@@ -401,3 +408,41 @@ def test_build_in_background_builds_the_cached_library_once_without_loading_it(
     assert built.read_text() == "built\n" and native._build(str(fake)) == built
     monkeypatch.setenv("POSATTN_NATIVE", "0")
     assert native.build_in_background() is None
+
+
+@pytest.mark.parametrize(
+    "m, a, b",
+    [(1, 1, 1), (5, 7, 15), (128, 6, 64), (129, 12, 65), (300, 70, 130), (2048, 64, 256),
+     (4096, 512, 128), (257, 130, 200)],
+)  # fmt: skip
+def test_weight_gradient_is_x_transposed_dy(m, a, b):
+    """native.weight_gradient(x, dy) = x^T dy, within the rounding bound of an m-term float32
+    dot product (summed in chunks of 128 rows, in order), against float64; tile edges (rows not a
+    multiple of 6, columns not of 64, chunks not of 128) included."""
+    x = jax.random.normal(jax.random.key(m), (m, a))
+    dy = jax.random.normal(jax.random.key(a + b), (m, b))
+    got = np.asarray(jax.jit(native.weight_gradient)(x, dy), np.float64)
+    x64, dy64 = np.asarray(x, np.float64), np.asarray(dy, np.float64)
+    bound = 2 * m * np.finfo(np.float32).eps * (np.abs(x64).T @ np.abs(dy64))
+    assert got.shape == (a, b)
+    assert np.all(np.abs(got - x64.T @ dy64) <= bound + 1e-30)
+
+
+def test_weight_gradient_edges_vmap_and_the_dense_layer():
+    """No rows: zeros. Under vmap (a sweep's members): each member's own product, the same bits.
+    A dense layer's float32 weight gradient on this CPU is the library's product, bit for bit
+    (a tall weight's as the wide product transposed)."""
+    np.testing.assert_array_equal(native.weight_gradient(jnp.ones((0, 3)), jnp.ones((0, 5))), 0.0)
+    x = jax.random.normal(jax.random.key(0), (3, 200, 40))
+    dy = jax.random.normal(jax.random.key(1), (3, 200, 72))
+    members = jax.jit(jax.vmap(native.weight_gradient))(x, dy)
+    for i in range(3):
+        np.testing.assert_array_equal(members[i], native.weight_gradient(x[i], dy[i]))
+    from posattn.nn import layers
+
+    w = jax.random.normal(jax.random.key(2), (40, 72))
+    dw = jax.jit(jax.grad(lambda w: jnp.sum(layers.dense(x[0], w) * dy[0])))(w)
+    np.testing.assert_array_equal(dw, native.weight_gradient(x[0], dy[0]))
+    # A tall weight's gradient is computed wide, (dy^T x)^T: the same dot products.
+    dw = jax.jit(jax.grad(lambda w: jnp.sum(layers.dense(dy[0], w) * x[0])))(w.T)
+    np.testing.assert_array_equal(dw, native.weight_gradient(x[0], dy[0]).T)

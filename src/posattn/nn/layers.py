@@ -23,6 +23,7 @@ from flax import nnx
 
 from posattn import attention as attention_lib
 from posattn import families, rotary
+from posattn.attention import native, partition
 from posattn.nn import config as model_config
 from posattn.nn import window as window_lib
 
@@ -111,11 +112,25 @@ def _matmul_fwd(x, w):
     return x @ w, (x, w)
 
 
+def _native_weight_gradient(x: jax.Array, dy: jax.Array) -> bool:
+    """Whether x^T dy runs as the native library's product: float32 operands on one CPU device
+    (a mesh of several devices splits the rows, which an FFI call cannot follow), the library
+    built (`posattn.attention.native.available`)."""
+    if x.dtype != jnp.float32 or dy.dtype != jnp.float32:
+        return False
+    mesh = partition._mesh_of(x)
+    return (mesh is None or mesh.size == 1) and native.available()
+
+
 def _matmul_bwd(residuals, dy):
     x, w = residuals
     dx = dy @ w.T
     if jax.default_backend() != "cpu":  # measured on XLA:CPU only: elsewhere JAX's own product
         return dx, jax.lax.dot_general(x, dy, _TN).astype(w.dtype)
+    if _native_weight_gradient(x, dy):  # wide, as below: (dy^T x)^T for a tall weight
+        tall = w.shape[0] > w.shape[1]
+        dw = native.weight_gradient(dy, x).T if tall else native.weight_gradient(x, dy)
+        return dx, dw.astype(w.dtype)
     if w.shape[0] > w.shape[1]:
         dw = jax.lax.optimization_barrier(jax.lax.dot_general(dy, x, _TN)).T
     else:

@@ -50,6 +50,7 @@ __all__ = [
     "build_in_background",
     "native_attention",
     "supports",
+    "weight_gradient",
     "why_unavailable",
 ]
 
@@ -57,6 +58,7 @@ HEAD_DIMS = (8, 16, 32, 64, 128)
 _SOURCE = pathlib.Path(__file__).with_name("attention.cc")
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=gnu++17", "-shared", "-fPIC")
 _FORWARD, _BACKWARD = "posattn_attention_forward", "posattn_attention_backward"
+_WEIGHT_GRADIENT = "posattn_weight_gradient"
 _log = logging.getLogger(__name__)
 f32 = jnp.float32
 
@@ -150,6 +152,7 @@ def _load() -> str | None:
         for name, symbol in (
             (_FORWARD, library.PosattnAttentionForward),
             (_BACKWARD, library.PosattnAttentionBackward),
+            (_WEIGHT_GRADIENT, library.PosattnWeightGradient),
         ):
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(symbol), platform="cpu")
     except (OSError, RuntimeError, AttributeError) as e:
@@ -371,3 +374,18 @@ def attention_from_bias(
         window=window if ranged else None,
         softcap=softcap,
     )
+
+
+def weight_gradient(x: jax.Array, dy: jax.Array) -> jax.Array:
+    """x[M, A]^T dy[M, B] -> [A, B] in float32 by the library's product (a dense layer's weight
+    gradient: `posattn.nn.layers` uses it on CPU where `available()`). Each element sums its M
+    products in chunks of 128 rows, each chunk's in order, the chunks in order: the same bits
+    for any number of threads. Not differentiable (it is itself a gradient)."""
+    if not available():
+        raise ValueError(f"the native library is unavailable here: {why_unavailable()}")
+    call = jax.ffi.ffi_call(
+        _WEIGHT_GRADIENT,
+        jax.ShapeDtypeStruct((x.shape[1], dy.shape[1]), f32),
+        vmap_method="sequential",
+    )
+    return call(x.astype(f32), dy.astype(f32))

@@ -739,6 +739,124 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
   return ffi::Error::Success();
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// The weight gradient of a dense layer, dW = X^T dY: X [M, A], dY [M, B] -> dW [A, B], the sum
+// over the M rows (posattn/nn/layers.py's `_matmul` on CPU). XLA:CPU runs this product (both
+// operands contracted over their rows) through Eigen. Here the output is cut into tiles of
+// kGradRows rows of A x kGradCols columns of B; an item owns a run of column stripes (or, where
+// there are fewer stripes than threads, a stripe's run of tiles) and, for each chunk of
+// kGradChunk rows, packs its tiles of X once and each stripe of dY contiguously (zero-padded at
+// the edges), so that a tile's accumulators stay in registers over the chunk and its operands in
+// L1. Each output element is a sum of FMAs over one chunk's rows in order, added to the sum of
+// the chunks before it in order: the same bits for any number of threads or vector width.
+constexpr int kGradRows = 6;
+// Four wide vectors a row where there are 32 vector registers (AVX-512: 24 accumulators, 4
+// loads, a broadcast), two where there are 16.
+constexpr int kGradCols = (kL == 16 ? 4 : 2) * kL;
+constexpr int64_t kGradChunk = 128;
+
+template <typename V>
+void GradientTiles(const float* x, const float* dy, float* dw, int64_t M, int64_t A, int64_t B,
+                   int64_t s_lo, int64_t s_hi, int64_t t_lo, int64_t t_hi) {
+  constexpr int C = kGradCols / Lanes<V>();  // accumulators a row
+  float* dy_p = Scratch(0, kGradChunk * kGradCols);
+  float* x_p = Scratch(1, (t_hi - t_lo) * kGradChunk * kGradRows);
+  const int64_t full_tiles = std::min(t_hi, A / kGradRows);
+  for (int64_t k0 = 0; k0 < M; k0 += kGradChunk) {
+    const int64_t kn = std::min(kGradChunk, M - k0);
+    // The chunk's rows of the item's tiles of x, [tile][row][kGradRows], once for all its stripes
+    // (whole tiles by copies of a constant size, the edge zero-padded).
+    for (int64_t k = 0; k < kn; ++k) {
+      const float* xr = x + (k0 + k) * A;
+      for (int64_t t = t_lo; t < t_hi; ++t) {
+        float* xt = x_p + ((t - t_lo) * kGradChunk + k) * kGradRows;
+        const int64_t a0 = t * kGradRows;
+        if (t < full_tiles) {
+          std::memcpy(xt, xr + a0, kGradRows * sizeof(float));
+        } else {
+          std::copy(xr + a0, xr + A, xt);
+          std::fill(xt + (A - a0), xt + kGradRows, 0.0f);
+        }
+      }
+    }
+    for (int64_t s = s_lo; s < s_hi; ++s) {
+      const int64_t b0 = s * kGradCols;
+      const int64_t width = std::min<int64_t>(kGradCols, B - b0);
+      for (int64_t k = 0; k < kn; ++k) {  // the chunk's rows of the stripe of dy, [row][kGradCols]
+        float* row = dy_p + k * kGradCols;
+        const float* dy_row = dy + (k0 + k) * B + b0;
+        if (width == kGradCols) {
+          std::memcpy(row, dy_row, kGradCols * sizeof(float));
+        } else {
+          std::copy(dy_row, dy_row + width, row);
+          std::fill(row + width, row + kGradCols, 0.0f);
+        }
+      }
+      for (int64_t t = t_lo; t < t_hi; ++t) {
+        const float* xt = x_p + (t - t_lo) * kGradChunk * kGradRows;
+        V acc[kGradRows][C];
+        for (int r = 0; r < kGradRows; ++r)
+          for (int c = 0; c < C; ++c) acc[r][c] = V{};
+        for (int64_t k = 0; k < kn; ++k) {
+          V d[C];
+          for (int c = 0; c < C; ++c) d[c] = Load<V>(dy_p + k * kGradCols + c * Lanes<V>());
+          for (int r = 0; r < kGradRows; ++r) {
+            const float a = xt[k * kGradRows + r];
+            for (int c = 0; c < C; ++c) acc[r][c] += a * d[c];
+          }
+        }
+        const int64_t a0 = t * kGradRows, rows = std::min<int64_t>(kGradRows, A - a0);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* out = dw + (a0 + r) * B + b0;
+          if (width == kGradCols) {
+            for (int c = 0; c < C; ++c) {
+              V sum = acc[r][c];
+              if (k0 > 0) sum += Load<V>(out + c * Lanes<V>());
+              Store(out + c * Lanes<V>(), sum);
+            }
+          } else {
+            float tile[kGradCols];
+            for (int c = 0; c < C; ++c) Store(tile + c * Lanes<V>(), acc[r][c]);
+            for (int64_t j = 0; j < width; ++j) out[j] = k0 > 0 ? out[j] + tile[j] : tile[j];
+          }
+        }
+      }
+    }
+  }
+}
+
+ffi::Error WeightGradientImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                              ffi::Buffer<ffi::F32> dy, ffi::ResultBuffer<ffi::F32> dw) {
+  const auto xd = x.dimensions(), yd = dy.dimensions();
+  if (xd.size() != 2 || yd.size() != 2 || xd[0] != yd[0]) {
+    return ffi::Error::InvalidArgument(
+        "posattn weight gradient: x and dy must be [M, A] and [M, B] with the same M");
+  }
+  const int64_t M = xd[0], A = xd[1], B = yd[1];
+  float* out = dw->typed_data();
+  if (M == 0) {
+    std::fill(out, out + A * B, 0.0f);
+    return ffi::Error::Success();
+  }
+  const int64_t stripes = (B + kGradCols - 1) / kGradCols;
+  const int64_t tiles = (A + kGradRows - 1) / kGradRows;
+  // One item a thread: a run of whole stripes (x's tiles packed once a chunk for all of them),
+  // or, where there are fewer stripes than threads, a stripe's run of tiles.
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t groups = std::min(stripes, threads);
+  const int64_t parts = std::min(tiles, std::max<int64_t>(1, threads / groups));
+  const int64_t s_per = (stripes + groups - 1) / groups, t_per = (tiles + parts - 1) / parts;
+  ParallelFor(pool, groups * parts, [&](int64_t item) {
+    const int64_t s_lo = item / parts * s_per, s_hi = std::min(stripes, s_lo + s_per);
+    const int64_t t_lo = item % parts * t_per, t_hi = std::min(tiles, t_lo + t_per);
+    if (s_lo < s_hi && t_lo < t_hi) {
+      GradientTiles<vw>(x.typed_data(), dy.typed_data(), out, M, A, B, s_lo, s_hi, t_lo, t_hi);
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PosattnAttentionForward, ForwardImpl,
@@ -778,4 +896,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PosattnAttentionBackward, BackwardImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // dk
                                   .Ret<ffi::Buffer<ffi::F32>>()  // dv
                                   .Ret<ffi::Buffer<ffi::F32>>()  // d_bias
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PosattnWeightGradient, WeightGradientImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, A]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // dy [M, B]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dw [A, B]
 );
