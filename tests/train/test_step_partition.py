@@ -6,7 +6,9 @@ for one device and for the 8-device meshes `data` = 8 and `data` x `fsdp` = 4 x 
 T5 and FIRE, and compares the per-device FLOPs of `compiled.cost_analysis()` (a compile-time
 check, nothing is timed). The shapes keep every loop of the step at one trip (XLA's cost analysis
 counts a loop body once): the batch is one chunk of the attention kernel and one slice of the
-loss, on one device and on eight.
+loss, on one device and on eight. XLA's cost analysis counts no FFI call, and on one device the
+step would run its weight gradients (and attention) as the native library's: the subprocess
+runs with the library off (POSATTN_NATIVE=0), so that both sides are XLA's own programs.
 """
 
 import json
@@ -18,6 +20,8 @@ FAMILIES = ("rope", "alibi", "t5", "fire")
 D = 8
 
 CODE = r"""
+import os
+os.environ["POSATTN_NATIVE"] = "0"  # XLA's own products on both sides (see the docstring)
 import functools, json
 import jax, jax.numpy as jnp
 from flax import nnx

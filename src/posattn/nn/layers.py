@@ -89,21 +89,24 @@ def _path_chunk(length: int) -> int:
 
 @jax.custom_vjp
 def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x[M, A] @ w[A, B], whose weight gradient x^T dy is computed in the faster orientation.
+    """x[M, A] @ w[A, B], whose weight gradient x^T dy is computed wide, on CPU by the native
+    library's product.
 
     XLA:CPU runs a weight gradient (a product contracting the M rows of both operands) with Eigen,
     which was up to 1.84x as slow when the result has more rows than columns: on a Zen 4 core,
     x^T dy of [4096, 512] x [4096, 128] took 10.3 ms (median) and the same product transposed,
     dy^T x [128, 512], 5.6 ms (docs/benchmarks.md, "The weight gradients' orientation"). So for
-    A > B the backward computes dy^T x and transposes it; an optimization barrier keeps XLA from
-    folding the transpose back into the product (and, where the caller transposes the gradient
-    itself, as the tied output layer's `table.T` does, from folding that one in). Each element is
-    the same dot product, so the gradients are JAX's own (tests/nn/test_layers.py): the same bits
-    on a Zen 4; on an AVX2 core a square product's last columns can round differently, as JAX's
-    own gradient does there between a jitted and an eager program. What the step does with them
-    may round differently: XLA fuses the gradient norm's sums differently
-    around the transposed results, so the norm can differ in its last bit, and a clipped update
-    with it. On other backends the backward is JAX's own.
+    A > B the backward computes dy^T x and transposes it. In float32 on one CPU device, where the
+    native library built, that product is `posattn.attention.native.weight_gradient` (sums in
+    chunks of 128 rows, the same bits for any thread count or vector width; faster than Eigen's
+    at the training shapes: docs/benchmarks.md, "The weight gradients as the library's
+    product"); each element is then the same dot product as JAX's, summed in another order,
+    within its rounding bound (tests/nn/test_layers.py). Otherwise it is XLA's, behind an
+    optimization barrier that keeps XLA from folding the transpose back into the product (and,
+    where the caller transposes the gradient itself, as the tied output layer's `table.T` does,
+    from folding that one in): JAX's own gradients, the same bits on a Zen 4 (on an AVX2 core a
+    square product's last columns can round differently, as JAX's own gradient does there between
+    a jitted and an eager program). On other backends the backward is JAX's own.
     """
     return x @ w
 
