@@ -36,7 +36,9 @@ from jax.sharding import PartitionSpec as P
 BATCH_AXES = ("data", "fsdp")
 
 
-def _mesh_of(q):
+def mesh_of(q):
+    """The mesh q is traced under (the ambient one, else its sharding's; module docstring), or
+    None outside one."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is not None and not mesh.empty:
         return mesh
@@ -47,7 +49,7 @@ def _mesh_of(q):
 
 def batch_axes(q) -> tuple[object, tuple[str, ...]] | None:
     """(mesh, batch axis names) for q's batch dimension, or None when attention runs unsharded."""
-    mesh = _mesh_of(q)
+    mesh = mesh_of(q)
     if mesh is None:
         return None
     types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))

@@ -121,7 +121,7 @@ def _native_weight_gradient(x: jax.Array, dy: jax.Array) -> bool:
     built (`posattn.attention.native.available`)."""
     if x.dtype != jnp.float32 or dy.dtype != jnp.float32:
         return False
-    mesh = partition._mesh_of(x)
+    mesh = partition.mesh_of(x)
     return (mesh is None or mesh.size == 1) and native.available()
 
 

@@ -739,7 +739,6 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
   return ffi::Error::Success();
 }
 
-
 // ---------------------------------------------------------------------------------------------
 // The weight gradient of a dense layer, dW = X^T dY: X [M, A], dY [M, B] -> dW [A, B], the sum
 // over the M rows (posattn/nn/layers.py's `_matmul` on CPU). XLA:CPU runs this product (both
