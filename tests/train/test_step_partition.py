@@ -1,4 +1,5 @@
-"""The whole training step partitions under the mesh: per-device FLOPs about 1/D.
+"""The whole training step partitions under the mesh: per-device FLOPs about 1/D; its weight
+gradients are the native library's on one device and XLA's (partitioned) under a mesh.
 
 One subprocess with 8 simulated CPU devices compiles `posattn.train.steps.train_step` exactly as
 `posattn.train` jits it (state and batch shardings from `posattn.train.sharding`, donated state)
@@ -76,3 +77,50 @@ def ratios():
 def test_train_step_flops_per_device_are_one_eighth(ratios, family, fsdp):
     ratio = ratios[f"{family}/fsdp{fsdp}"]
     assert ratio <= 1.15 / D, f"{family}, fsdp={fsdp}: per-device FLOPs {ratio:.3f} of one device's"
+
+
+WEIGHT_GRADIENTS = r"""
+import functools
+import jax, jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+from posattn import config as config_lib
+from posattn.attention import native
+from posattn.nn.model import TransformerLM
+from posattn.train import sharding, steps
+
+print("AVAILABLE", native.available())
+config = config_lib.load_config(ROOT / "configs" / "tiny.py", [
+    "model.d_model=64", "model.num_layers=1", "data.seq_len=32", "train.batch_size=16"])
+cfg = config_lib.validate(config)
+optim = steps.OptimConfig.from_config(config.train)
+tx = steps.make_optimizer(optim)
+graphdef = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(params=0))))
+abstract = jax.eval_shape(functools.partial(steps.init_train_state, cfg, tx), jax.random.key(0))
+auto = (jax.sharding.AxisType.Auto,) * 2
+for mesh in (jax.make_mesh((1, 1), ("data", "fsdp"), axis_types=auto, devices=jax.devices()[:1]),
+             sharding.make_mesh(1)):
+    state_sh = sharding.state_shardings(mesh, abstract)
+    batch_sh = sharding.batch_sharding(mesh)
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                         abstract, state_sh)
+    tokens = jax.ShapeDtypeStruct((16, 32), jnp.int32, sharding=batch_sh)
+    step = jax.jit(functools.partial(steps.train_step, graphdef, optim),
+                   in_shardings=(state_sh, batch_sh),
+                   out_shardings=(state_sh, NamedSharding(mesh, P())), donate_argnums=0)
+    with jax.set_mesh(mesh):  # as posattn.train compiles its step
+        text = step.lower(state, {"inputs": tokens, "targets": tokens}).compile().as_text()
+    print("DEVICES", mesh.size, text.count("posattn_weight_gradient"))
+"""
+
+
+def test_weight_gradients_are_the_librarys_on_one_device_and_xlas_under_a_mesh():
+    """On one device the step's float32 weight gradients are the native library's product (one
+    layer: q/k/v, output, MLP in and out, the tied table); under an 8-device mesh they are XLA's,
+    which its partitioner splits (an FFI call it would gather)."""
+    code = f"import pathlib\nROOT = pathlib.Path({str(ROOT)!r})\n" + WEIGHT_GRADIENTS
+    lines = run_python(code, devices=D).strip().splitlines()
+    if "AVAILABLE False" in lines:
+        pytest.skip("the native library did not build here")
+    counts = dict(line.split()[1:] for line in lines if line.startswith("DEVICES"))
+    assert counts == {"1": "5", "8": "0"}
