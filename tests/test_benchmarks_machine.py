@@ -110,3 +110,31 @@ def test_step_ab_needs_a_commit_or_xla_flags(capsys):
     with pytest.raises(SystemExit):
         ab.main([])
     assert "--against REV (or --xla-flags FLAGS" in capsys.readouterr().err
+
+
+def test_native_kernel_against_runs_each_kernel_under_its_own_name(tmp_path):
+    """native_kernel.py --against REV: each side's programs call their own FFI targets (the check
+    in `_compare` raises otherwise), and the same library under two names gives the same bits; a
+    commit without the kernel is a clear error."""
+    import ctypes
+
+    from posattn.attention import native
+
+    if not native.available():
+        pytest.skip(f"the native library did not build here: {native.why_unavailable()}")
+    nk = script_module(ROOT / "benchmarks" / "native_kernel.py")
+    library = ctypes.CDLL(str(native._build(native._compiler())))
+    for name, symbol in (
+        (native._FORWARD, library.PosattnAttentionForward),
+        (native._BACKWARD, library.PosattnAttentionBackward),
+    ):
+        nk.jax.ffi.register_ffi_target(f"{name}@copy", nk.jax.ffi.pycapsule(symbol), platform="cpu")
+    results = nk._compare("tiny", "yes", "copy", repeats=2)
+    assert set(results) == {"forward", "forward + backward"}
+    for (best0, median0, sha0), (best1, median1, sha1) in results.values():
+        assert sha0 == sha1 and 0 < best0 <= median0 and 0 < best1 <= median1
+    assert (native._FORWARD, native._BACKWARD) == (
+        "posattn_attention_forward", "posattn_attention_backward"
+    )  # fmt: skip
+    with pytest.raises(SystemExit, match="pass --against a commit that has it"):
+        nk.build_revision("no-such-commit", tmp_path)

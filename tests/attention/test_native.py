@@ -244,7 +244,9 @@ _WIDTH_SCRIPT = textwrap.dedent(
         (16, 64, 64, 0, None, None, False),
         (16, 20, 45, 25, 7, None, True),
         (32, 33, 33, 0, None, 5.0, True),
+        (32, 15, 15, 0, None, None, True),
         (64, 24, 40, None, None, None, True),
+        (128, 13, 29, 16, 9, None, False),
     ]):
         q, k, v, b, d = (
             jax.random.normal(jax.random.key(10 * i + j), shape)
@@ -271,9 +273,11 @@ _WIDTH_SCRIPT = textwrap.dedent(
 )
 def test_results_do_not_depend_on_the_vector_width(tmp_path):
     """Built for AVX-512 the kernel runs 16-float vectors, elsewhere 8-float ones, and keeps each
-    row's sums in the 8-float order: both builds give bitwise the same outputs and gradients
-    (head dims 8-64, GQA, S not a multiple of 16, a window, a soft cap, a trained bias), and the
-    weight gradient the same bits."""
+    row's sums in the 8-float order; for heads of 32 and more it takes blocks of eight query rows
+    there (then four, then one), of four elsewhere (then one). Both builds give bitwise the same
+    outputs and gradients (head dims 8-128, GQA, S not a multiple of 16, T = 13 and 15 where the
+    blockings differ, a window, a soft cap, a trained bias), and the weight gradient the same
+    bits."""
     outputs = []
     for name in ("wide", "narrow"):
         path = tmp_path / f"{name}.npy"

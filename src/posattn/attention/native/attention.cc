@@ -288,12 +288,18 @@ inline void RowDotsBlocks(const float (&a)[R][H], const float* bt, int64_t j, fl
     for (int c = 0; c < NC; ++c) Store(dots + r * ld + j + c * kL, acc[r][c]);
 }
 
-// Blocks of keys per pass of RowDots: enough sums in flight (8 accumulators) to hide the FMA's
-// latency; each dot's sum over h runs in the same order whatever the number.
+// Accumulators a product may keep in registers: 16 of AVX-512's 32 vector registers, 8 of AVX2's
+// 16 (the rest hold the operands). Eight sums in flight hide the FMA's latency; with 16, blocks of
+// eight query rows read each key's vectors for twice the FMAs.
+constexpr int kAccumulators = kL == 16 ? 16 : 8;
+
+// Blocks of keys per pass of RowDots: eight sums in flight, or two blocks for a block of eight
+// rows (16 sums, each row's broadcast read for two FMAs); each dot's sum over h runs in the same
+// order whatever the number.
 template <int R>
 constexpr int BlocksPerPass() {
-  constexpr int sums = R * (kW / kL);
-  return sums >= 8 ? 1 : 8 / sums;
+  constexpr int sums = R * (kW / kL), target = R == 8 ? 16 : 8;
+  return sums >= target ? 1 : target / sums;
 }
 
 // RowDots' passes of NB blocks from key j while whole ones fit below RoundUp(j1, kW), then of
@@ -317,10 +323,10 @@ inline void RowDots(const float (&a)[R][H], const float* bt, int64_t j0, int64_t
 }
 
 // Vectors of a row's C per pass of `WeightedRows` and `AccumulateRows`: R * CB row or accumulator
-// vectors stay in registers (at most 8 of AVX2's 16, the rest for the key's vectors).
+// vectors stay in registers (at most kAccumulators, the rest for the key's vectors).
 template <int C, int R>
 constexpr int ColumnBlock() {
-  return R * C <= 8 ? C : 8 / R;
+  return R * C <= kAccumulators ? C : kAccumulators / R;
 }
 
 // The vector a head's row of H floats is read in: the wide one where it divides H.
@@ -387,21 +393,28 @@ inline void KeyGrads(const float* ds, const float* p, int64_t ld, int64_t j0, in
   AccumulateRows<H, R>(p, ld, j0, j1, dout, dv);
 }
 
-// Query rows per block, at every head dim: each packed key vector is read once for the four rows'
-// FMAs, and the accumulators stay in registers (`ColumnBlock` splits a wide head's row into
-// passes). Heads of 64 and 128 took one row per block before, and ran 2.3-2.7x slower
-// (docs/benchmarks.md, "Four query rows per block at every head dim").
-constexpr int kRows = 4;
+// Query rows per block: each packed key vector is read once for every row's FMAs, and the
+// accumulators stay in registers (`ColumnBlock` splits a wide head's row into passes). Four rows
+// at every head dim (heads of 64 and 128 took one row before, and ran 2.3-2.7x slower); eight
+// for heads of 32 and more where there are 32 vector registers (docs/benchmarks.md, "Eight query
+// rows per block").
+template <int H>
+constexpr int RowsPerBlock() {
+  return kAccumulators == 16 && H >= 32 ? 8 : 4;
+}
 
-// Runs block(rows, t0) over the T query rows: blocks of kRows rows (rows a std::integral_constant),
-// then the last T % kRows rows one at a time. No block holds padding rows, whose +0 terms would
-// turn a key gradient's -0 into +0, so the results do not depend on the blocking (a decoding
-// step's single query runs alone, as it would in a longer chunk's last rows).
-template <typename Fn>
-inline void ForEachRowBlock(int64_t T, const Fn& block) {
-  int64_t t0 = 0;
-  for (; t0 + kRows <= T; t0 += kRows) block(std::integral_constant<int, kRows>{}, t0);
-  for (; t0 < T; ++t0) block(std::integral_constant<int, 1>{}, t0);
+// Runs block(rows, t0) over the T query rows: blocks of R rows (rows a std::integral_constant),
+// then of four where R is eight, then the last rows one at a time. No block holds padding rows,
+// whose +0 terms would turn a key gradient's -0 into +0, so the results do not depend on the
+// blocking (a decoding step's single query runs alone, as it would in a longer chunk's last rows).
+template <int R, typename Fn>
+inline void ForEachRowBlock(int64_t T, const Fn& block, int64_t t0 = 0) {
+  for (; t0 + R <= T; t0 += R) block(std::integral_constant<int, R>{}, t0);
+  if constexpr (R > 4) {
+    ForEachRowBlock<4>(T, block, t0);
+  } else {
+    for (; t0 < T; ++t0) block(std::integral_constant<int, 1>{}, t0);
+  }
 }
 
 // A row block: its rows' key ranges and the span [a, e) of keys any of them sees, widened to
@@ -499,13 +512,13 @@ void Forward(Pool& pool, const Dims& d, const float* q, const float* k, const fl
     const int64_t b = item / d.K, kh = item % d.K;
     float* kt = Scratch(0, H * Sp);
     float* vr = Scratch(1, Sp * H);
-    float* s = Scratch(2, kRows * Sp);
+    float* s = Scratch(2, RowsPerBlock<H>() * Sp);
     PackTransposed<H>(d, k, b, kh, Sp, kt);
     PackRows<H>(d, v, b, kh, Sp, vr);
     for (int64_t g = 0; g < d.G; ++g) {
       const int64_t n = kh * d.G + g;
       const float* bs = BiasSlice(d, bias, b, n);
-      ForEachRowBlock(d.T, [&](auto rows, int64_t t0) {
+      ForEachRowBlock<RowsPerBlock<H>()>(d.T, [&](auto rows, int64_t t0) {
         constexpr int R = decltype(rows)::value;
         const Block<R> blk = MakeBlock<R>(d, t0);
         float qa[R][H] = {};
@@ -569,10 +582,10 @@ void Backward(Pool& pool, const Dims& d, bool bias_grad, const float* q,
     float* kr = Scratch(2, Sp * H);
     float* dk_acc = Scratch(3, Sp * H);
     float* dv_acc = Scratch(4, Sp * H);
-    float* p = Scratch(5, kRows * Sp);
-    float* ds = Scratch(6, kRows * Sp);
-    float* dp = Scratch(7, kRows * Sp);
-    float* slope = d.softcap > 0.0f ? Scratch(8, kRows * Sp) : nullptr;
+    float* p = Scratch(5, RowsPerBlock<H>() * Sp);
+    float* ds = Scratch(6, RowsPerBlock<H>() * Sp);
+    float* dp = Scratch(7, RowsPerBlock<H>() * Sp);
+    float* slope = d.softcap > 0.0f ? Scratch(8, RowsPerBlock<H>() * Sp) : nullptr;
     for (int64_t b = b_begin; b < b_end; ++b) {
       for (int64_t kh = k_begin; kh < k_end; ++kh) {
         PackTransposed<H>(d, k, b, kh, Sp, kt);
@@ -584,7 +597,7 @@ void Backward(Pool& pool, const Dims& d, bool bias_grad, const float* q,
           const int64_t n = kh * d.G + g;
           const float* bs = BiasSlice(d, bias, b, n);
           float* dbs = bias_grad ? const_cast<float*>(BiasSlice(d, d_bias, b, n)) : nullptr;
-          ForEachRowBlock(d.T, [&](auto rows, int64_t t0) {
+          ForEachRowBlock<RowsPerBlock<H>()>(d.T, [&](auto rows, int64_t t0) {
             constexpr int R = decltype(rows)::value;
             const Block<R> blk = MakeBlock<R>(d, t0);
             if (blk.e <= blk.a) {  // no row of the block sees a key: dq is 0
