@@ -350,8 +350,7 @@ def choose_implementation(
     CPU: "native" where its kernel built (`posattn.attention.native.supports`) while the logit
     bias it materialises stays within AUTO_BLOCKWISE_MIN_LOGITS elements (none for a static
     causal mask without a bias; [1, N, T, S] for a position bias; a slice per row with per-row
-    positions, lengths or forget gates), heads of 64 and more with something materialised only
-    below AUTO_CHUNKED_MAX_HEAD_LOGITS (past it "blockwise" was as fast or faster). Otherwise
+    positions, lengths or forget gates), at every head dim it is built for. Otherwise
     "chunked" while one head's logits T * S stay below AUTO_CHUNKED_MAX_HEAD_LOGITS (and, with
     `per_row` positions or lengths, whose bias it materialises for every row, while B * N * T * S
     stays below AUTO_BLOCKWISE_MIN_LOGITS), and "blockwise", the only implementation whose memory
@@ -387,7 +386,7 @@ def choose_implementation(
     shape/dtype struct or None. Pass `implementation=` to `attention` to override.
     """
     backend = _backend() if backend is None else backend
-    B, T, N, H = q.shape
+    B, T, N, _ = q.shape
     S = k.shape[1]
     # A materialised bias has one slice per batch row with per-row positions or lengths, or with
     # forget gates.
@@ -415,11 +414,7 @@ def choose_implementation(
         materialised = _native_materialised(
             B, N, T, S, bias, per_row, causal, static_offset, window, log_forget
         )
-        # Heads of 64 and more from T = S = 1024: with a bias (or mask) to materialise, "blockwise"
-        # is as fast or faster; with nothing materialised the kernel is (docs/attention.md).
-        wide_and_long = H >= 64 and T * S >= AUTO_CHUNKED_MAX_HEAD_LOGITS and materialised > 0
-        fits = materialised <= AUTO_BLOCKWISE_MIN_LOGITS and not wide_and_long
-        if fits and native.supports(q, k) is None:
+        if materialised <= AUTO_BLOCKWISE_MIN_LOGITS and native.supports(q, k) is None:
             choice = "native"
     elif softcap is not None:  # cuDNN takes no cap
         choice = "pallas" if pallas_takes() else choice
