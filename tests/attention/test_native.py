@@ -207,7 +207,8 @@ _THREADS_SCRIPT = textwrap.dedent(
     from posattn.attention import native
     x, dy = (jax.random.normal(key, (300, n)) for key, n in zip(keys[:2], (70, 130)))
     dw = jax.jit(native.weight_gradient)(x, dy)
-    np.save(sys.argv[1], np.concatenate([np.ravel(g) for g in (*grads, dw)]))
+    y = jax.jit(native.product)(jax.random.normal(keys[2], (1000, 70)), dw)
+    np.save(sys.argv[1], np.concatenate([np.ravel(g) for g in (*grads, dw, y)]))
     """
 )
 
@@ -262,6 +263,7 @@ _WIDTH_SCRIPT = textwrap.dedent(
         out += [np.ravel(x) for x in (o, *grads)]
     x, dy = (jax.random.normal(jax.random.key(99 + j), (300, n)) for j, n in enumerate((70, 130)))
     out.append(np.ravel(jax.jit(native.weight_gradient)(x, dy)))
+    out.append(np.ravel(jax.jit(native.product)(x, dy[:70])))
     np.save(sys.argv[1], np.concatenate(out))
     """
 )
@@ -449,3 +451,49 @@ def test_weight_gradient_edges_vmap_and_the_dense_layer():
     # A tall weight's gradient is computed wide, (dy^T x)^T: the same dot products.
     dw = jax.jit(jax.grad(lambda w: jnp.sum(layers.dense(dy[0], w) * x[0])))(w.T)
     np.testing.assert_array_equal(dw, native.weight_gradient(x[0], dy[0]).T)
+
+
+@pytest.mark.parametrize(
+    "m, k, n",
+    [(1, 1, 1), (5, 7, 15), (96, 64, 64), (97, 130, 65), (300, 70, 130), (2048, 64, 256),
+     (4096, 512, 128), (1000, 1024, 200)],
+)  # fmt: skip
+def test_product_is_x_w(m, k, n):
+    """native.product(x, w) = x w, within the rounding bound of a k-term float32 dot product,
+    against float64, for w given [k, n] or transposed [n, k] (the same bits); tile edges (rows not
+    a multiple of 6 or of an item's 96, columns not of 64) included."""
+    x = jax.random.normal(jax.random.key(m), (m, k))
+    w = jax.random.normal(jax.random.key(k + n), (k, n))
+    got = np.asarray(jax.jit(native.product)(x, w))
+    transposed = jax.jit(functools.partial(native.product, transposed=True))(x, w.T)
+    np.testing.assert_array_equal(got, transposed)
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    bound = 2 * k * np.finfo(np.float32).eps * (np.abs(x64) @ np.abs(w64))
+    assert got.shape == (m, n)
+    assert np.all(np.abs(got - x64 @ w64) <= bound + 1e-30)
+
+
+def test_product_edges_vmap_and_the_dense_layer():
+    """No rows, no terms, no columns: the empty or zero product. Under vmap (a sweep's members):
+    each member's own product, the same bits. A dense layer's float32 forward and input gradient
+    at 256 rows or more are the library's product, bit for bit; below, XLA's."""
+    assert native.product(jnp.ones((0, 3)), jnp.ones((3, 5))).shape == (0, 5)
+    np.testing.assert_array_equal(native.product(jnp.ones((4, 0)), jnp.ones((0, 5))), 0.0)
+    assert native.product(jnp.ones((4, 3)), jnp.ones((3, 0))).shape == (4, 0)
+    x = jax.random.normal(jax.random.key(0), (3, 300, 40))
+    w = jax.random.normal(jax.random.key(1), (3, 40, 72))
+    members = jax.jit(jax.vmap(native.product))(x, w)
+    for i in range(3):
+        np.testing.assert_array_equal(members[i], native.product(x[i], w[i]))
+    from posattn.nn import layers
+
+    dy = jax.random.normal(jax.random.key(2), (300, 72))
+    y, pullback = jax.vjp(layers.dense, x[0], w[0])
+    np.testing.assert_array_equal(y, native.product(x[0], w[0]))
+    np.testing.assert_array_equal(pullback(dy)[0], native.product(dy, w[0], transposed=True))
+    text = jax.jit(layers.dense).lower(x[0, :255], w[0]).compile().as_text()
+    assert "posattn_product" not in text  # 255 rows: XLA's product
+    text = jax.jit(layers.dense).lower(x[0, :256], w[0]).compile().as_text()
+    assert "posattn_product" in text
+    with pytest.raises(Exception, match="w \\[K, N\\]"):
+        jax.jit(native.product)(x[0], w[0].T)

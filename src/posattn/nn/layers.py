@@ -89,8 +89,15 @@ def _path_chunk(length: int) -> int:
 
 @jax.custom_vjp
 def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x[M, A] @ w[A, B], whose weight gradient x^T dy is computed wide, on CPU by the native
-    library's product.
+    """x[M, A] @ w[A, B], whose weight gradient x^T dy is computed wide; on CPU the native
+    library's products.
+
+    The product itself and the input gradient dy w^T are, in float32 on one CPU device with at
+    least NATIVE_PRODUCT_MIN_ROWS rows and at most NATIVE_PRODUCT_MAX_DEPTH terms, the library's
+    `posattn.attention.native.product`: each element one FMA a term in order, the same bits for
+    any thread count or vector width, and at the training shapes on the AMX Xeon of
+    docs/benchmarks.md the same bits as XLA's own product, in less time ("The dense products as
+    the library's"). Otherwise they are XLA's.
 
     XLA:CPU runs a weight gradient (a product contracting the M rows of both operands) with Eigen,
     which was up to 1.84x as slow when the result has more rows than columns: on a Zen 4 core,
@@ -108,17 +115,39 @@ def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     square product's last columns can round differently, as JAX's own gradient does there between
     a jitted and an eager program). On other backends the backward is JAX's own.
     """
-    return x @ w
+    return _product(x, w)
+
+
+# The native library's x @ w runs where it was measured to pay (docs/benchmarks.md, "The dense
+# products as the library's"): at least this many rows (it packs w once a call, which fewer rows
+# would not amortise: a decoding step's are XLA's) and at most this many terms a dot product (its
+# tiles read a [K, 64] stripe of w for every 6 rows, kept in the L2 up to here).
+NATIVE_PRODUCT_MIN_ROWS = 256
+NATIVE_PRODUCT_MAX_DEPTH = 1024
+
+
+def _product(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Array:
+    """x @ w (x @ w.T when transposed, w [N, K]): the native library's product on CPU for float32
+    operands on one device at the shapes it was measured at, else XLA's."""
+    rows, depth = x.shape
+    if (
+        jax.default_backend() == "cpu"
+        and rows >= NATIVE_PRODUCT_MIN_ROWS
+        and depth <= NATIVE_PRODUCT_MAX_DEPTH
+        and _native_product(x, w)
+    ):
+        return native.product(x, w, transposed=transposed)
+    return x @ (w.T if transposed else w)
 
 
 def _matmul_fwd(x, w):
-    return x @ w, (x, w)
+    return _product(x, w), (x, w)
 
 
-def _native_weight_gradient(x: jax.Array, dy: jax.Array) -> bool:
-    """Whether x^T dy runs as the native library's product: float32 operands on one CPU device
-    (a mesh of several devices splits the rows, which an FFI call cannot follow), the library
-    built (`posattn.attention.native.available`)."""
+def _native_product(x: jax.Array, dy: jax.Array) -> bool:
+    """Whether a product of x and dy may run as the native library's: float32 operands on one
+    CPU device (a mesh of several devices splits the rows, which an FFI call cannot follow), the
+    library built (`posattn.attention.native.available`)."""
     if x.dtype != jnp.float32 or dy.dtype != jnp.float32:
         return False
     mesh = partition.mesh_of(x)
@@ -127,12 +156,12 @@ def _native_weight_gradient(x: jax.Array, dy: jax.Array) -> bool:
 
 def _matmul_bwd(residuals, dy):
     x, w = residuals
-    dx = dy @ w.T
+    dx = _product(dy, w, transposed=True)
     if jax.default_backend() != "cpu":  # measured on XLA:CPU only: elsewhere JAX's own product
         return dx, jax.lax.dot_general(x, dy, _TN).astype(w.dtype)
     tall = w.shape[0] > w.shape[1]
     a, b = (dy, x) if tall else (x, dy)  # the product whose result is wide: a^T b
-    if _native_weight_gradient(x, dy):
+    if _native_product(x, dy):
         dw = native.weight_gradient(a, b)
     else:
         dw = jax.lax.optimization_barrier(jax.lax.dot_general(a, b, _TN))

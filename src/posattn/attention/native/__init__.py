@@ -49,6 +49,7 @@ __all__ = [
     "available",
     "build_in_background",
     "native_attention",
+    "product",
     "supports",
     "weight_gradient",
     "why_unavailable",
@@ -59,6 +60,7 @@ _SOURCE = pathlib.Path(__file__).with_name("attention.cc")
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=gnu++17", "-shared", "-fPIC")
 _FORWARD, _BACKWARD = "posattn_attention_forward", "posattn_attention_backward"
 _WEIGHT_GRADIENT = "posattn_weight_gradient"
+_PRODUCT = "posattn_product"
 _log = logging.getLogger(__name__)
 f32 = jnp.float32
 
@@ -153,6 +155,7 @@ def _load() -> str | None:
             (_FORWARD, library.PosattnAttentionForward),
             (_BACKWARD, library.PosattnAttentionBackward),
             (_WEIGHT_GRADIENT, library.PosattnWeightGradient),
+            (_PRODUCT, library.PosattnProduct),
         ):
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(symbol), platform="cpu")
     except (OSError, RuntimeError, AttributeError) as e:
@@ -389,3 +392,18 @@ def weight_gradient(x: jax.Array, dy: jax.Array) -> jax.Array:
         vmap_method="sequential",
     )
     return call(x.astype(f32), dy.astype(f32))
+
+
+def product(x: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.Array:
+    """x[M, K] @ w[K, N] (transposed: x @ w^T for w [N, K]) in float32 by the library's product
+    (a dense layer's forward and its input gradient: `posattn.nn.layers` uses it on CPU where
+    `available()`). Each element sums its K products in blocks of 256, each block's in order, the
+    blocks in order: the same bits for any number of threads. Not differentiable (`dense` gives
+    it its gradient)."""
+    if not available():
+        raise ValueError(f"the native library is unavailable here: {why_unavailable()}")
+    n = w.shape[0] if transposed else w.shape[1]
+    call = jax.ffi.ffi_call(
+        _PRODUCT, jax.ShapeDtypeStruct((x.shape[0], n), f32), vmap_method="sequential"
+    )
+    return call(x.astype(f32), w.astype(f32), transposed=np.int64(transposed))

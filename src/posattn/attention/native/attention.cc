@@ -869,6 +869,88 @@ ffi::Error WeightGradientImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------------------------
+// A dense layer's product y = x w (or x w^T): x [M, K], w [K, N] (transposed: [N, K]) -> y [M, N]
+// (posattn/nn/layers.py's `_matmul` on CPU: its forward, and dx = dy w^T). w is packed once a
+// call into stripes of kGradCols columns, [stripe][K][kGradCols] (zero-padded past N); an item
+// owns kProductRows rows of y and runs them in tiles of kGradRows rows x one stripe, whose
+// accumulators stay in registers over all K terms. Each element is one FMA a term in order from
+// 0: the same bits for any number of threads or vector width (and, at the training shapes on
+// the AMX Xeon of docs/benchmarks.md, the same bits as XLA:CPU's own product).
+constexpr int64_t kProductRows = 96;
+
+template <int R, typename V>
+inline void ProductTile(const float* x, int64_t K, int64_t m0, const float* stripe, float* y,
+                        int64_t N, int64_t n0) {
+  constexpr int C = kGradCols / Lanes<V>();
+  V acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = V{};
+  const float* xr = x + m0 * K;
+  for (int64_t k = 0; k < K; ++k) {
+    V w[C];
+    for (int c = 0; c < C; ++c) w[c] = Load<V>(stripe + k * kGradCols + c * Lanes<V>());
+    for (int r = 0; r < R; ++r) {
+      const V a = Splat<V>(xr[r * K + k]);
+      for (int c = 0; c < C; ++c) acc[r][c] += a * w[c];
+    }
+  }
+  const int64_t width = std::min<int64_t>(kGradCols, N - n0);
+  for (int r = 0; r < R; ++r) {
+    float* out = y + (m0 + r) * N + n0;
+    if (width == kGradCols) {
+      for (int c = 0; c < C; ++c) Store(out + c * Lanes<V>(), acc[r][c]);
+    } else {
+      float tile[kGradCols];
+      for (int c = 0; c < C; ++c) Store(tile + c * Lanes<V>(), acc[r][c]);
+      std::copy(tile, tile + width, out);
+    }
+  }
+}
+
+ffi::Error ProductImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                       int64_t transposed, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  const int64_t M = xd.size() == 2 ? xd[0] : -1, K = xd.size() == 2 ? xd[1] : -1;
+  const int64_t wk = wd.size() == 2 ? wd[transposed ? 1 : 0] : -2;
+  if (M < 0 || wk != K) {
+    return ffi::Error::InvalidArgument(
+        "posattn product: x must be [M, K] and w [K, N] (transposed: [N, K])");
+  }
+  const int64_t N = wd[transposed ? 0 : 1];
+  float* out = y->typed_data();
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  if (K == 0) {
+    std::fill(out, out + M * N, 0.0f);
+    return ffi::Error::Success();
+  }
+  const int64_t stripes = (N + kGradCols - 1) / kGradCols;
+  float* packed = Scratch(0, stripes * K * kGradCols);  // the caller's, read by every item
+  const float* wv = w.typed_data();
+  for (int64_t s = 0; s < stripes; ++s) {
+    for (int64_t k = 0; k < K; ++k) {
+      float* row = packed + (s * K + k) * kGradCols;
+      for (int64_t j = 0; j < kGradCols; ++j) {
+        const int64_t n = s * kGradCols + j;
+        row[j] = n >= N ? 0.0f : transposed ? wv[n * K + k] : wv[k * N + n];
+      }
+    }
+  }
+  const float* xv = x.typed_data();
+  ParallelFor(pool, (M + kProductRows - 1) / kProductRows, [&](int64_t item) {
+    const int64_t m_lo = item * kProductRows, m_hi = std::min(M, m_lo + kProductRows);
+    for (int64_t s = 0; s < stripes; ++s) {
+      const float* stripe = packed + s * K * kGradCols;
+      int64_t m0 = m_lo;
+      for (; m0 + kGradRows <= m_hi; m0 += kGradRows) {
+        ProductTile<kGradRows, vw>(xv, K, m0, stripe, out, N, s * kGradCols);
+      }
+      for (; m0 < m_hi; ++m0) ProductTile<1, vw>(xv, K, m0, stripe, out, N, s * kGradCols);
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PosattnAttentionForward, ForwardImpl,
@@ -916,4 +998,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PosattnWeightGradient, WeightGradientImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, A]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // dy [M, B]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // dw [A, B]
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PosattnProduct, ProductImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [K, N] (transposed: [N, K])
+                                  .Attr<int64_t>("transposed")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
 );
