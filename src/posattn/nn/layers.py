@@ -92,12 +92,12 @@ def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """x[M, A] @ w[A, B], whose weight gradient x^T dy is computed wide; on CPU the native
     library's products.
 
-    The product itself and the input gradient dy w^T are, in float32 on one CPU device with at
-    least NATIVE_PRODUCT_MIN_ROWS rows and at most NATIVE_PRODUCT_MAX_DEPTH terms, the library's
-    `posattn.attention.native.product`: each element one FMA a term in order, the same bits for
-    any thread count or vector width, and at the training shapes on the AMX Xeon of
-    docs/benchmarks.md the same bits as XLA's own product, in less time ("The dense products as
-    the library's"). Otherwise they are XLA's.
+    The product itself and the input gradient dy w^T are, in float32 on one CPU device with
+    AVX-512, at least NATIVE_PRODUCT_MIN_ROWS rows and at most NATIVE_PRODUCT_MAX_DEPTH terms,
+    the library's `posattn.attention.native.product`: each element one FMA a term in order, the
+    same bits for any thread count or vector width, and at the training shapes on the AMX Xeon
+    of docs/benchmarks.md the same bits as XLA's own product, in less time ("The dense products
+    as the library's"). Otherwise they are XLA's.
 
     XLA:CPU runs a weight gradient (a product contracting the M rows of both operands) with Eigen,
     which was up to 1.84x as slow when the result has more rows than columns: on a Zen 4 core,
@@ -119,9 +119,11 @@ def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 # The native library's x @ w runs where it was measured to pay (docs/benchmarks.md, "The dense
-# products as the library's"): at least this many rows (it packs w once a call, which fewer rows
-# would not amortise: a decoding step's are XLA's) and at most this many terms a dot product (its
-# tiles read a [K, 64] stripe of w for every 6 rows, kept in the L2 up to here).
+# products as the library's"): on a CPU with AVX-512 (`native.wide_vectors`; not measured with
+# AVX2's 8-float vectors, where XLA's product stays), with at least this many rows (it packs w once
+# a call, which fewer rows would not amortise: a decoding step's are XLA's) and at most this many
+# terms a dot product (its tiles read a [K, 64] stripe of w for every 6 rows, kept in the L2 up to
+# here).
 NATIVE_PRODUCT_MIN_ROWS = 256
 NATIVE_PRODUCT_MAX_DEPTH = 1024
 
@@ -135,6 +137,7 @@ def _product(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Array:
         and rows >= NATIVE_PRODUCT_MIN_ROWS
         and depth <= NATIVE_PRODUCT_MAX_DEPTH
         and _native_product(x, w)
+        and native.wide_vectors()
     ):
         return native.product(x, w, transposed=transposed)
     return x @ (w.T if transposed else w)

@@ -53,6 +53,7 @@ __all__ = [
     "supports",
     "weight_gradient",
     "why_unavailable",
+    "wide_vectors",
 ]
 
 HEAD_DIMS = (8, 16, 32, 64, 128)
@@ -182,6 +183,12 @@ def build_in_background() -> threading.Thread | None:
     thread = threading.Thread(target=build, name="posattn-native-build", daemon=True)
     thread.start()
     return thread
+
+
+def wide_vectors() -> bool:
+    """Whether the library runs 16-float vectors here: built for this CPU (`-march=native`), it
+    does where the CPU has AVX-512."""
+    return "avx512f" in _cpu_flags().split()
 
 
 def why_unavailable() -> str | None:
@@ -397,9 +404,8 @@ def weight_gradient(x: jax.Array, dy: jax.Array) -> jax.Array:
 def product(x: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.Array:
     """x[M, K] @ w[K, N] (transposed: x @ w^T for w [N, K]) in float32 by the library's product
     (a dense layer's forward and its input gradient: `posattn.nn.layers` uses it on CPU where
-    `available()`). Each element sums its K products in blocks of 256, each block's in order, the
-    blocks in order: the same bits for any number of threads. Not differentiable (`dense` gives
-    it its gradient)."""
+    `available()`). Each element is one FMA a term, in order from 0: the same bits for any number
+    of threads or vector width. Not differentiable (`dense` gives it its gradient)."""
     if not available():
         raise ValueError(f"the native library is unavailable here: {why_unavailable()}")
     n = w.shape[0] if transposed else w.shape[1]
