@@ -99,16 +99,20 @@ def _programs(B: int, T: int, N: int, H: int, bias_kind: str, S: int | None = No
     return (q, k, v), {"forward": jax.jit(forward), "forward + backward": jax.jit(grads)}
 
 
+def _digest(out) -> str:
+    """The first 12 hex digits of the sha256 of the outputs' bytes."""
+    leaves = jax.tree_util.tree_leaves(out)
+    return hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in leaves)).hexdigest()[:12]
+
+
 def _time(fn, args, repeats: int) -> tuple[float, float, str]:
-    out = jax.block_until_ready(fn(*args))
+    digest = _digest(jax.block_until_ready(fn(*args)))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
-    leaves = jax.tree_util.tree_leaves(out)
-    digest = hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in leaves)).hexdigest()
-    return min(times) * 1e3, float(np.median(times)) * 1e3, digest[:12]
+    return min(times) * 1e3, float(np.median(times)) * 1e3, digest
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -171,17 +175,15 @@ def _compare(shape: str, bias_kind: str, rev: str, repeats: int) -> dict:
     results = {}
     for program in sides[0]:
         compiled = [side[program] for side in sides]
-        times, digests = [[], []], []
-        for c in compiled:
-            leaves = jax.tree_util.tree_leaves(jax.block_until_ready(c(*inputs)))
-            digests.append(hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in leaves)))
+        times = [[], []]
+        digests = [_digest(jax.block_until_ready(c(*inputs))) for c in compiled]
         for i in range(repeats):
             for side in (0, 1) if i % 2 == 0 else (1, 0):
                 start = time.perf_counter()
                 jax.block_until_ready(compiled[side](*inputs))
                 times[side].append(time.perf_counter() - start)
         results[program] = [
-            (min(t) * 1e3, float(np.median(t)) * 1e3, d.hexdigest()[:12])
+            (min(t) * 1e3, float(np.median(t)) * 1e3, d)
             for t, d in zip(times, digests, strict=True)
         ]
     return results

@@ -147,13 +147,13 @@ def _matmul_fwd(x, w):
     return _product(x, w), (x, w)
 
 
-def _native_product(x: jax.Array, dy: jax.Array) -> bool:
-    """Whether a product of x and dy may run as the native library's: float32 operands on one
+def _native_product(a: jax.Array, b: jax.Array) -> bool:
+    """Whether a product of a and b may run as the native library's: float32 operands on one
     CPU device (a mesh of several devices splits the rows, which an FFI call cannot follow), the
     library built (`posattn.attention.native.available`)."""
-    if x.dtype != jnp.float32 or dy.dtype != jnp.float32:
+    if a.dtype != jnp.float32 or b.dtype != jnp.float32:
         return False
-    mesh = partition.mesh_of(x)
+    mesh = partition.mesh_of(a)
     return (mesh is None or mesh.size == 1) and native.available()
 
 

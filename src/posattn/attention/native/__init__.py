@@ -185,9 +185,10 @@ def build_in_background() -> threading.Thread | None:
     return thread
 
 
+@functools.cache
 def wide_vectors() -> bool:
     """Whether the library runs 16-float vectors here: built for this CPU (`-march=native`), it
-    does where the CPU has AVX-512."""
+    does where the CPU has AVX-512 (read once a process: `dense` asks at every trace)."""
     return "avx512f" in _cpu_flags().split()
 
 
