@@ -23,6 +23,9 @@ Printed per (config, family): the step's wall time in the trace, the ops per ste
     transposes, others;
   * by phase: forward, backward, update;
   * the --top longest ops, with their shape and source operation.
+The process runs with posattn's malloc tunables, as `python -m posattn.train` and
+train_throughput.py do (`posattn.hostmem`): without them every step maps its scratch afresh and
+the ops that first write it (the forward's) take the page faults, up to twice their time.
 Durations are the trace's own (the profiler adds a little per op); shares are of the summed op
 time, which excludes the gaps between ops (dispatch). XLA's own `dot` thunks (the weight
 gradients of a step) appear to run asynchronously on the thread pool: their events (0.1-0.4 ms at
@@ -40,7 +43,12 @@ import re
 import sys
 import tempfile
 
-import jax
+from posattn import hostmem
+
+if __name__ == "__main__":
+    hostmem.reexec_with_malloc_tunables()  # the step as train_throughput.py and training run it
+
+import jax  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import train_throughput  # noqa: E402  (the benchmark's Case: the same step, the same batches)
