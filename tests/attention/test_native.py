@@ -28,7 +28,6 @@ from attention_cases import (
     alibi_like,
     window_case,
 )
-from conftest import XLA_DEFAULT_LEVEL
 
 from posattn.attention import attention, native
 
@@ -500,37 +499,3 @@ def test_product_edges_vmap_and_the_dense_layer():
         np.testing.assert_array_equal(pullback(dy)[0], native.product(dy, w[0], transposed=True))
     with pytest.raises(Exception, match="w \\[K, N\\]"):
         jax.jit(native.product)(x[0], w[0].T)
-
-
-@pytest.mark.parametrize("m, n", [(300, 64), (97, 70), (13, 5)])
-def test_product_gelu_is_xlas_gelu_of_the_product(m, n):
-    """native.product_gelu(x, w) = (jax.nn.gelu(x w, approximate=True), x w), and
-    native.product_gelu_grad(dz, w, y) = the jitted GELU's transpose at y applied to dz w^T, bit
-    for bit against XLA:CPU's compiled GELU (tanh as XLA's own approximation, its FMAs where XLA
-    has them). y = x I holds x's values: magnitudes from 1e-7 to 1e3, zeros, the approximation's
-    edges (an input below 4e-4 its own tanh, clamped past 7.9988, +-1 from 20), infinities (and
-    the NaNs they give the rest of their rows); tile edges (rows not a multiple of 6, a last stripe
-    of fewer than 64 columns). Under vmap, each member's own."""
-    rng = np.random.default_rng(m + n)
-    edges = [0.0, -0.0, 1e-30, 3.9e-4, 4e-4, -4.1e-4, 7.99, 8.0, 9.0, 19.9, 20.0, -20.0, 1e20]
-    values = rng.standard_normal(m * n) * 10.0 ** rng.uniform(-7, 3, m * n)
-    values[: len(edges)] = edges[: m * n]
-    values[len(edges)] = np.inf
-    x = jnp.asarray(values.reshape(m, n), jnp.float32)
-    eye = jnp.eye(n, dtype=jnp.float32)
-    h, y = jax.jit(native.product_gelu)(x, eye)
-    np.testing.assert_array_equal(y, jax.jit(native.product)(x, eye))
-    gelu = functools.partial(jax.nn.gelu, approximate=True)
-    optimised = functools.partial(jax.jit, compiler_options=XLA_DEFAULT_LEVEL)  # as users run it
-    np.testing.assert_array_equal(h, optimised(gelu)(y))
-    dz = jax.random.normal(jax.random.key(m), (m, 24))
-    w = jax.random.normal(jax.random.key(n), (n, 24))
-    dy = jax.jit(native.product_gelu_grad)(dz, w, y)
-    dh = jax.jit(functools.partial(native.product, transposed=True))(dz, w)
-    np.testing.assert_array_equal(dy, optimised(lambda y, dh: jax.vjp(gelu, y)[1](dh)[0])(y, dh))
-    members = jax.jit(jax.vmap(native.product_gelu_grad))(
-        jnp.stack([dz, 2 * dz]), jnp.stack([w, w]), jnp.stack([y, y])
-    )
-    np.testing.assert_array_equal(members[0], dy)
-    with pytest.raises(ValueError, match="y must have the product's shape"):
-        jax.jit(native.product_gelu_grad)(dz, w, y[:, :-1])

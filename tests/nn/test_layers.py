@@ -1,13 +1,11 @@
 """Layers: the 2-D dense product, RMSNorm, shared modules handed to a layer of a scanned stack,
 parameter dtypes, cache row writes and token positions."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ROOT, XLA_DEFAULT_LEVEL
+from conftest import ROOT
 from flax import nnx
 
 from posattn import config as config_lib
@@ -96,39 +94,6 @@ def test_dense_backward_elsewhere_than_cpu_is_jax_own(monkeypatch):
     want = jax.grad(lambda x, w: jnp.sum((x @ w) * g), (0, 1))(x, w)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_array_equal(a, b)
-
-
-@pytest.mark.parametrize("rows", [255, 256])
-def test_a_gelu_mlp_on_cpu_is_its_products_and_xlas_gelu(rows):
-    """A tanh-GELU MLP's output and gradients are the same bits whether the activation runs inside
-    the native products (float32 on CPU with AVX-512, 256 rows or more: `_gelu_mlp`) or as
-    `jax.nn.gelu` between `dense`'s products; the fused path is taken exactly there."""
-    mlp = layers.Mlp(
-        24, 72, num_layers=2, init_scale=1.0, dtype=jnp.float32, rngs=nnx.Rngs(0),
-        arch=layers.Arch(activation="gelu_tanh"),
-    )  # fmt: skip
-    x = jax.random.normal(jax.random.key(1), (rows, 24))
-    dz = jax.random.normal(jax.random.key(2), (rows, 24))
-
-    def composed(x, w1, w2):
-        return layers.dense(jax.nn.gelu(layers.dense(x, w1), approximate=True), w2)
-
-    def module(x, w1, w2):
-        clone = nnx.clone(mlp)
-        clone.w1[...], clone.w2[...] = w1, w2
-        return clone(x)
-
-    w = (mlp.w1[...], mlp.w2[...])
-    jit = functools.partial(jax.jit, compiler_options=XLA_DEFAULT_LEVEL)  # as users run XLA's GELU
-    pullback = jit(lambda *a: jax.vjp(module, *a)[1](dz))
-    want = jit(lambda *a: jax.vjp(composed, *a)[1](dz))(x, *w)
-    for g, e in zip(pullback(x, *w), want, strict=True):
-        np.testing.assert_array_equal(g, e)
-    np.testing.assert_array_equal(jit(module)(x, *w), jit(composed)(x, *w))
-    text = pullback.lower(x, *w).compile().as_text()
-    fused = rows >= 256 and native.available() and native.wide_vectors()
-    assert ("posattn_product_gelu" in text) == fused
-    assert ("posattn_product_gelu_grad" in text) == fused
 
 
 @pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.bfloat16])

@@ -159,67 +159,19 @@ def _native_product(a: jax.Array, b: jax.Array) -> bool:
 
 def _matmul_bwd(residuals, dy):
     x, w = residuals
-    return _product(dy, w, transposed=True), _weight_gradient(x, w, dy)
-
-
-def _weight_gradient(x: jax.Array, w: jax.Array, dy: jax.Array) -> jax.Array:
-    """x^T dy, the gradient of w in x @ w, as `_matmul` computes it (its docstring)."""
+    dx = _product(dy, w, transposed=True)
     if jax.default_backend() != "cpu":  # measured on XLA:CPU only: elsewhere JAX's own product
-        return jax.lax.dot_general(x, dy, _TN).astype(w.dtype)
+        return dx, jax.lax.dot_general(x, dy, _TN).astype(w.dtype)
     tall = w.shape[0] > w.shape[1]
     a, b = (dy, x) if tall else (x, dy)  # the product whose result is wide: a^T b
     if _native_product(x, dy):
         dw = native.weight_gradient(a, b)
     else:
         dw = jax.lax.optimization_barrier(jax.lax.dot_general(a, b, _TN))
-    return (dw.T if tall else dw).astype(w.dtype)
+    return dx, (dw.T if tall else dw).astype(w.dtype)
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
-
-
-def _fused_gelu_mlp(x: jax.Array, w1: jax.Array, w2: jax.Array) -> bool:
-    """Whether gelu(x @ w1) @ w2 may run as `_gelu_mlp`: every product of it and of its gradient
-    the native library's (`_product`'s conditions, at both depths)."""
-    return (
-        jax.default_backend() == "cpu"
-        and x.shape[0] >= NATIVE_PRODUCT_MIN_ROWS
-        and max(w1.shape) <= NATIVE_PRODUCT_MAX_DEPTH
-        and _native_product(x, w1)
-        and w2.dtype == jnp.float32
-        and native.wide_vectors()
-    )
-
-
-@jax.custom_vjp
-def _gelu_mlp(x: jax.Array, w1: jax.Array, w2: jax.Array) -> jax.Array:
-    """gelu(x[M, D] @ w1[D, F]) @ w2[F, D], the GELU tanh-approximated, with the activation
-    computed inside the native library's products: the first product stores y = x w1 and
-    h = gelu(y) from its tiles as they leave the registers (`native.product_gelu`), and the
-    backward's dh = dz w2^T becomes dy = dh gelu'(y) the same way (`native.product_gelu_grad`),
-    so no pass of XLA's reads or writes y, tanh(.) or dh in between. Every value is the same bits
-    as `dense`'s products with `jax.nn.gelu(., approximate=True)` between them, XLA:CPU's
-    compiled GELU included (tests/nn/test_layers.py), in less time (docs/benchmarks.md, "The
-    GELU inside the products")."""
-    return _product(native.product_gelu(x, w1)[0], w2)
-
-
-def _gelu_mlp_fwd(x, w1, w2):
-    h, y = native.product_gelu(x, w1)
-    return _product(h, w2), (x, w1, w2, y, h)
-
-
-def _gelu_mlp_bwd(residuals, dz):
-    x, w1, w2, y, h = residuals
-    dy = native.product_gelu_grad(dz, w2, y)
-    return (
-        _product(dy, w1, transposed=True),
-        _weight_gradient(x, w1, dy),
-        _weight_gradient(h, w2, dz),
-    )
-
-
-_gelu_mlp.defvjp(_gelu_mlp_fwd, _gelu_mlp_bwd)
 
 
 def compute_dtype(name: str):
@@ -984,19 +936,10 @@ class Mlp(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype
-        w1, w2 = self.w1[...].astype(dt), self.w2[...].astype(dt)
-        rows = x.reshape(-1, x.shape[-1])
-        if (
-            self.activation == "gelu_tanh"
-            and not hasattr(self, "w3")
-            and not hasattr(self, "b1")
-            and _fused_gelu_mlp(rows, w1, w2)
-        ):  # the activation inside the native products: the same values (`_gelu_mlp`)
-            return _bias(_gelu_mlp(rows, w1, w2).reshape(x.shape), self, "b2", dt)
-        h = ACTIVATIONS[self.activation](_bias(dense(x, w1), self, "b1", dt))
+        h = ACTIVATIONS[self.activation](_bias(dense(x, self.w1[...].astype(dt)), self, "b1", dt))
         if hasattr(self, "w3"):
             h = h * _bias(dense(x, self.w3[...].astype(dt)), self, "b3", dt)  # (B, T, F)
-        return _bias(dense(h, w2), self, "b2", dt)  # (B, T, D)
+        return _bias(dense(h, self.w2[...].astype(dt)), self, "b2", dt)  # (B, T, D)
 
 
 class Block(nnx.Module):

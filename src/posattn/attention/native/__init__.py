@@ -50,8 +50,6 @@ __all__ = [
     "build_in_background",
     "native_attention",
     "product",
-    "product_gelu",
-    "product_gelu_grad",
     "supports",
     "weight_gradient",
     "why_unavailable",
@@ -64,7 +62,6 @@ _FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=gnu++17", "-shared
 _FORWARD, _BACKWARD = "posattn_attention_forward", "posattn_attention_backward"
 _WEIGHT_GRADIENT = "posattn_weight_gradient"
 _PRODUCT = "posattn_product"
-_PRODUCT_GELU, _PRODUCT_GELU_GRAD = "posattn_product_gelu", "posattn_product_gelu_grad"
 _log = logging.getLogger(__name__)
 f32 = jnp.float32
 
@@ -160,8 +157,6 @@ def _load() -> str | None:
             (_BACKWARD, library.PosattnAttentionBackward),
             (_WEIGHT_GRADIENT, library.PosattnWeightGradient),
             (_PRODUCT, library.PosattnProduct),
-            (_PRODUCT_GELU, library.PosattnProductGelu),
-            (_PRODUCT_GELU_GRAD, library.PosattnProductGeluGrad),
         ):
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(symbol), platform="cpu")
     except (OSError, RuntimeError, AttributeError) as e:
@@ -419,34 +414,3 @@ def product(x: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.Arra
         _PRODUCT, jax.ShapeDtypeStruct((x.shape[0], n), f32), vmap_method="sequential"
     )
     return call(x.astype(f32), w.astype(f32), transposed=np.int64(transposed))
-
-
-def product_gelu(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(gelu(x @ w), x @ w) in float32 by the library's product, x [M, K], w [K, N], the GELU
-    tanh-approximated (`jax.nn.gelu(y, approximate=True)`) and applied to each tile of sums as it
-    is stored: an MLP's first product and its activation (`posattn.nn.layers` on CPU). The
-    product's bits are `product`'s; the GELU's, op for op and FMA for FMA, XLA:CPU's compiled
-    `jax.nn.gelu` (jax 0.10's XLA: tanh as its rational approximation). Not differentiable
-    (`product_gelu_grad` is its gradient's first half)."""
-    if not available():
-        raise ValueError(f"the native library is unavailable here: {why_unavailable()}")
-    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), f32)
-    call = jax.ffi.ffi_call(_PRODUCT_GELU, (out, out), vmap_method="sequential")
-    return call(x.astype(f32), w.astype(f32), transposed=np.int64(False))
-
-
-def product_gelu_grad(dz: jax.Array, w: jax.Array, y: jax.Array) -> jax.Array:
-    """(dz @ w^T) * gelu'(y) in float32, dz [M, N], w [K, N], y [M, K]: the gradient of an MLP's
-    pre-activation y from that of its output z = gelu(y) @ w, with the GELU's derivative applied
-    to each tile of dz w^T as it is stored (`product_gelu`'s backward in `posattn.nn.layers`).
-    The same bits as `product(dz, w, transposed=True)` followed by XLA:CPU's compiled transpose
-    of `jax.nn.gelu(y, approximate=True)`, which this recomputes tanh for from y."""
-    if not available():
-        raise ValueError(f"the native library is unavailable here: {why_unavailable()}")
-    shape = (dz.shape[0], w.shape[0])
-    if y.shape != shape:
-        raise ValueError(f"y must have the product's shape, dz @ w.T's {shape}: got {y.shape}")
-    call = jax.ffi.ffi_call(
-        _PRODUCT_GELU_GRAD, jax.ShapeDtypeStruct(shape, f32), vmap_method="sequential"
-    )
-    return call(dz.astype(f32), w.astype(f32), y.astype(f32), transposed=np.int64(True))

@@ -880,71 +880,6 @@ ffi::Error WeightGradientImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 }
 
 // ---------------------------------------------------------------------------------------------
-// The MLP's tanh-approximated GELU (posattn/nn/layers.py's `_gelu_mlp` on CPU), applied to a
-// product's tiles as they leave the registers: h = gelu(y) beside y in the forward, and its
-// gradient dy = dh gelu'(y) in the backward, which recomputes tanh from y. Each is the same
-// sequence of float32 operations as XLA:CPU's compiled jax.nn.gelu(y, approximate=True) and its
-// transpose, its FMAs where XLA:CPU's are and nowhere else: the same bits
-// (tests/attention/test_native.py compares them with the jitted JAX functions).
-
-typedef int32_t vwi __attribute__((vector_size(4 * kL)));
-
-inline vw FloatBits(uint32_t bits) {
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return Splat<vw>(f);
-}
-
-// XLA:CPU's float32 tanh: Eigen's rational function of x clamped to +-7.99881172 (numerator
-// degree 13, denominator 6, each by Horner's rule in FMAs), x itself where |x| < 0.0004, and
-// +-1 where |x| >= 20.
-inline vw XlaTanh(vw x) {
-  // (vwi)x and (vw)i: the same bits as the other type (GCC's casts between vectors of one size)
-  const vwi sign = (vwi)x & static_cast<int32_t>(0x80000000u);
-  const vw ax = (vw)((vwi)x & 0x7fffffff);
-  const vw lim = FloatBits(0x40FFF644u);
-  vw c = x < -lim ? -lim : x;
-  c = c > lim ? lim : c;
-  const vw c2 = c * c;
-  vw p = c2 * FloatBits(0xA59F25C0u) + FloatBits(0x2A61337Eu);
-  p = c2 * p + FloatBits(0xAEBD37FFu);
-  p = c2 * p + FloatBits(0x335C0041u);
-  p = c2 * p + FloatBits(0x3779434Au);
-  p = c2 * p + FloatBits(0x3A270DEDu);
-  p = c2 * p + FloatBits(0x3BA059DCu);
-  const vw numerator = c * p;
-  vw d = c2 * FloatBits(0x35A0D3D8u) + FloatBits(0x38F895D6u);
-  d = c2 * d + FloatBits(0x3B14AA05u);
-  d = c2 * d + FloatBits(0x3BA059DDu);
-  const vw r = ax < 0.0004f ? x : numerator / d;
-  return ax >= 20.0f ? (vw)(sign | 0x3f800000) : r;  // copysign(1, x)
-}
-
-// tanh(sqrt(2 / pi) (y + 0.044715 y^3)), the GELU's tanh.
-inline vw GeluTanhOf(vw y) {
-  const vw cube = y * (y * y);
-  return XlaTanh((cube * 0.044715f + y) * FloatBits(0x3F4C422Au));
-}
-
-inline vw GeluTanh(vw y) { return y * ((GeluTanhOf(y) + 1.0f) * 0.5f); }
-
-// dh gelu'(y), as JAX's transpose of the GELU computes it.
-inline vw GeluTanhGrad(vw dh, vw y) {
-  const vw t = GeluTanhOf(y);
-  const vw u = ((y * dh) * 0.5f) * (1.0f - t);
-  const vw w = u * t + u;
-  vw outer = w * FloatBits(0x3F4C422Au);
-  Opaque(outer);  // a product, not to be fused: the next sum is one FMA of dh and (t + 1) / 2
-  const vw r = dh * ((t + 1.0f) * 0.5f) + outer;
-  return (w * FloatBits(0x3D122279u)) * ((y * y) * 3.0f) + r;
-}
-
-// What a product's tile does with its sums: stores them (kPlain); stores them and their GELU
-// (kGelu: y, and h into the second output); or stores the GELU's gradient with the sums as dh
-// (kGeluGrad, y read from `aux`).
-enum Epilogue { kPlain, kGelu, kGeluGrad };
-
-// ---------------------------------------------------------------------------------------------
 // A dense layer's product y = x w (or x w^T): x [M, K], w [K, N] (transposed: [N, K]) -> y [M, N]
 // (posattn/nn/layers.py's `_matmul` on CPU: its forward, and dx = dy w^T). w is packed once a
 // call into stripes of kGradCols columns, [stripe][K][kGradCols] (zero-padded past N); an item
@@ -954,51 +889,37 @@ enum Epilogue { kPlain, kGelu, kGeluGrad };
 // the AMX Xeon of docs/benchmarks.md, the same bits as XLA:CPU's own product).
 constexpr int64_t kProductRows = 96;
 
-// The epilogue E of one vector of sums at offset `at` of the outputs (y, and h for kGelu).
-template <int E>
-inline void Finish(vw sums, int64_t at, const float* aux, float* y, float* h) {
-  if constexpr (E == kGeluGrad) {
-    Store(y + at, GeluTanhGrad(sums, Load<vw>(aux + at)));
-  } else {
-    Store(y + at, sums);
-    if constexpr (E == kGelu) Store(h + at, GeluTanh(sums));
-  }
-}
-
-template <int R, int E>
-inline void ProductTile(const float* x, int64_t K, int64_t m0, const float* stripe, int64_t N,
-                        int64_t n0, const float* aux, float* y, float* h) {
-  constexpr int C = kGradCols / kL;
-  vw acc[R][C];
+template <int R, typename V>
+inline void ProductTile(const float* x, int64_t K, int64_t m0, const float* stripe, float* y,
+                        int64_t N, int64_t n0) {
+  constexpr int C = kGradCols / Lanes<V>();
+  V acc[R][C];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = vw{};
+    for (int c = 0; c < C; ++c) acc[r][c] = V{};
   const float* xr = x + m0 * K;
   for (int64_t k = 0; k < K; ++k) {
-    vw w[C];
-    for (int c = 0; c < C; ++c) w[c] = Load<vw>(stripe + k * kGradCols + c * kL);
+    V w[C];
+    for (int c = 0; c < C; ++c) w[c] = Load<V>(stripe + k * kGradCols + c * Lanes<V>());
     for (int r = 0; r < R; ++r) {
-      const vw a = Splat<vw>(xr[r * K + k]);
+      const V a = Splat<V>(xr[r * K + k]);
       for (int c = 0; c < C; ++c) acc[r][c] += a * w[c];
     }
   }
   const int64_t width = std::min<int64_t>(kGradCols, N - n0);
   for (int r = 0; r < R; ++r) {
-    const int64_t row = (m0 + r) * N + n0;
+    float* out = y + (m0 + r) * N + n0;
     if (width == kGradCols) {
-      for (int c = 0; c < C; ++c) Finish<E>(acc[r][c], row + c * kL, aux, y, h);
-    } else {  // the last stripe's columns: through a zero-padded tile
-      float tile_aux[kGradCols] = {}, tile_y[kGradCols], tile_h[kGradCols];
-      if (aux) std::copy(aux + row, aux + row + width, tile_aux);
-      for (int c = 0; c < C; ++c) Finish<E>(acc[r][c], c * kL, tile_aux, tile_y, tile_h);
-      std::copy(tile_y, tile_y + width, y + row);
-      if (E == kGelu) std::copy(tile_h, tile_h + width, h + row);
+      for (int c = 0; c < C; ++c) Store(out + c * Lanes<V>(), acc[r][c]);
+    } else {
+      float tile[kGradCols];
+      for (int c = 0; c < C; ++c) Store(tile + c * Lanes<V>(), acc[r][c]);
+      std::copy(tile, tile + width, out);
     }
   }
 }
 
-template <int E>
-ffi::Error Product(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& w,
-                   int64_t transposed, const float* aux, float* out, float* h) {
+ffi::Error ProductImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                       int64_t transposed, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   const int64_t M = xd.size() == 2 ? xd[0] : -1, K = xd.size() == 2 ? xd[1] : -1;
   const int64_t wk = wd.size() == 2 ? wd[transposed ? 1 : 0] : -2;
@@ -1007,9 +928,14 @@ ffi::Error Product(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<
         "posattn product: x must be [M, K] and w [K, N] (transposed: [N, K])");
   }
   const int64_t N = wd[transposed ? 0 : 1];
+  float* out = y->typed_data();
   if (M == 0 || N == 0) return ffi::Error::Success();
+  if (K == 0) {
+    std::fill(out, out + M * N, 0.0f);
+    return ffi::Error::Success();
+  }
   const int64_t stripes = (N + kGradCols - 1) / kGradCols;
-  float* packed = Scratch(0, stripes * std::max<int64_t>(K, 1) * kGradCols);  // read by every item
+  float* packed = Scratch(0, stripes * K * kGradCols);  // the caller's, read by every item
   const float* wv = w.typed_data();
   for (int64_t s = 0; s < stripes; ++s) {
     for (int64_t k = 0; k < K; ++k) {
@@ -1027,37 +953,12 @@ ffi::Error Product(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<
       const float* stripe = packed + s * K * kGradCols;
       int64_t m0 = m_lo;
       for (; m0 + kGradRows <= m_hi; m0 += kGradRows) {
-        ProductTile<kGradRows, E>(xv, K, m0, stripe, N, s * kGradCols, aux, out, h);
+        ProductTile<kGradRows, vw>(xv, K, m0, stripe, out, N, s * kGradCols);
       }
-      for (; m0 < m_hi; ++m0) ProductTile<1, E>(xv, K, m0, stripe, N, s * kGradCols, aux, out, h);
+      for (; m0 < m_hi; ++m0) ProductTile<1, vw>(xv, K, m0, stripe, out, N, s * kGradCols);
     }
   });
   return ffi::Error::Success();
-}
-
-ffi::Error ProductImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                       int64_t transposed, ffi::ResultBuffer<ffi::F32> y) {
-  return Product<kPlain>(pool, x, w, transposed, nullptr, y->typed_data(), nullptr);
-}
-
-ffi::Error ProductGeluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                           int64_t transposed, ffi::ResultBuffer<ffi::F32> h,
-                           ffi::ResultBuffer<ffi::F32> y) {
-  return Product<kGelu>(pool, x, w, transposed, nullptr, y->typed_data(), h->typed_data());
-}
-
-ffi::Error ProductGeluGradImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> dz,
-                               ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> y,
-                               int64_t transposed, ffi::ResultBuffer<ffi::F32> dy) {
-  const auto zd = dz.dimensions(), wd = w.dimensions(), yd = y.dimensions(), od = dy->dimensions();
-  const bool shapes = zd.size() == 2 && wd.size() == 2 && yd.size() == 2 && od.size() == 2 &&
-                      yd[0] == zd[0] && yd[1] == wd[transposed ? 0 : 1] && od[0] == yd[0] &&
-                      od[1] == yd[1];
-  if (!shapes) {
-    return ffi::Error::InvalidArgument(
-        "posattn GELU gradient: y and dy must have the product's shape [M, N]");
-  }
-  return Product<kGeluGrad>(pool, dz, w, transposed, y.typed_data(), dy->typed_data(), nullptr);
 }
 
 }  // namespace
@@ -1116,24 +1017,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PosattnProduct, ProductImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w [K, N] (transposed: [N, K])
                                   .Attr<int64_t>("transposed")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
-);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PosattnProductGelu, ProductGeluImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [K, N] (transposed: [N, K])
-                                  .Attr<int64_t>("transposed")
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // h = gelu(y) [M, N]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // y = x w [M, N]
-);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PosattnProductGeluGrad, ProductGeluGradImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // dz [M, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [K, N] (transposed: [N, K])
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // y [M, N], the GELU's input
-                                  .Attr<int64_t>("transposed")
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // dy = (dz w) gelu'(y) [M, N]
 );
