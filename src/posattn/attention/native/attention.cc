@@ -764,68 +764,45 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
 // operands contracted over their rows) through Eigen. Here the output is cut into tiles of
 // kGradRows rows of A x kGradCols columns of B; an item owns a run of column stripes (or, where
 // there are fewer stripes than threads, a stripe's run of tiles) and, for each chunk of
-// kGradChunk rows, packs each stripe of dY contiguously (zero-padded at the edge), so that a
-// tile's accumulators stay in registers over the chunk and its operands in L1. Each output element
-// is a sum of FMAs over one chunk's rows in order, added to the sum of the chunks before it in
-// order: the same bits for any number of threads or vector width.
+// kGradChunk rows, packs its tiles of X once and each stripe of dY contiguously (zero-padded at
+// the edges), so that a tile's accumulators stay in registers over the chunk and its operands in
+// L1. Each output element is a sum of FMAs over one chunk's rows in order, added to the sum of
+// the chunks before it in order: the same bits for any number of threads or vector width.
 constexpr int kGradRows = 6;
 // Four wide vectors a row where there are 32 vector registers (AVX-512: 24 accumulators, 4
 // loads, a broadcast), two where there are 16.
 constexpr int kGradCols = (kL == 16 ? 4 : 2) * kL;
 constexpr int64_t kGradChunk = 128;
 
-// The chunk's sums of one tile, R rows of A from a0 x one stripe of B from b0: R * C accumulators
-// over rows k0 .. k0 + kn of x (its R floats of a row broadcast where they lie) and of the stripe
-// of dy (packed: [row][kGradCols]), then added to dw (the first chunk's stored).
-template <int R>
-inline void GradientTile(const float* x, const float* stripe, float* dw, int64_t A, int64_t B,
-                         int64_t k0, int64_t kn, int64_t a0, int64_t b0) {
-  constexpr int C = kGradCols / kL;  // accumulators a row
-  vw acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = vw{};
-  const float* xk = x + k0 * A + a0;
-  for (int64_t k = 0; k < kn; ++k, xk += A) {
-    vw d[C];
-    for (int c = 0; c < C; ++c) d[c] = Load<vw>(stripe + k * kGradCols + c * kL);
-    for (int r = 0; r < R; ++r) {
-      const vw a = Splat<vw>(xk[r]);
-      for (int c = 0; c < C; ++c) acc[r][c] += a * d[c];
-    }
-  }
-  const int64_t width = std::min<int64_t>(kGradCols, B - b0);
-  for (int r = 0; r < R; ++r) {
-    float* out = dw + (a0 + r) * B + b0;
-    if (width == kGradCols) {
-      for (int c = 0; c < C; ++c) {
-        vw sum = acc[r][c];
-        if (k0 > 0) sum += Load<vw>(out + c * kL);
-        Store(out + c * kL, sum);
-      }
-    } else {
-      float tile[kGradCols];
-      for (int c = 0; c < C; ++c) Store(tile + c * kL, acc[r][c]);
-      for (int64_t j = 0; j < width; ++j) out[j] = k0 > 0 ? out[j] + tile[j] : tile[j];
-    }
-  }
-}
-
-// The item's tiles [t_lo, t_hi) x stripes [s_lo, s_hi), chunk by chunk: each stripe of the
-// chunk's rows of dy copied contiguously (zero-padded past B: rows 2 KiB apart, as at B = 512,
-// would share a few of the L1's sets), x read where it lies. The last tile of A's rows, when
-// fewer than kGradRows, runs row by row (no padding rows). Packing x's tiles as well, and a
-// padded last tile, measured 3-10% slower at the small shape's products on one core of the Xeon
-// of docs/benchmarks.md, 18% at [2048, 64] x [2048, 64].
+template <typename V>
 void GradientTiles(const float* x, const float* dy, float* dw, int64_t M, int64_t A, int64_t B,
                    int64_t s_lo, int64_t s_hi, int64_t t_lo, int64_t t_hi) {
-  float* stripe = Scratch(0, kGradChunk * kGradCols);
+  constexpr int C = kGradCols / Lanes<V>();  // accumulators a row
+  float* dy_p = Scratch(0, kGradChunk * kGradCols);
+  float* x_p = Scratch(1, (t_hi - t_lo) * kGradChunk * kGradRows);
+  const int64_t full_tiles = std::min(t_hi, A / kGradRows);
   for (int64_t k0 = 0; k0 < M; k0 += kGradChunk) {
     const int64_t kn = std::min(kGradChunk, M - k0);
+    // The chunk's rows of the item's tiles of x, [tile][row][kGradRows], once for all its stripes
+    // (whole tiles by copies of a constant size, the edge zero-padded).
+    for (int64_t k = 0; k < kn; ++k) {
+      const float* xr = x + (k0 + k) * A;
+      for (int64_t t = t_lo; t < t_hi; ++t) {
+        float* xt = x_p + ((t - t_lo) * kGradChunk + k) * kGradRows;
+        const int64_t a0 = t * kGradRows;
+        if (t < full_tiles) {
+          std::memcpy(xt, xr + a0, kGradRows * sizeof(float));
+        } else {
+          std::copy(xr + a0, xr + A, xt);
+          std::fill(xt + (A - a0), xt + kGradRows, 0.0f);
+        }
+      }
+    }
     for (int64_t s = s_lo; s < s_hi; ++s) {
       const int64_t b0 = s * kGradCols;
       const int64_t width = std::min<int64_t>(kGradCols, B - b0);
-      for (int64_t k = 0; k < kn; ++k) {
-        float* row = stripe + k * kGradCols;
+      for (int64_t k = 0; k < kn; ++k) {  // the chunk's rows of the stripe of dy, [row][kGradCols]
+        float* row = dy_p + k * kGradCols;
         const float* dy_row = dy + (k0 + k) * B + b0;
         if (width == kGradCols) {
           std::memcpy(row, dy_row, kGradCols * sizeof(float));
@@ -835,12 +812,31 @@ void GradientTiles(const float* x, const float* dy, float* dw, int64_t M, int64_
         }
       }
       for (int64_t t = t_lo; t < t_hi; ++t) {
+        const float* xt = x_p + (t - t_lo) * kGradChunk * kGradRows;
+        V acc[kGradRows][C];
+        for (int r = 0; r < kGradRows; ++r)
+          for (int c = 0; c < C; ++c) acc[r][c] = V{};
+        for (int64_t k = 0; k < kn; ++k) {
+          V d[C];
+          for (int c = 0; c < C; ++c) d[c] = Load<V>(dy_p + k * kGradCols + c * Lanes<V>());
+          for (int r = 0; r < kGradRows; ++r) {
+            const float a = xt[k * kGradRows + r];
+            for (int c = 0; c < C; ++c) acc[r][c] += a * d[c];
+          }
+        }
         const int64_t a0 = t * kGradRows, rows = std::min<int64_t>(kGradRows, A - a0);
-        if (rows == kGradRows) {
-          GradientTile<kGradRows>(x, stripe, dw, A, B, k0, kn, a0, b0);
-        } else {
-          for (int64_t r = 0; r < rows; ++r) {
-            GradientTile<1>(x, stripe, dw, A, B, k0, kn, a0 + r, b0);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* out = dw + (a0 + r) * B + b0;
+          if (width == kGradCols) {
+            for (int c = 0; c < C; ++c) {
+              V sum = acc[r][c];
+              if (k0 > 0) sum += Load<V>(out + c * Lanes<V>());
+              Store(out + c * Lanes<V>(), sum);
+            }
+          } else {
+            float tile[kGradCols];
+            for (int c = 0; c < C; ++c) Store(tile + c * Lanes<V>(), acc[r][c]);
+            for (int64_t j = 0; j < width; ++j) out[j] = k0 > 0 ? out[j] + tile[j] : tile[j];
           }
         }
       }
@@ -873,7 +869,7 @@ ffi::Error WeightGradientImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     const int64_t s_lo = item / parts * s_per, s_hi = std::min(stripes, s_lo + s_per);
     const int64_t t_lo = item % parts * t_per, t_hi = std::min(tiles, t_lo + t_per);
     if (s_lo < s_hi && t_lo < t_hi) {
-      GradientTiles(x.typed_data(), dy.typed_data(), out, M, A, B, s_lo, s_hi, t_lo, t_hi);
+      GradientTiles<vw>(x.typed_data(), dy.typed_data(), out, M, A, B, s_lo, s_hi, t_lo, t_hi);
     }
   });
   return ffi::Error::Success();
