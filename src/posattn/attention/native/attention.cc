@@ -437,7 +437,7 @@ Block<R> MakeBlock(const Dims& d, int64_t t0) {
   blk.rows = static_cast<int>(std::min<int64_t>(R, d.T - t0));
   // The span in scalars as the ranges are made: a vectorised min/max that read them back from
   // blk.lo and blk.hi waited on their stores (a store forwarding stall: 13% of the small shape's
-  // forward on the Xeon of docs/benchmarks.md).
+  // forward on the Xeon of docs/benchmarks.md, "a stall in the kernel's row blocks").
   int64_t a = 0, e = 0;
   for (int r = 0; r < R; ++r) {
     int64_t lo, hi;
