@@ -25,7 +25,8 @@ Printed per (config, family): the step's wall time in the trace, the ops per ste
   * the --top longest ops, with their shape and source operation.
 The process runs with posattn's malloc tunables, as `python -m posattn.train` and
 train_throughput.py do (`posattn.hostmem`): without them every step maps its scratch afresh and
-the ops that first write it (the forward's) take the page faults, up to twice their time.
+the ops that first write it (the forward's) take the page faults (the small step's forward ran 2.3x
+longer in the trace without them: docs/benchmarks.md, "The step's profile without page faults").
 Durations are the trace's own (the profiler adds a little per op); shares are of the summed op
 time, which excludes the gaps between ops (dispatch). XLA's own `dot` thunks (the weight
 gradients of a step) appear to run asynchronously on the thread pool: their events (0.1-0.4 ms at
