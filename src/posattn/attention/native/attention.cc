@@ -444,7 +444,7 @@ Block<R> MakeBlock(const Dims& d, int64_t t0) {
     KeyRange(d, t0 + std::min(r, blk.rows - 1), &lo, &hi);
     if (r >= blk.rows) hi = lo;  // padding rows see nothing
     blk.lo[r] = lo, blk.hi[r] = hi;
-    if (r == 0 || r < blk.rows) {
+    if (r < blk.rows) {  // row 0 always is
       a = r == 0 ? lo : std::min(a, lo);
       e = r == 0 ? hi : std::max(e, hi);
     }
