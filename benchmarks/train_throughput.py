@@ -47,7 +47,8 @@ time a step; the JSON has both for every round.
 Where the time goes, measured by timing the pieces alone, in the same process, in every round:
   attention  `attention(q, k, v, bias=the family's (BiasFn, params) of layer 0, causal,
              implementation=the config's)` forward + backward (value_and_grad over q, k, v and the
-             bias parameters) at the step's [B, T, N, H], times the number of layers;
+             bias parameters the model trains: T5's table, Kerple's, not ALiBi's constant
+             slopes, as in the step) at the step's [B, T, N, H], times the number of layers;
   matmuls    every dense product of the step at its shape as a 2-D GEMM, forward (x W) and both
              backward products (dY W^T, X^T dY, the latter in the orientation the step's
              `posattn.nn.layers.dense` computes it): q, k, v, output projections, the MLP's two,
@@ -241,20 +242,25 @@ class Case:
             )
             return jnp.sum(out * d_out)
 
-        floats = {n: p for n, p in bias_params.items() if jnp.issubdtype(p.dtype, jnp.floating)}
-        ints = {n: p for n, p in bias_params.items() if n not in floats}
+        # Differentiated: the bias parameters the step trains; the others (ALiBi's constant
+        # slopes, whose step asks for no bias gradient) are arguments too, as in the step, but
+        # not differentiated.
+        trained = {
+            n: p for n, p in bias_params.items() if isinstance(layer.bias.values[n], nnx.Param)
+        }
+        fixed = {n: p for n, p in bias_params.items() if n not in trained}
         fn = jax.jit(
             jax.value_and_grad(
-                lambda q, k, v, f: loss(q, k, v, {**f, **ints}), argnums=(0, 1, 2, 3)
+                lambda q, k, v, t, f: loss(q, k, v, {**t, **f}), argnums=(0, 1, 2, 3)
             )
         )
-        self.attention_args = (fn, q, k, v, floats)
+        self.attention_args = (fn, q, k, v, trained, fixed)
         self.attention_impl = (
             attention_lib.choose_implementation(q, k, None, softcap=layer.softcap)
             if layer.implementation == "auto"
             else layer.implementation
         )
-        timed(fn, q, k, v, floats)
+        timed(*self.attention_args)
 
     def _matmul_piece(self):
         cfg = self.cfg
