@@ -208,9 +208,7 @@ _THREADS_SCRIPT = textwrap.dedent(
     x, dy = (jax.random.normal(key, (300, n)) for key, n in zip(keys[:2], (70, 130)))
     dw = jax.jit(native.weight_gradient)(x, dy)
     y = jax.jit(native.product)(jax.random.normal(keys[2], (1000, 70)), dw)
-    norm = jax.jit(jax.vjp, static_argnums=0)
-    n, pullback = norm(lambda x, w: native.rms_norm(x, w, 1e-6), y, dw[0])
-    np.save(sys.argv[1], np.concatenate([np.ravel(g) for g in (*grads, dw, y, n, *pullback(y))]))
+    np.save(sys.argv[1], np.concatenate([np.ravel(g) for g in (*grads, dw, y)]))
     """
 )
 
@@ -222,7 +220,7 @@ _THREADS_SCRIPT = textwrap.dedent(
 def test_results_do_not_depend_on_the_thread_count(tmp_path):
     """The kernel splits its work so that no sum depends on which thread did what: one CPU and
     all of them give bitwise the same gradients (the bias gradient sums over batch rows), and the
-    same weight gradient, product and RMSNorm (its weight gradient sums over the rows)."""
+    same weight gradient."""
     outputs = []
     for name in ("one", "all"):
         path = tmp_path / f"{name}.npy"
@@ -266,10 +264,6 @@ _WIDTH_SCRIPT = textwrap.dedent(
     x, dy = (jax.random.normal(jax.random.key(99 + j), (300, n)) for j, n in enumerate((70, 130)))
     out.append(np.ravel(jax.jit(native.weight_gradient)(x, dy)))
     out.append(np.ravel(jax.jit(native.product)(x, dy[:70])))
-    for D in (7, 64, 100):  # a row's tail under one vector, none, and past whole ones
-        w = jax.random.normal(jax.random.key(D), (D,))
-        n, pullback = jax.vjp(lambda x, w: native.rms_norm(x, w, 1e-6), dy[:, :D], w)
-        out += [np.ravel(a) for a in (n, *pullback(x[:, :1] * dy[:, :D]))]
     np.save(sys.argv[1], np.concatenate(out))
     """
 )
@@ -284,8 +278,8 @@ def test_results_do_not_depend_on_the_vector_width(tmp_path):
     row's sums in the 8-float order; for heads of 32 and more it takes blocks of eight query rows
     there (then four, then one), of four elsewhere (then one). Both builds give bitwise the same
     outputs and gradients (head dims 8-128, GQA, S not a multiple of 16, T = 13 and 15 where the
-    blockings differ, a window, a soft cap, a trained bias), and the weight gradient, the product
-    and the RMSNorm (values and gradients) the same bits."""
+    blockings differ, a window, a soft cap, a trained bias), and the weight gradient the same
+    bits."""
     outputs = []
     for name in ("wide", "narrow"):
         path = tmp_path / f"{name}.npy"
@@ -505,75 +499,3 @@ def test_product_edges_vmap_and_the_dense_layer():
         np.testing.assert_array_equal(pullback(dy)[0], native.product(dy, w[0], transposed=True))
     with pytest.raises(Exception, match="w \\[K, N\\]"):
         jax.jit(native.product)(x[0], w[0].T)
-
-
-@pytest.mark.parametrize("m, d", [(1, 1), (3, 7), (64, 16), (65, 64), (300, 100), (2048, 64)])
-def test_rms_norm_is_the_norm_and_its_gradients(m, d):
-    """native.rms_norm(x, w) = x / sqrt(mean(x^2) + eps) w, and its gradients in x and w, within
-    the rounding bounds of their float32 sums (a row's d terms; the weight gradient's m rows, in
-    blocks of 64), against float64; rows not a multiple of 64, widths not of 16 included."""
-    keys = jax.random.split(jax.random.key(m * d), 3)
-    x = jax.random.normal(keys[0], (m, d)) * 3
-    w = jax.random.normal(keys[1], (d,))
-    g = jax.random.normal(keys[2], (m, d))
-    y, pullback = jax.vjp(lambda x, w: native.rms_norm(x, w, 1e-6), x, w)
-    dx, dw = jax.jit(pullback)(g)
-    x64, w64, g64 = (np.asarray(a, np.float64) for a in (x, w, g))
-    r = 1 / np.sqrt(np.mean(x64**2, axis=-1, keepdims=True) + 1e-6)
-    u = g64 * w64
-    s = np.sum(u * x64, axis=-1, keepdims=True)
-    eps = np.finfo(np.float32).eps
-    assert np.all(np.abs(y - x64 * r * w64) <= 4 * d * eps * np.abs(x64 * r * w64) + 1e-30)
-    dx_bound = (
-        4
-        * d
-        * eps
-        * (np.abs(r * u) + np.abs(x64) * r**3 * np.sum(np.abs(u * x64), -1, keepdims=True) / d)
-    )
-    assert np.all(np.abs(dx - (r * u - x64 * r**3 * s / d)) <= dx_bound + 1e-30)
-    dw_bound = 4 * (m + d) * eps * np.sum(np.abs(g64 * x64 * r), axis=0)
-    assert np.all(np.abs(dw - np.sum(g64 * x64 * r, axis=0)) <= dw_bound + 1e-30)
-
-
-def test_rms_norm_edges_vmap_and_the_norm_layer():
-    """No rows: nothing. Under vmap (a sweep's members): each member's own norm, the same bits.
-    With AVX-512, posattn's RMSNorm in float32 at 256 rows or more is the library's, bit for
-    bit, values and gradients; below, XLA's; without AVX-512, XLA's at every size."""
-    assert native.rms_norm(jnp.ones((0, 3)), jnp.ones(3), 1e-6).shape == (0, 3)
-    x = jax.random.normal(jax.random.key(0), (3, 300, 40))
-    w = jax.random.normal(jax.random.key(1), (3, 40))
-    members = jax.jit(jax.vmap(lambda x, w: native.rms_norm(x, w, 1e-5)))(x, w)
-    for i in range(3):
-        np.testing.assert_array_equal(members[i], native.rms_norm(x[i], w[i], 1e-5))
-    from flax import nnx
-
-    from posattn.nn import layers
-
-    norm = layers.RMSNorm(40, eps=1e-5)
-    norm.scale[...] = w[0]
-    graph, state = nnx.split(norm)
-
-    def apply(state, x):
-        return nnx.merge(graph, state)(x)
-
-    text = jax.jit(apply).lower(state, x[0, :255]).compile().as_text()
-    assert "posattn_norm_forward" not in text  # 255 rows: XLA's
-    text = jax.jit(apply).lower(state, x[:, :100]).compile().as_text()  # 300 rows over 2 axes
-    assert ("posattn_norm_forward" in text) == native.wide_vectors()
-    if native.wide_vectors():
-        g = jax.random.normal(jax.random.key(2), (3, 100, 40))
-
-        def layer(x, w):  # the norm with the scale w (its one parameter)
-            return apply(jax.tree.map(lambda _: w, state), x)
-
-        y, pullback = jax.vjp(layer, x[:, :100], w[0])
-        want, want_pullback = jax.vjp(
-            lambda x, w: native.rms_norm(x, w, 1e-5), x[:, :100].reshape(300, 40), w[0]
-        )
-        np.testing.assert_array_equal(y.reshape(300, 40), want)
-        dx, dw = pullback(g)
-        want_dx, want_dw = want_pullback(g.reshape(300, 40))
-        np.testing.assert_array_equal(dx.reshape(300, 40), want_dx)
-        np.testing.assert_array_equal(dw, want_dw)
-    with pytest.raises(Exception, match="w \\[D\\]"):
-        jax.jit(lambda x, w: native.rms_norm(x, w, 1e-6))(x[0], w[0, :3])

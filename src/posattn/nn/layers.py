@@ -180,14 +180,7 @@ def compute_dtype(name: str):
 
 
 class RMSNorm(nnx.Module):
-    """Root-mean-square normalisation, computed in float32, output in `dtype`.
-
-    On CPU with AVX-512, on one device, at NATIVE_PRODUCT_MIN_ROWS rows or more (a training
-    step's, not a decoding step's), it is the native library's `posattn.attention.native.rms_norm`
-    (one pass over the rows forward, one backward, where XLA runs library reductions and several
-    elementwise passes): the same norm and gradients within their float32 rounding, summed in
-    another order than XLA's (docs/benchmarks.md, "RMSNorm as the library's"). Otherwise XLA's.
-    """
+    """Root-mean-square normalisation, computed in float32, output in `dtype`."""
 
     def __init__(self, dim: int, *, dtype=jnp.float32, param_dtype=jnp.float32, eps: float = 1e-6):
         self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
@@ -195,18 +188,8 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x.astype(jnp.float32)
-        w = self.scale[...].astype(jnp.float32)
-        rows = math.prod(x.shape[:-1])
-        if (
-            jax.default_backend() == "cpu"
-            and rows >= NATIVE_PRODUCT_MIN_ROWS
-            and _native_product(x, w)  # float32, one device, the library built
-            and native.wide_vectors()
-        ):
-            y = native.rms_norm(x.reshape(rows, x.shape[-1]), w, self.eps).reshape(x.shape)
-            return y.astype(self.dtype)
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return (x * w).astype(self.dtype)
+        return (x * self.scale[...].astype(jnp.float32)).astype(self.dtype)
 
 
 # The MLP's activations by name (Hugging Face's `hidden_act` names map onto these in posattn.hf).

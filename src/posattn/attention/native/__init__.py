@@ -50,7 +50,6 @@ __all__ = [
     "build_in_background",
     "native_attention",
     "product",
-    "rms_norm",
     "supports",
     "weight_gradient",
     "why_unavailable",
@@ -63,7 +62,6 @@ _FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=gnu++17", "-shared
 _FORWARD, _BACKWARD = "posattn_attention_forward", "posattn_attention_backward"
 _WEIGHT_GRADIENT = "posattn_weight_gradient"
 _PRODUCT = "posattn_product"
-_NORM_FORWARD, _NORM_BACKWARD = "posattn_norm_forward", "posattn_norm_backward"
 _log = logging.getLogger(__name__)
 f32 = jnp.float32
 
@@ -159,8 +157,6 @@ def _load() -> str | None:
             (_BACKWARD, library.PosattnAttentionBackward),
             (_WEIGHT_GRADIENT, library.PosattnWeightGradient),
             (_PRODUCT, library.PosattnProduct),
-            (_NORM_FORWARD, library.PosattnNormForward),
-            (_NORM_BACKWARD, library.PosattnNormBackward),
         ):
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(symbol), platform="cpu")
     except (OSError, RuntimeError, AttributeError) as e:
@@ -418,47 +414,3 @@ def product(x: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.Arra
         _PRODUCT, jax.ShapeDtypeStruct((x.shape[0], n), f32), vmap_method="sequential"
     )
     return call(x.astype(f32), w.astype(f32), transposed=np.int64(transposed))
-
-
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm of x[M, D] by the library: (x r) w with r = 1 / sqrt(sum(x^2) / D + eps) a row,
-    in float32 (`posattn.nn.layers.RMSNorm` uses it on CPU where `available()`). Each row's sum
-    of squares, its backward's sum(g w x) and the weight gradient's sum over the rows (in blocks
-    of 64 rows, the blocks in order) are summed in a fixed order: the same bits for any number of
-    threads or vector width; XLA sums them in another order, so the results are XLA's within
-    their rounding. Differentiable in x and w."""
-    if not available():
-        raise ValueError(f"the native library is unavailable here: {why_unavailable()}")
-    return _rms_norm(float(eps), x.astype(f32), w.astype(f32))
-
-
-def _norm_forward(eps, x, w):
-    call = jax.ffi.ffi_call(
-        _NORM_FORWARD,
-        (jax.ShapeDtypeStruct(x.shape, f32), jax.ShapeDtypeStruct(x.shape[:1], f32)),
-        vmap_method="sequential",
-    )
-    return call(x, w, eps=np.float32(eps))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _rms_norm(eps, x, w):
-    return _norm_forward(eps, x, w)[0]
-
-
-def _rms_norm_fwd(eps, x, w):
-    y, r = _norm_forward(eps, x, w)
-    return y, (x, w, r)
-
-
-def _rms_norm_bwd(eps, res, g):
-    x, w, r = res
-    call = jax.ffi.ffi_call(
-        _NORM_BACKWARD,
-        (jax.ShapeDtypeStruct(x.shape, f32), jax.ShapeDtypeStruct(w.shape, f32)),
-        vmap_method="sequential",
-    )
-    return tuple(call(x, w, r, g.astype(f32)))
-
-
-_rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)

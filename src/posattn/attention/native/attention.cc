@@ -960,87 +960,6 @@ ffi::Error ProductImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   return ffi::Error::Success();
 }
 
-// ---------------------------------------------------------------------------------------------
-// RMSNorm over the last axis (posattn/nn/layers.py's `RMSNorm` on CPU): x [M, D], w [D] ->
-// y = (x r) w with r = 1 / sqrt(sum(x^2) / D + eps) a row, kept [M] for the backward. Backward,
-// with u = g w: dx = r u - x (r^3 sum(u x) / D), and dw = the sum over the rows of g (x r). An
-// item owns kNormRows rows (a fixed split, whatever the thread count): its rows of y, r and dx,
-// and its partial sum of dw over its rows in order, which the caller then adds up in item order.
-// Row sums are accumulated as the attention kernel's (lane j % 8, then HorizontalSum): the same
-// bits for any number of threads or vector width.
-constexpr int64_t kNormRows = 64;
-
-// x[j] * y[j] summed over a row of D floats (the tail read zero padded).
-inline float RowDot(const float* x, const float* y, int64_t D) {
-  vf acc = Splat(0.0f);
-  int64_t j = 0;
-  for (; j + kL <= D; j += kL) AddProductInOrder(acc, Load<vw>(x + j), Load<vw>(y + j));
-  if (j < D) AddProductInOrder(acc, LoadTail(x + j, D - j), LoadTail(y + j, D - j));
-  return HorizontalSum(acc);
-}
-
-ffi::Error NormDims(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::F32>& w, int64_t* M,
-                    int64_t* D) {
-  const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 1 || wd[0] != xd[1]) {
-    return ffi::Error::InvalidArgument("posattn RMSNorm: x must be [M, D] and w [D]");
-  }
-  *M = xd[0], *D = xd[1];
-  return ffi::Error::Success();
-}
-
-ffi::Error NormForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                           ffi::Buffer<ffi::F32> w, float eps, ffi::ResultBuffer<ffi::F32> y,
-                           ffi::ResultBuffer<ffi::F32> r) {
-  int64_t M, D;
-  if (auto err = NormDims(x, w, &M, &D); err.failure()) return err;
-  const float *xv = x.typed_data(), *wv = w.typed_data();
-  float *yv = y->typed_data(), *rv = r->typed_data();
-  const float d = static_cast<float>(D);
-  ParallelFor(pool, (M + kNormRows - 1) / kNormRows, [&](int64_t item) {
-    for (int64_t m = item * kNormRows; m < std::min(M, (item + 1) * kNormRows); ++m) {
-      const float* xr = xv + m * D;
-      const float rm = 1.0f / std::sqrt(RowDot(xr, xr, D) / d + eps);
-      rv[m] = rm;
-      for (int64_t j = 0; j < D; ++j) yv[m * D + j] = xr[j] * rm * wv[j];
-    }
-  });
-  return ffi::Error::Success();
-}
-
-ffi::Error NormBackwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                            ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> r,
-                            ffi::Buffer<ffi::F32> g, ffi::ResultBuffer<ffi::F32> dx,
-                            ffi::ResultBuffer<ffi::F32> dw) {
-  int64_t M, D;
-  if (auto err = NormDims(x, w, &M, &D); err.failure()) return err;
-  const float *xv = x.typed_data(), *wv = w.typed_data(), *rv = r.typed_data();
-  const float* gv = g.typed_data();
-  float *dxv = dx->typed_data(), *dwv = dw->typed_data();
-  const int64_t items = (M + kNormRows - 1) / kNormRows;
-  std::vector<float> partial(items * D, 0.0f);  // each item's sum of g (x r) over its rows
-  const float d = static_cast<float>(D);
-  ParallelFor(pool, items, [&](int64_t item) {
-    float* u = Scratch(0, D);
-    float* pw = partial.data() + item * D;
-    for (int64_t m = item * kNormRows; m < std::min(M, (item + 1) * kNormRows); ++m) {
-      const float *xr = xv + m * D, *gr = gv + m * D;
-      const float rm = rv[m];
-      for (int64_t j = 0; j < D; ++j) u[j] = gr[j] * wv[j];
-      const float c = rm * rm * rm * RowDot(u, xr, D) / d;
-      for (int64_t j = 0; j < D; ++j) {
-        dxv[m * D + j] = rm * u[j] - xr[j] * c;
-        pw[j] += gr[j] * (xr[j] * rm);
-      }
-    }
-  });
-  std::fill(dwv, dwv + D, 0.0f);
-  for (int64_t i = 0; i < items; ++i) {
-    for (int64_t j = 0; j < D; ++j) dwv[j] += partial[i * D + j];
-  }
-  return ffi::Error::Success();
-}
-
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PosattnAttentionForward, ForwardImpl,
@@ -1097,25 +1016,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PosattnProduct, ProductImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w [K, N] (transposed: [N, K])
                                   .Attr<int64_t>("transposed")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
-);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PosattnNormForward, NormForwardImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [D]
-                                  .Attr<float>("eps")
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, D]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // r [M]
-);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PosattnNormBackward, NormBackwardImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // r [M]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // g [M, D]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // dx [M, D]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // dw [D]
 );
