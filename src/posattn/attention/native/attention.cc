@@ -515,8 +515,8 @@ void Forward(Pool& pool, const Dims& d, const float* q, const float* k, const fl
              const float* bias, float* out, float* m_out, float* inv_l_out) {
   const int64_t Sp = RoundUp(std::max<int64_t>(d.S, 1), kW);
   // Items in head-major order: the two threads' items at any moment are mostly one head's
-  // (measured 7-14% faster alone than batch-major at the training shapes on the Xeon of
-  // docs/benchmarks.md, "RMSNorm as the library's"; the same bits).
+  // (the forward alone up to 1.09x faster than batch-major at the training shapes on the Xeon
+  // of docs/benchmarks.md, "The kernel's items by head"; the same bits).
   ParallelFor(pool, d.B * d.K, [&](int64_t item) {
     const int64_t kh = item / d.B, b = item % d.B;
     float* kt = Scratch(0, H * Sp);
