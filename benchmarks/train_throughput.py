@@ -242,11 +242,13 @@ class Case:
             )
             return jnp.sum(out * d_out)
 
-        # Differentiated: the bias parameters the step trains; the others (ALiBi's constant
-        # slopes, whose step asks for no bias gradient) are arguments too, as in the step, but
-        # not differentiated.
+        # Differentiated: the floating bias parameters the step trains; the others (ALiBi's
+        # constant slopes, whose step asks for no bias gradient) are arguments too, as in the
+        # step, but not differentiated.
         trained = {
-            n: p for n, p in bias_params.items() if isinstance(layer.bias.values[n], nnx.Param)
+            n: p
+            for n, p in bias_params.items()
+            if isinstance(layer.bias.values[n], nnx.Param) and jnp.issubdtype(p.dtype, jnp.floating)
         }
         fixed = {n: p for n, p in bias_params.items() if n not in trained}
         fn = jax.jit(
